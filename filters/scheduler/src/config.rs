@@ -1,0 +1,80 @@
+//! The plugin configuration (JSON in the Wasm filter's `configuration`).
+
+use attache_policies::SchedulerConfig;
+use serde::Deserialize;
+
+/// Which job this root context does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The HTTP scheduler filter.
+    #[default]
+    Scheduler,
+    /// The bootstrap singleton that receives the snapshot stream.
+    Agent,
+}
+
+/// Where the snapshot stream comes from.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SubscribeConfig {
+    /// Envoy cluster of the host's gRPC server.
+    pub cluster: String,
+    /// Reopen the stream if no message (snapshot or heartbeat) arrived for this long.
+    pub idle_timeout_ms: u64,
+    /// Tick period of the root context (reconnects, watchdog).
+    pub tick_ms: u64,
+}
+
+impl Default for SubscribeConfig {
+    fn default() -> Self {
+        Self {
+            cluster: "attache_host".into(),
+            idle_timeout_ms: 5_000,
+            tick_ms: 500,
+        }
+    }
+}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    pub role: Role,
+    /// Scheduler pipeline settings (weights, prefix hashing, saturation, body limit).
+    pub scheduler: SchedulerConfig,
+    /// Open the snapshot stream from this root context. Always on for `agent`; for
+    /// `scheduler` it selects per-worker mode.
+    pub subscribe: Option<SubscribeConfig>,
+}
+
+impl FilterConfig {
+    /// Parse the configuration; an empty configuration means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Self, String> {
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Ok(Self::default());
+        }
+        serde_json::from_slice(bytes).map_err(|e| e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_defaults_and_rejects_typos() {
+        assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
+        let c = FilterConfig::parse(br#"{"role":"agent","subscribe":{"cluster":"h"}}"#).unwrap();
+        assert_eq!(c.role, Role::Agent);
+        assert_eq!(c.subscribe.unwrap().cluster, "h");
+        let c =
+            FilterConfig::parse(br#"{"scheduler":{"max_body_bytes":10,"weights":{"prefix":1.0}}}"#)
+                .unwrap();
+        assert_eq!(c.scheduler.max_body_bytes, 10);
+        assert_eq!(c.scheduler.weights.prefix, 1.0);
+        assert_eq!(c.scheduler.weights.queue, 2.0);
+        assert!(FilterConfig::parse(br#"{"rol":"agent"}"#).is_err());
+        assert!(FilterConfig::parse(b"{").is_err());
+    }
+}

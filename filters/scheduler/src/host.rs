@@ -1,0 +1,68 @@
+//! Thin, fallible wrappers over proxy-wasm host calls. The SDK's trait helpers unwrap; these
+//! return or log instead, so a host error never becomes a trap.
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, LogLevel, MapType};
+
+pub fn log(level: LogLevel, msg: &str) {
+    let _ = hostcalls::log(level, msg);
+}
+
+pub fn request_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+pub fn set_request_header(name: &str, value: &str) -> bool {
+    hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value)).is_ok()
+}
+
+pub fn remove_request_header(name: &str) {
+    let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+}
+
+pub fn set_response_header(name: &str, value: &str) {
+    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+}
+
+pub fn request_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
+        .ok()
+        .flatten()
+}
+
+pub fn plugin_configuration() -> Vec<u8> {
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Answer the request from the filter with a JSON body.
+pub fn send_json(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) {
+    let mut headers = vec![
+        ("content-type", "application/json"),
+        ("x-attache-error", reason),
+    ];
+    headers.extend_from_slice(extra);
+    if hostcalls::send_http_response(u32::from(status), headers, Some(body.as_bytes())).is_err() {
+        log(LogLevel::Error, "send_http_response failed");
+    }
+}
+
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub fn shared_data(key: &str) -> Option<Vec<u8>> {
+    hostcalls::get_shared_data(key).ok().and_then(|(v, _)| v)
+}
+
+pub fn set_shared_data(key: &str, value: &[u8]) -> bool {
+    hostcalls::set_shared_data(key, Some(value), None).is_ok()
+}

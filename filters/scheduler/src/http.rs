@@ -1,0 +1,212 @@
+//! The per-request HTTP context: buffer, parse, schedule, set the destination header.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+
+use attache_policies::request::{self, Api};
+use attache_policies::{prefix, ErrorResponse, RequestError, SchedulingInput};
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, LogLevel};
+
+use crate::host;
+use crate::root::Worker;
+
+/// The header Envoy's override_host LB policy (or an ORIGINAL_DST cluster) routes on.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// llm-d's P/D header; only the scheduler may set it.
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
+pub struct SchedulerHttp {
+    id: u32,
+    worker: Rc<RefCell<Worker>>,
+    api: Option<Api>,
+    /// Set once the filter answered the request itself.
+    answered: bool,
+    /// Endpoint counted in `inflight`, released when the request ends.
+    dispatched: Option<String>,
+}
+
+impl SchedulerHttp {
+    pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
+        Self {
+            id,
+            worker,
+            api: None,
+            answered: false,
+            dispatched: None,
+        }
+    }
+
+    fn reject(&mut self, err: ErrorResponse) -> Action {
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.metrics.error(err.reason);
+        }
+        host::log(
+            LogLevel::Debug,
+            &format!("attache[{}]: {} {}", self.id, err.status, err.reason),
+        );
+        host::send_json(err.status, err.reason, &err.body, &[]);
+        self.answered = true;
+        Action::Pause
+    }
+
+    fn schedule(&mut self, api: Api, body: &[u8]) -> Action {
+        let req = match request::parse(api, body) {
+            Ok(r) => r,
+            Err(e) => return self.reject(ErrorResponse::from(&e)),
+        };
+        let Ok(mut guard) = self.worker.try_borrow_mut() else {
+            host::log(
+                LogLevel::Error,
+                "attache: worker state busy; passing request through",
+            );
+            return Action::Continue;
+        };
+        let w = &mut *guard;
+        if w.cache.refresh(host::now_ms()) {
+            let v = w.cache.pool.version;
+            w.metrics.snapshot(v);
+        }
+        let hashes = prefix::block_hashes(
+            &w.config.scheduler.prefix,
+            &req.model,
+            req.cache_salt.as_deref(),
+            &req.prompt,
+        );
+        let seed = hashes.first().copied().unwrap_or(u64::from(self.id));
+        let input = SchedulingInput {
+            model: &req.model,
+            block_hashes: &hashes,
+            inflight: &w.inflight,
+            seed,
+        };
+        let decision = match w.scheduler.schedule(&input, &w.cache.pool, &mut w.index) {
+            Ok(d) => d,
+            Err(e) => {
+                drop(guard);
+                return self.reject(ErrorResponse::from(&e));
+            }
+        };
+        if !host::set_request_header(DESTINATION_HEADER, &decision.header_value()) {
+            drop(guard);
+            return self.reject(ErrorResponse::new(
+                500,
+                "header_write_failed",
+                "InternalServerError",
+                None,
+                "could not set the destination header",
+            ));
+        }
+        w.scheduler.commit(&decision, &hashes, &mut w.index);
+        if let Some(best) = decision.scores.first() {
+            w.metrics.scheduled(
+                &best.address,
+                best.prefix,
+                best.queue,
+                best.kv_cache,
+                best.matched_blocks,
+                decision.total_blocks,
+            );
+            *w.inflight.entry(best.address.clone()).or_insert(0) += 1;
+            self.dispatched = Some(best.address.clone());
+            host::log(
+                LogLevel::Debug,
+                &format!(
+                    "attache[{}]: model={} api={} -> {} (prefix={:.3} queue={:.3} kv={:.3} total={:.3} matched={}/{} candidates={} snapshot={})",
+                    self.id,
+                    req.model,
+                    api.as_str(),
+                    decision.header_value(),
+                    best.prefix,
+                    best.queue,
+                    best.kv_cache,
+                    best.total,
+                    best.matched_blocks,
+                    decision.total_blocks,
+                    decision.candidates,
+                    w.cache.pool.version
+                ),
+            );
+        }
+        Action::Continue
+    }
+}
+
+impl Context for SchedulerHttp {}
+
+impl HttpContext for SchedulerHttp {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        // Never trust a client's routing headers.
+        host::remove_request_header(DESTINATION_HEADER);
+        host::remove_request_header(PREFILLER_HEADER);
+        let method = host::request_header(":method").unwrap_or_default();
+        let path = host::request_header(":path").unwrap_or_default();
+        self.api = if method == "POST" {
+            Api::from_path(&path)
+        } else {
+            None
+        };
+        let Some(_) = self.api else {
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                w.metrics.passthrough();
+            }
+            return Action::Continue;
+        };
+        let limit = self
+            .worker
+            .try_borrow()
+            .map(|w| w.config.scheduler.max_body_bytes)
+            .unwrap_or(usize::MAX);
+        if let Some(len) =
+            host::request_header("content-length").and_then(|v| v.trim().parse::<usize>().ok())
+        {
+            if len > limit {
+                return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge {
+                    size: len,
+                    limit,
+                }));
+            }
+        }
+        if end_of_stream {
+            return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
+        }
+        Action::Pause
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(api) = self.api else {
+            return Action::Continue;
+        };
+        if self.answered {
+            return Action::Pause;
+        }
+        let limit = self
+            .worker
+            .try_borrow()
+            .map(|w| w.config.scheduler.max_body_bytes)
+            .unwrap_or(usize::MAX);
+        if body_size > limit {
+            return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge {
+                size: body_size,
+                limit,
+            }));
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let Some(body) = host::request_body(body_size) else {
+            return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
+        };
+        self.schedule(api, &body)
+    }
+
+    fn on_log(&mut self) {
+        if let Some(addr) = self.dispatched.take() {
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                if let Some(n) = w.inflight.get_mut(&addr) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! The Attaché scheduler as a proxy-wasm module.
+//!
+//! One module, two roles chosen by the plugin configuration's `role`:
+//! - `scheduler` (HTTP filter): buffers the body, parses it, runs the policies pipeline on the
+//!   newest snapshot and sets `x-gateway-destination-endpoint` (primary plus fallbacks).
+//! - `agent` (bootstrap singleton): holds the gRPC stream to the host and writes each snapshot
+//!   into shared data for every worker. A scheduler can also subscribe itself (per-worker mode,
+//!   for Istio's WasmPlugin, which cannot add a singleton).
+//!
+//! Nothing here may panic: a panic is a Wasm trap that kills the worker's VM. Every host call
+//! goes through the fallible `hostcalls` wrappers in [`host`].
+
+pub mod config;
+pub mod host;
+pub mod http;
+pub mod metrics;
+pub mod root;
+pub mod snapshot;
+
+#[cfg(target_arch = "wasm32")]
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::AttacheRoot::new(context_id))
+    });
+}}

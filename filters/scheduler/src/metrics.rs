@@ -1,0 +1,135 @@
+//! The filter's own metrics, defined through the proxy-wasm ABI. Envoy shows them in
+//! `/stats/prometheus` without the `envoy_` prefix; per-endpoint names carry the endpoint as a
+//! name segment that the bootstrap's `stats_tags` turns into an `attache_endpoint` label.
+
+use hashbrown::HashMap;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+
+/// Metric handles of one VM.
+#[derive(Default)]
+pub struct Metrics {
+    scheduled: Option<u32>,
+    passthrough: Option<u32>,
+    errors: HashMap<&'static str, u32>,
+    picks: HashMap<String, u32>,
+    score_prefix: Option<u32>,
+    score_queue: Option<u32>,
+    score_kv: Option<u32>,
+    prefix_blocks_matched: Option<u32>,
+    prefix_blocks_total: Option<u32>,
+    snapshot_version: Option<u32>,
+    snapshot_updates: Option<u32>,
+}
+
+fn define(t: MetricType, name: &str) -> Option<u32> {
+    hostcalls::define_metric(t, name).ok()
+}
+
+fn inc(id: Option<u32>, by: i64) {
+    if let Some(id) = id {
+        let _ = hostcalls::increment_metric(id, by);
+    }
+}
+
+fn sanitize(address: &str) -> String {
+    address
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+impl Metrics {
+    pub fn define() -> Self {
+        Self {
+            scheduled: define(MetricType::Counter, "attache.requests.scheduled"),
+            passthrough: define(MetricType::Counter, "attache.requests.passthrough"),
+            score_prefix: define(MetricType::Histogram, "attache.scorer.prefix.score_milli"),
+            score_queue: define(MetricType::Histogram, "attache.scorer.queue.score_milli"),
+            score_kv: define(MetricType::Histogram, "attache.scorer.kv_cache.score_milli"),
+            prefix_blocks_matched: define(MetricType::Counter, "attache.prefix.blocks_matched"),
+            prefix_blocks_total: define(MetricType::Counter, "attache.prefix.blocks_total"),
+            snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
+            snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
+            ..Default::default()
+        }
+    }
+
+    pub fn scheduled(
+        &mut self,
+        endpoint: &str,
+        prefix: f64,
+        queue: f64,
+        kv: f64,
+        matched: usize,
+        total: usize,
+    ) {
+        inc(self.scheduled, 1);
+        let id = match self.picks.get(endpoint) {
+            Some(id) => Some(*id),
+            None => {
+                let id = define(
+                    MetricType::Counter,
+                    &format!("attache.endpoint.{}.picks", sanitize(endpoint)),
+                );
+                if let Some(id) = id {
+                    self.picks.insert(endpoint.to_owned(), id);
+                }
+                id
+            }
+        };
+        inc(id, 1);
+        for (m, v) in [
+            (self.score_prefix, prefix),
+            (self.score_queue, queue),
+            (self.score_kv, kv),
+        ] {
+            if let Some(m) = m {
+                let _ = hostcalls::record_metric(m, (v * 1000.0).round().clamp(0.0, 1000.0) as u64);
+            }
+        }
+        inc(self.prefix_blocks_matched, matched as i64);
+        inc(self.prefix_blocks_total, total as i64);
+    }
+
+    pub fn passthrough(&mut self) {
+        inc(self.passthrough, 1);
+    }
+
+    /// Count an error response by reason (`attache.errors.<reason>`), e.g. `malformed_body`.
+    pub fn error(&mut self, reason: &'static str) {
+        let id = match self.errors.get(reason) {
+            Some(id) => Some(*id),
+            None => {
+                let id = define(MetricType::Counter, &format!("attache.errors.{reason}"));
+                if let Some(id) = id {
+                    self.errors.insert(reason, id);
+                }
+                id
+            }
+        };
+        inc(id, 1);
+    }
+
+    pub fn snapshot(&mut self, version: u64) {
+        if let Some(id) = self.snapshot_version {
+            let _ = hostcalls::record_metric(id, version);
+        }
+        inc(self.snapshot_updates, 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn endpoint_names_are_stat_safe() {
+        assert_eq!(super::sanitize("10.0.0.1:8000"), "10.0.0.1_8000");
+        assert_eq!(super::sanitize("[::1]:80"), "___1__80");
+    }
+}

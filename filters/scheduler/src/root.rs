@@ -1,0 +1,146 @@
+//! The root context: owns the configuration and the worker's state, and (as the agent, or in
+//! per-worker mode) the snapshot stream.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use attache_policies::{ApproxPrefixIndex, Scheduler};
+use hashbrown::HashMap;
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+
+use crate::config::{FilterConfig, Role, SubscribeConfig};
+use crate::host;
+use crate::http::SchedulerHttp;
+use crate::metrics::Metrics;
+use crate::snapshot::{self, SnapshotCache, Subscriber};
+
+/// State shared by one worker's HTTP contexts.
+pub struct Worker {
+    pub config: FilterConfig,
+    pub scheduler: Scheduler,
+    pub index: ApproxPrefixIndex,
+    pub cache: SnapshotCache,
+    /// Requests this worker has dispatched and not yet finished, per endpoint.
+    pub inflight: HashMap<String, u32>,
+    pub metrics: Metrics,
+}
+
+impl Worker {
+    fn new(config: FilterConfig) -> Self {
+        Self {
+            scheduler: Scheduler::new(config.scheduler.clone()),
+            index: ApproxPrefixIndex::new(config.scheduler.prefix.index_capacity),
+            cache: SnapshotCache::default(),
+            inflight: HashMap::new(),
+            metrics: Metrics::define(),
+            config,
+        }
+    }
+}
+
+pub struct AttacheRoot {
+    context_id: u32,
+    role: Role,
+    worker: Option<Rc<RefCell<Worker>>>,
+    subscriber: Option<Subscriber>,
+}
+
+impl AttacheRoot {
+    pub fn new(context_id: u32) -> Self {
+        Self {
+            context_id,
+            role: Role::Scheduler,
+            worker: None,
+            subscriber: None,
+        }
+    }
+
+    fn node(&self) -> String {
+        let name = hostcalls::get_property(vec!["plugin_name"])
+            .ok()
+            .flatten()
+            .and_then(|b| String::from_utf8(b).ok())
+            .unwrap_or_default();
+        format!("{name}/{}", self.context_id)
+    }
+}
+
+impl Context for AttacheRoot {
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        let now = host::now_ms();
+        let Some(sub) = self.subscriber.as_mut() else {
+            return;
+        };
+        if let Some(s) = sub.on_message(token_id, message_size, now) {
+            if !snapshot::publish(&s) {
+                host::log(
+                    LogLevel::Error,
+                    "attache: could not write snapshot to shared data",
+                );
+            }
+            if let Some(w) = &self.worker {
+                if let Ok(mut w) = w.try_borrow_mut() {
+                    w.metrics.snapshot(s.version);
+                }
+            }
+        }
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, _status_code: u32) {
+        if let Some(sub) = self.subscriber.as_mut() {
+            sub.on_close(token_id);
+        }
+    }
+}
+
+impl RootContext for AttacheRoot {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let raw = host::plugin_configuration();
+        let config = match FilterConfig::parse(&raw) {
+            Ok(c) => c,
+            Err(e) => {
+                host::log(
+                    LogLevel::Critical,
+                    &format!("attache: invalid plugin configuration: {e}"),
+                );
+                return false;
+            }
+        };
+        self.role = config.role;
+        let sub_cfg = match (config.role, &config.subscribe) {
+            (_, Some(s)) => Some(s.clone()),
+            (Role::Agent, None) => Some(SubscribeConfig::default()),
+            (Role::Scheduler, None) => None,
+        };
+        self.worker = Some(Rc::new(RefCell::new(Worker::new(config))));
+        if let Some(cfg) = sub_cfg {
+            let mut sub = Subscriber::new(cfg);
+            let _ = hostcalls::set_tick_period(Duration::from_millis(sub.tick_ms()));
+            sub.ensure_open(&self.node(), host::now_ms());
+            self.subscriber = Some(sub);
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let node = self.node();
+        if let Some(sub) = self.subscriber.as_mut() {
+            sub.ensure_open(&node, host::now_ms());
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let worker = self.worker.clone()?;
+        Some(Box::new(SchedulerHttp::new(context_id, worker)))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        match self.role {
+            Role::Scheduler => Some(ContextType::HttpContext),
+            Role::Agent => None,
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! Scheduler configuration: plain data with documented defaults. The filter reads it from its
+//! plugin configuration (JSON); the host and simulator build it in code.
+
+use serde::{Deserialize, Serialize};
+
+/// Weights of the built-in scorers. Defaults follow llm-d's default profile
+/// (`reference/llmd.md` §1.2): prefix 3, queue 2, kv-cache 2.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScorerWeights {
+    pub prefix: f64,
+    pub queue: f64,
+    pub kv_cache: f64,
+}
+
+impl Default for ScorerWeights {
+    fn default() -> Self {
+        Self {
+            prefix: 3.0,
+            queue: 2.0,
+            kv_cache: 2.0,
+        }
+    }
+}
+
+/// Approximate prefix hashing (llm-d "estimate" mode).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrefixConfig {
+    /// Tokens per block. llm-d floors this at 64 to bound its index; so do we by default.
+    pub block_size_tokens: usize,
+    /// Matching stops after this many (pseudo-)tokens. 0 means unlimited.
+    pub max_prefix_tokens: usize,
+    /// Bytes per pseudo-token when the prompt is text (llm-d packs 4 bytes per uint32).
+    pub bytes_per_token: usize,
+    /// Maximum number of (block, endpoint-set) entries the approximate index holds.
+    pub index_capacity: usize,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        Self {
+            block_size_tokens: 64,
+            max_prefix_tokens: 131_072,
+            bytes_per_token: 4,
+            index_capacity: 200_000,
+        }
+    }
+}
+
+/// When an endpoint counts as saturated and is filtered out (unless every endpoint is).
+/// Defaults follow llm-d's utilization detector (queue 5, kv 0.8; `reference/llmd.md` §2).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SaturationConfig {
+    pub queue_threshold: f64,
+    pub kv_threshold: f64,
+    /// Metrics older than this are stale: the endpoint is scored as unknown load.
+    pub metrics_stale_ms: u64,
+}
+
+impl Default for SaturationConfig {
+    fn default() -> Self {
+        Self {
+            queue_threshold: 5.0,
+            kv_threshold: 0.8,
+            metrics_stale_ms: 1_000,
+        }
+    }
+}
+
+/// The full scheduler configuration.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerConfig {
+    pub weights: ScorerWeights,
+    pub prefix: PrefixConfig,
+    pub saturation: SaturationConfig,
+    /// How many endpoints the picker returns: the primary plus fallbacks for
+    /// `x-gateway-destination-endpoint`.
+    pub max_endpoints: usize,
+    /// Request bodies larger than this get 413.
+    pub max_body_bytes: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        Self {
+            weights: ScorerWeights::default(),
+            prefix: PrefixConfig::default(),
+            saturation: SaturationConfig::default(),
+            max_endpoints: 3,
+            max_body_bytes: 4 * 1024 * 1024,
+        }
+    }
+}

@@ -1,0 +1,77 @@
+//! The pool state a snapshot carries: endpoints, their role, readiness and engine metrics.
+
+use serde::{Deserialize, Serialize};
+
+/// An endpoint's role in a disaggregated pool (`llm-d.ai/role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Serves whole requests (prefill and decode). Unlabelled pods are `Both`.
+    #[default]
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// Parse a `llm-d.ai/role` label value. Unknown values are treated as `Both`.
+    pub fn from_label(v: &str) -> Self {
+        match v {
+            "prefill" => Role::Prefill,
+            "decode" => Role::Decode,
+            _ => Role::Both,
+        }
+    }
+}
+
+/// Engine metrics scraped by the host.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct EndpointMetrics {
+    /// `vllm:num_requests_waiting` / `sglang:num_queue_reqs`.
+    pub waiting: f64,
+    /// `vllm:num_requests_running` / `sglang:num_running_reqs`.
+    pub running: f64,
+    /// `vllm:kv_cache_usage_perc` / `sglang:token_usage`, 0..1.
+    pub kv_usage: f64,
+    /// Age of the last successful scrape when the snapshot was built, in ms.
+    pub age_ms: u64,
+}
+
+/// One model-server endpoint.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// `ip:port`, exactly as it goes into `x-gateway-destination-endpoint`.
+    pub address: String,
+    /// Served model names (base model and loaded adapters).
+    pub models: Vec<String>,
+    pub role: Role,
+    /// Pod readiness / health as discovery reports it.
+    pub ready: bool,
+    /// `None` when the engine has never been scraped successfully.
+    pub metrics: Option<EndpointMetrics>,
+}
+
+impl Endpoint {
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m == model)
+    }
+
+    /// Metrics if they are fresh enough to act on.
+    pub fn fresh_metrics(&self, stale_ms: u64) -> Option<&EndpointMetrics> {
+        self.metrics.as_ref().filter(|m| m.age_ms <= stale_ms)
+    }
+}
+
+/// The pool as of one snapshot version.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct PoolState {
+    pub version: u64,
+    pub endpoints: Vec<Endpoint>,
+}
+
+impl PoolState {
+    /// Whether any endpoint serves `model`.
+    pub fn knows_model(&self, model: &str) -> bool {
+        self.endpoints.iter().any(|e| e.serves(model))
+    }
+}

@@ -1,0 +1,149 @@
+//! Approximate prefix block hashing, as llm-d's `estimate` token producer and
+//! `approx-prefix-cache-producer` do it (`reference/llmd.md` §3.1).
+//!
+//! * Text is packed into pseudo-tokens of `bytes_per_token` bytes (4 by default, zero-padded),
+//!   token ids are packed as little-endian u32.
+//! * Blocks hold `block_size_tokens` tokens. The last partial block is hashed too.
+//! * `h0 = xxh64(model ‖ cache_salt)`; `h_i = xxh64(LE64(xxh64(block_i)) ‖ LE64(h_{i-1}))`.
+//! * Hashing stops after `max_prefix_tokens` tokens (0 = unlimited).
+
+use xxhash_rust::xxh64::xxh64;
+
+use crate::config::PrefixConfig;
+use crate::request::Prompt;
+
+/// The seed of a request's hash chain: model and cache salt.
+pub fn chain_seed(model: &str, cache_salt: Option<&str>) -> u64 {
+    let salt = cache_salt.unwrap_or("");
+    let mut buf = Vec::with_capacity(model.len() + salt.len());
+    buf.extend_from_slice(model.as_bytes());
+    buf.extend_from_slice(salt.as_bytes());
+    xxh64(&buf, 0)
+}
+
+#[inline]
+fn chain(prev: u64, block: &[u8]) -> u64 {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&xxh64(block, 0).to_le_bytes());
+    b[8..].copy_from_slice(&prev.to_le_bytes());
+    xxh64(&b, 0)
+}
+
+/// Block hashes of `prompt`, at most `max_prefix_tokens / block_size_tokens` (rounded up).
+pub fn block_hashes(
+    cfg: &PrefixConfig,
+    model: &str,
+    cache_salt: Option<&str>,
+    prompt: &Prompt,
+) -> Vec<u64> {
+    let block_tokens = cfg.block_size_tokens.max(1);
+    let mut prev = chain_seed(model, cache_salt);
+    match prompt {
+        Prompt::Text(text) => {
+            let bpt = cfg.bytes_per_token.max(1);
+            let mut bytes = text.as_bytes();
+            if cfg.max_prefix_tokens > 0 {
+                let cap = cfg.max_prefix_tokens.saturating_mul(bpt);
+                bytes = bytes.get(..cap.min(bytes.len())).unwrap_or(bytes);
+            }
+            let block_bytes = block_tokens.saturating_mul(bpt);
+            let mut out = Vec::with_capacity(bytes.len().div_ceil(block_bytes));
+            let mut pad = Vec::new();
+            for block in bytes.chunks(block_bytes) {
+                let rem = block.len() % bpt;
+                let h = if rem == 0 {
+                    chain(prev, block)
+                } else {
+                    // Zero-pad the last pseudo-token, as llm-d's estimate tokenizer does.
+                    pad.clear();
+                    pad.extend_from_slice(block);
+                    pad.resize(block.len() + (bpt - rem), 0);
+                    chain(prev, &pad)
+                };
+                out.push(h);
+                prev = h;
+            }
+            out
+        }
+        Prompt::Tokens(ids) => {
+            let mut ids = ids.as_slice();
+            if cfg.max_prefix_tokens > 0 {
+                ids = ids
+                    .get(..cfg.max_prefix_tokens.min(ids.len()))
+                    .unwrap_or(ids);
+            }
+            let mut out = Vec::with_capacity(ids.len().div_ceil(block_tokens));
+            let mut buf = Vec::with_capacity(block_tokens * 4);
+            for block in ids.chunks(block_tokens) {
+                buf.clear();
+                for id in block {
+                    buf.extend_from_slice(&id.to_le_bytes());
+                }
+                let h = chain(prev, &buf);
+                out.push(h);
+                prev = h;
+            }
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(block: usize, cap: usize) -> PrefixConfig {
+        PrefixConfig {
+            block_size_tokens: block,
+            max_prefix_tokens: cap,
+            bytes_per_token: 4,
+            index_capacity: 1000,
+        }
+    }
+
+    #[test]
+    fn shared_prefix_shares_leading_hashes() {
+        let c = cfg(4, 0); // 16 bytes per block
+        let a = block_hashes(
+            &c,
+            "m",
+            None,
+            &Prompt::Text("0123456789abcdef0123456789abcdefXXXX".into()),
+        );
+        let b = block_hashes(
+            &c,
+            "m",
+            None,
+            &Prompt::Text("0123456789abcdef0123456789abcdefYYYY".into()),
+        );
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+    }
+
+    #[test]
+    fn model_and_salt_change_the_whole_chain() {
+        let c = cfg(4, 0);
+        let t = Prompt::Text("0123456789abcdef0123456789abcdef".into());
+        let a = block_hashes(&c, "m", None, &t);
+        let b = block_hashes(&c, "other", None, &t);
+        let s = block_hashes(&c, "m", Some("salt"), &t);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert!(a.iter().zip(&s).all(|(x, y)| x != y));
+    }
+
+    #[test]
+    fn cap_limits_blocks_and_tokens_hash_like_le_bytes() {
+        let c = cfg(2, 4);
+        let h = block_hashes(&c, "m", None, &Prompt::Text("a".repeat(1000)));
+        assert_eq!(h.len(), 2);
+        // Token ids packed little-endian hash exactly like the same bytes as text.
+        let ids = vec![u32::from_le_bytes(*b"abcd"), u32::from_le_bytes(*b"efgh")];
+        let c = cfg(2, 0);
+        assert_eq!(
+            block_hashes(&c, "m", None, &Prompt::Tokens(ids)),
+            block_hashes(&c, "m", None, &Prompt::Text("abcdefgh".into()))
+        );
+        assert!(block_hashes(&c, "m", None, &Prompt::Text(String::new())).is_empty());
+    }
+}

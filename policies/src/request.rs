@@ -1,0 +1,408 @@
+//! Parse OpenAI-compatible request bodies into the features the scheduler needs.
+//!
+//! Handles `/v1/completions` (prompt as a string, a list of strings, token ids, or a list of
+//! token-id lists), `/v1/chat/completions` (message content as a string or a list of parts)
+//! and `/v1/responses` (`input` as a string or a list of items, plus `instructions`).
+
+use serde::Deserialize;
+
+use crate::error::RequestError;
+
+/// Which OpenAI API the request targets, chosen by path suffix as llm-d's parser does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Completions,
+    ChatCompletions,
+    Responses,
+}
+
+impl Api {
+    /// Select the API by path (query string ignored). Unknown paths give `None`; the caller
+    /// passes them through without scheduling features.
+    pub fn from_path(path: &str) -> Option<Self> {
+        let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+        if path.ends_with("/chat/completions") {
+            Some(Api::ChatCompletions)
+        } else if path.ends_with("/completions") {
+            Some(Api::Completions)
+        } else if path.ends_with("/responses") {
+            Some(Api::Responses)
+        } else {
+            None
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::ChatCompletions => "chat_completions",
+            Api::Responses => "responses",
+        }
+    }
+}
+
+/// The prompt, as the prefix hasher sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Text (for chat: the messages rendered as `role: content\n` lines).
+    Text(String),
+    /// Token ids supplied by the client.
+    Tokens(Vec<u32>),
+}
+
+impl Prompt {
+    /// Rough prompt length in tokens (4 bytes per token for text).
+    pub fn approx_tokens(&self) -> usize {
+        match self {
+            Prompt::Text(t) => t.len().div_ceil(4),
+            Prompt::Tokens(t) => t.len(),
+        }
+    }
+}
+
+/// Request features extracted from a body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InferenceRequest {
+    pub api: Api,
+    pub model: String,
+    /// The first prompt of the request (multi-prompt completions route on the first).
+    pub prompt: Prompt,
+    /// How many prompts the request carries (completions may batch several).
+    pub num_prompts: usize,
+    pub stream: bool,
+    pub max_tokens: Option<u64>,
+    pub cache_salt: Option<String>,
+    pub priority: Option<i64>,
+    pub user: Option<String>,
+    /// `/v1/responses` continuation.
+    pub previous_response_id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+    Other(serde::de::IgnoredAny),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    content: Option<Content>,
+    /// Responses API `function_call_output` items.
+    #[serde(default)]
+    output: Option<Content>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum InputField {
+    Text(String),
+    Items(Vec<Message>),
+}
+
+/// Every field any of the three APIs may carry; serde skips the rest of the body.
+#[derive(Deserialize)]
+struct Body {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<PromptField>,
+    #[serde(default)]
+    messages: Option<Vec<Message>>,
+    #[serde(default)]
+    input: Option<InputField>,
+    #[serde(default)]
+    instructions: Option<String>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+    #[serde(default)]
+    priority: Option<i64>,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    previous_response_id: Option<String>,
+}
+
+fn content_text(c: &Content, out: &mut String) {
+    match c {
+        Content::Text(t) => out.push_str(t),
+        Content::Parts(parts) => {
+            for (i, p) in parts.iter().filter_map(|p| p.text.as_deref()).enumerate() {
+                if i > 0 {
+                    out.push('\n');
+                }
+                out.push_str(p);
+            }
+        }
+        Content::Other(_) => {}
+    }
+}
+
+/// Render messages the way the reference chat template does (`role: content\n` per message,
+/// then `assistant:`), so that shared conversation prefixes give shared text prefixes.
+fn render_messages(system: Option<&str>, messages: &[Message]) -> String {
+    let mut out = String::new();
+    if let Some(s) = system {
+        out.push_str("system: ");
+        out.push_str(s);
+        out.push('\n');
+    }
+    for m in messages {
+        out.push_str(m.role.as_deref().unwrap_or("user"));
+        out.push_str(": ");
+        if let Some(c) = m.content.as_ref().or(m.output.as_ref()) {
+            content_text(c, &mut out);
+        }
+        out.push('\n');
+    }
+    out.push_str("assistant:");
+    out
+}
+
+/// Parse a request body for `api`.
+pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(RequestError::EmptyBody);
+    }
+    let first = body.iter().find(|b| !b.is_ascii_whitespace()).copied();
+    if first != Some(b'{') {
+        // Distinguish "not JSON at all" from "JSON but not an object" for a clearer message.
+        return match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Ok(_) => Err(RequestError::NotAnObject),
+            Err(e) => Err(RequestError::MalformedJson(e.to_string())),
+        };
+    }
+    let b: Body = serde_json::from_slice(body).map_err(|e| {
+        if e.is_data() {
+            RequestError::InvalidField {
+                field: "body",
+                detail: e.to_string(),
+            }
+        } else {
+            RequestError::MalformedJson(e.to_string())
+        }
+    })?;
+    let model = match b.model {
+        Some(m) if !m.is_empty() => m,
+        _ => return Err(RequestError::MissingModel),
+    };
+    let (prompt, num_prompts) = match api {
+        Api::Completions => match b.prompt {
+            None => return Err(RequestError::MissingField("prompt")),
+            Some(PromptField::Text(t)) => (Prompt::Text(t), 1),
+            Some(PromptField::Texts(ts)) => {
+                let n = ts.len();
+                match ts.into_iter().next() {
+                    Some(t) => (Prompt::Text(t), n),
+                    None => return Err(RequestError::MissingField("prompt")),
+                }
+            }
+            Some(PromptField::Tokens(t)) => {
+                if t.is_empty() {
+                    return Err(RequestError::MissingField("prompt"));
+                }
+                (Prompt::Tokens(t), 1)
+            }
+            Some(PromptField::TokenLists(ls)) => {
+                let n = ls.len();
+                match ls.into_iter().find(|l| !l.is_empty()) {
+                    Some(t) => (Prompt::Tokens(t), n),
+                    None => return Err(RequestError::MissingField("prompt")),
+                }
+            }
+        },
+        Api::ChatCompletions => match b.messages {
+            Some(ms) if !ms.is_empty() => (Prompt::Text(render_messages(None, &ms)), 1),
+            _ => return Err(RequestError::MissingField("messages")),
+        },
+        Api::Responses => match b.input {
+            Some(InputField::Text(t)) => {
+                let ms = [Message {
+                    role: Some("user".into()),
+                    content: Some(Content::Text(t)),
+                    output: None,
+                }];
+                (
+                    Prompt::Text(render_messages(b.instructions.as_deref(), &ms)),
+                    1,
+                )
+            }
+            Some(InputField::Items(items)) if !items.is_empty() => (
+                Prompt::Text(render_messages(b.instructions.as_deref(), &items)),
+                1,
+            ),
+            _ => return Err(RequestError::MissingField("input")),
+        },
+    };
+    Ok(InferenceRequest {
+        api,
+        model,
+        prompt,
+        num_prompts,
+        stream: b.stream.unwrap_or(false),
+        max_tokens: b
+            .max_tokens
+            .or(b.max_completion_tokens)
+            .or(b.max_output_tokens),
+        cache_salt: b.cache_salt,
+        priority: b.priority,
+        user: b.user,
+        previous_response_id: b.previous_response_id,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(api: Api, s: &str) -> Result<InferenceRequest, RequestError> {
+        parse(api, s.as_bytes())
+    }
+
+    #[test]
+    fn api_from_path() {
+        assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
+        assert_eq!(
+            Api::from_path("/v1/chat/completions?x=1"),
+            Some(Api::ChatCompletions)
+        );
+        assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
+        assert_eq!(Api::from_path("/v1/models"), None);
+    }
+
+    #[test]
+    fn completions_all_prompt_shapes() {
+        let r = p(Api::Completions, r#"{"model":"m","prompt":"hello","stream":true,"max_tokens":5,"cache_salt":"s","priority":-1,"user":"u"}"#).unwrap();
+        assert_eq!(r.model, "m");
+        assert_eq!(r.prompt, Prompt::Text("hello".into()));
+        assert!(r.stream);
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert_eq!(r.priority, Some(-1));
+        assert_eq!(r.user.as_deref(), Some("u"));
+
+        let r = p(Api::Completions, r#"{"model":"m","prompt":["a","b"]}"#).unwrap();
+        assert_eq!((r.prompt, r.num_prompts), (Prompt::Text("a".into()), 2));
+        let r = p(Api::Completions, r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        let r = p(Api::Completions, r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap();
+        assert_eq!((r.prompt, r.num_prompts), (Prompt::Tokens(vec![4, 5]), 2));
+        assert_eq!(
+            p(Api::Completions, r#"{"model":"m","prompt":[]}"#),
+            Err(RequestError::MissingField("prompt"))
+        );
+        assert_eq!(
+            p(Api::Completions, r#"{"model":"m"}"#),
+            Err(RequestError::MissingField("prompt"))
+        );
+    }
+
+    #[test]
+    fn chat_string_and_parts() {
+        let r = p(
+            Api::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"system","content":"be terse"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"there"}]}],"max_completion_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompt,
+            Prompt::Text("system: be terse\nuser: hi\nthere\nassistant:".into())
+        );
+        assert_eq!(r.max_tokens, Some(9));
+        assert_eq!(
+            p(Api::ChatCompletions, r#"{"model":"m","messages":[]}"#),
+            Err(RequestError::MissingField("messages"))
+        );
+    }
+
+    #[test]
+    fn responses_input_and_instructions() {
+        let r = p(Api::Responses, r#"{"model":"m","input":"q","instructions":"sys","previous_response_id":"resp_1","max_output_tokens":3}"#).unwrap();
+        assert_eq!(
+            r.prompt,
+            Prompt::Text("system: sys\nuser: q\nassistant:".into())
+        );
+        assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
+        assert_eq!(r.max_tokens, Some(3));
+        let r = p(Api::Responses, r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"}]},{"type":"function_call_output","output":"42"}]}"#).unwrap();
+        assert_eq!(
+            r.prompt,
+            Prompt::Text("user: a\nuser: 42\nassistant:".into())
+        );
+    }
+
+    #[test]
+    fn bad_bodies_are_typed_errors() {
+        assert!(matches!(
+            p(Api::Completions, "{not json"),
+            Err(RequestError::MalformedJson(_))
+        ));
+        assert!(matches!(
+            p(Api::Completions, "hello world"),
+            Err(RequestError::MalformedJson(_))
+        ));
+        assert_eq!(p(Api::Completions, "[1,2]"), Err(RequestError::NotAnObject));
+        assert_eq!(p(Api::Completions, "   "), Err(RequestError::EmptyBody));
+        assert_eq!(
+            p(Api::Completions, r#"{"prompt":"x"}"#),
+            Err(RequestError::MissingModel)
+        );
+        assert_eq!(
+            p(Api::Completions, r#"{"model":"","prompt":"x"}"#),
+            Err(RequestError::MissingModel)
+        );
+        assert!(matches!(
+            p(Api::Completions, r#"{"model":5,"prompt":"x"}"#),
+            Err(RequestError::InvalidField { .. })
+        ));
+        assert!(matches!(
+            p(Api::Completions, r#"{"model":"m","prompt":[-1]}"#),
+            Err(RequestError::InvalidField { .. })
+        ));
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic() {
+        // A cheap exhaustive-ish sweep; the fuzz target covers the rest.
+        let seeds: [&[u8]; 6] = [
+            b"{",
+            b"{\"model\":",
+            b"\xff\xfe",
+            b"{\"model\":\"m\",\"prompt\":[[[]]]}",
+            b"null",
+            b"{\"messages\":{}}",
+        ];
+        for s in seeds {
+            for api in [Api::Completions, Api::ChatCompletions, Api::Responses] {
+                let _ = parse(api, s);
+            }
+        }
+    }
+}

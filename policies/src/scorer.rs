@@ -1,0 +1,106 @@
+//! Scorers: each returns a score in 0..=1 per candidate; the scheduler sums them by weight.
+//! Formulas follow llm-d's scorers (`reference/llmd.md` §1.3).
+
+use crate::config::SaturationConfig;
+use crate::endpoint::Endpoint;
+
+/// Score given to an endpoint whose metrics are unknown or stale.
+pub const UNKNOWN_LOAD_SCORE: f64 = 0.5;
+
+/// `prefix-cache-scorer`: matched blocks / total blocks of the request.
+pub fn prefix(matched_blocks: &[usize], total_blocks: usize) -> Vec<f64> {
+    matched_blocks
+        .iter()
+        .map(|&m| {
+            if total_blocks == 0 {
+                0.0
+            } else {
+                (m as f64 / total_blocks as f64).clamp(0.0, 1.0)
+            }
+        })
+        .collect()
+}
+
+/// `queue-scorer`: min-max normalised load, `(max - q) / (max - min)`; all equal gives 1.
+/// Load is the engine's waiting queue plus the requests this scheduler has in flight to it
+/// (metrics lag by a scrape interval; in-flight counts do not).
+pub fn queue(endpoints: &[&Endpoint], inflight: &[u32], cfg: &SaturationConfig) -> Vec<f64> {
+    let loads: Vec<Option<f64>> = endpoints
+        .iter()
+        .zip(inflight.iter().chain(std::iter::repeat(&0)))
+        .map(|(e, &f)| {
+            e.fresh_metrics(cfg.metrics_stale_ms)
+                .map(|m| m.waiting + f64::from(f))
+        })
+        .collect();
+    let known = loads.iter().flatten();
+    let min = known.clone().copied().fold(f64::INFINITY, f64::min);
+    let max = known.copied().fold(f64::NEG_INFINITY, f64::max);
+    loads
+        .iter()
+        .map(|l| match l {
+            None => UNKNOWN_LOAD_SCORE,
+            Some(_) if max - min <= f64::EPSILON => 1.0,
+            Some(q) => ((max - q) / (max - min)).clamp(0.0, 1.0),
+        })
+        .collect()
+}
+
+/// `kv-cache-utilization-scorer`: `1 - kv_usage`.
+pub fn kv_cache(endpoints: &[&Endpoint], cfg: &SaturationConfig) -> Vec<f64> {
+    endpoints
+        .iter()
+        .map(|e| match e.fresh_metrics(cfg.metrics_stale_ms) {
+            Some(m) => (1.0 - m.kv_usage).clamp(0.0, 1.0),
+            None => UNKNOWN_LOAD_SCORE,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::{EndpointMetrics, Role};
+
+    fn ep(waiting: f64, kv: f64, age: u64) -> Endpoint {
+        Endpoint {
+            address: "x".into(),
+            models: vec![],
+            role: Role::Both,
+            ready: true,
+            metrics: Some(EndpointMetrics {
+                waiting,
+                running: 0.0,
+                kv_usage: kv,
+                age_ms: age,
+            }),
+        }
+    }
+
+    #[test]
+    fn formulas() {
+        let cfg = SaturationConfig::default();
+        assert_eq!(prefix(&[0, 2, 4], 4), vec![0.0, 0.5, 1.0]);
+        assert_eq!(prefix(&[0], 0), vec![0.0]);
+        let (a, b, c, stale) = (
+            ep(0.0, 0.2, 0),
+            ep(4.0, 0.5, 0),
+            ep(2.0, 1.0, 0),
+            ep(0.0, 0.0, 60_000),
+        );
+        let eps = [&a, &b, &c, &stale];
+        assert_eq!(
+            queue(&eps, &[0, 0, 0, 0], &cfg),
+            vec![1.0, 0.0, 0.5, UNKNOWN_LOAD_SCORE]
+        );
+        // In-flight requests count as load.
+        assert_eq!(queue(&eps[..2], &[4, 0], &cfg), vec![1.0, 1.0]);
+        let kv = kv_cache(&eps, &cfg);
+        assert!(
+            (kv[0] - 0.8).abs() < 1e-9
+                && (kv[1] - 0.5).abs() < 1e-9
+                && kv[2] == 0.0
+                && kv[3] == UNKNOWN_LOAD_SCORE
+        );
+    }
+}

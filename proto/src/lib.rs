@@ -1,0 +1,8 @@
+//! Attaché's wire contracts, generated from `proto/attache/v1/*.proto`.
+
+#[allow(clippy::all, clippy::pedantic)]
+pub mod v1 {
+    include!(concat!(env!("OUT_DIR"), "/attache.v1.rs"));
+}
+
+pub use prost::Message;
