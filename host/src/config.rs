@@ -1,0 +1,66 @@
+//! Host configuration (YAML). Durations are typed; every field has a default.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HostConfig {
+    /// gRPC listen address for the snapshot stream (Envoy's `attache_host` cluster).
+    pub grpc_listen: SocketAddr,
+    /// Admin HTTP listen address.
+    pub admin_listen: SocketAddr,
+    /// Static endpoint file (see `discovery`). Re-read when it changes.
+    pub endpoints_file: Option<PathBuf>,
+    /// How often each engine's `/metrics` is scraped.
+    pub scrape_interval_ms: u64,
+    /// Per-scrape timeout.
+    pub scrape_timeout_ms: u64,
+    /// Metrics older than this mark an endpoint as not ready in snapshots.
+    pub unready_after_ms: u64,
+    /// Minimum interval between two snapshot versions.
+    pub publish_interval_ms: u64,
+    /// Heartbeat interval on the snapshot stream.
+    pub heartbeat_ms: u64,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 9190)),
+            endpoints_file: None,
+            scrape_interval_ms: 50,
+            scrape_timeout_ms: 500,
+            unready_after_ms: 2_000,
+            publish_interval_ms: 50,
+            heartbeat_ms: 1_000,
+        }
+    }
+}
+
+impl HostConfig {
+    pub fn scrape_interval(&self) -> Duration {
+        ms(self.scrape_interval_ms)
+    }
+    pub fn scrape_timeout(&self) -> Duration {
+        ms(self.scrape_timeout_ms)
+    }
+    pub fn publish_interval(&self) -> Duration {
+        ms(self.publish_interval_ms)
+    }
+    pub fn heartbeat(&self) -> Duration {
+        ms(self.heartbeat_ms)
+    }
+
+    pub fn from_yaml(text: &str) -> anyhow::Result<Self> {
+        Ok(serde_yaml::from_str(text)?)
+    }
+}

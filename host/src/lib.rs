@@ -1,0 +1,11 @@
+//! The Attaché host service: discovery, metrics scraping, pool state and the snapshot stream.
+
+pub mod admin;
+pub mod config;
+pub mod discovery;
+pub mod prom;
+pub mod push;
+pub mod scrape;
+pub mod state;
+
+pub use config::HostConfig;

@@ -1,0 +1,160 @@
+//! `attache`: the Attaché host service and CLI.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use attache_host::discovery::StaticEndpoints;
+use attache_host::state::PoolState;
+use attache_host::{admin, push, scrape, HostConfig};
+use clap::{Parser, Subcommand};
+use tokio::sync::RwLock;
+use tracing::{error, info, warn};
+
+#[derive(Parser)]
+#[command(
+    name = "attache",
+    about = "Attaché: an inference scheduler inside Envoy",
+    version
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the host service: discovery, metrics scraping, snapshot stream, admin API.
+    Host {
+        /// Host configuration (YAML).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Static endpoints file (overrides `endpoints_file` in the config).
+        #[arg(long)]
+        endpoints: Option<PathBuf>,
+        /// gRPC listen address (overrides the config).
+        #[arg(long)]
+        grpc_listen: Option<std::net::SocketAddr>,
+        /// Admin listen address (overrides the config).
+        #[arg(long)]
+        admin_listen: Option<std::net::SocketAddr>,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Host {
+            config,
+            endpoints,
+            grpc_listen,
+            admin_listen,
+        } => {
+            let mut cfg = match config {
+                Some(p) => HostConfig::from_yaml(
+                    &std::fs::read_to_string(&p)
+                        .with_context(|| format!("reading {}", p.display()))?,
+                )
+                .with_context(|| format!("parsing {}", p.display()))?,
+                None => HostConfig::default(),
+            };
+            if endpoints.is_some() {
+                cfg.endpoints_file = endpoints;
+            }
+            if let Some(a) = grpc_listen {
+                cfg.grpc_listen = a;
+            }
+            if let Some(a) = admin_listen {
+                cfg.admin_listen = a;
+            }
+            run_host(cfg).await
+        }
+    }
+}
+
+async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
+    let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
+    let state = Arc::new(RwLock::new(PoolState::default()));
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(2)
+        .build()?;
+
+    // Validate the endpoints file before binding any port.
+    let initial = match &cfg.endpoints_file {
+        Some(p) => StaticEndpoints::load(p)?,
+        None => StaticEndpoints::default(),
+    };
+
+    let rx = push::spawn_publisher(
+        state.clone(),
+        epoch,
+        cfg.publish_interval(),
+        std::time::Duration::from_millis(cfg.unready_after_ms),
+    );
+    let grpc = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
+        .add_service(push::Snapshots::new(rx.clone(), cfg.heartbeat()).into_server());
+    let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.grpc_listen))?;
+    let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.admin_listen))?;
+    info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
+
+    // Discovery: apply the file now and re-read it when it changes.
+    let mut scrapers = scrape::Scrapers::new(
+        client,
+        state.clone(),
+        cfg.scrape_interval(),
+        cfg.scrape_timeout(),
+    );
+    info!(
+        endpoints = initial.endpoints.len(),
+        "discovery: static file loaded"
+    );
+    scrapers.apply(initial.endpoints).await;
+    if let Some(path) = cfg.endpoints_file.clone() {
+        tokio::spawn(async move {
+            let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+                if now == last {
+                    continue;
+                }
+                last = now;
+                match StaticEndpoints::load(&path) {
+                    Ok(eps) => {
+                        info!(
+                            endpoints = eps.endpoints.len(),
+                            "discovery: static file reloaded"
+                        );
+                        scrapers.apply(eps.endpoints).await;
+                    }
+                    Err(e) => warn!(error = %e, "discovery: keeping the previous endpoints"),
+                }
+            }
+        });
+    }
+
+    let admin = axum::serve(
+        admin_listener,
+        admin::router(admin::AdminState { snapshots: rx }),
+    );
+    let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
+        grpc_listener,
+    ));
+    tokio::select! {
+        r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }
+        r = admin => { if let Err(e) = r { error!(error = %e, "admin server stopped"); } }
+        _ = tokio::signal::ctrl_c() => { info!("shutting down"); }
+    }
+    Ok(())
+}

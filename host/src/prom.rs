@@ -1,0 +1,299 @@
+//! A Prometheus text-format parser, and the extraction of the engine metrics a router needs
+//! from vLLM and SGLang expositions (`reference/engines.md` §1, §4, §7).
+//!
+//! The parser accepts any label order, escaped label values, `# HELP`/`# TYPE` comments and
+//! optional timestamps; a malformed line is skipped and counted, never fatal.
+
+use std::collections::BTreeMap;
+
+/// One sample line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample<'a> {
+    pub name: &'a str,
+    pub labels: Vec<(&'a str, String)>,
+    pub value: f64,
+}
+
+impl Sample<'_> {
+    pub fn label(&self, k: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Parsed exposition: samples plus the number of lines that could not be parsed.
+#[derive(Debug, Default)]
+pub struct Exposition<'a> {
+    pub samples: Vec<Sample<'a>>,
+    pub bad_lines: usize,
+}
+
+fn parse_labels(s: &str) -> Option<(Vec<(&str, String)>, &str)> {
+    // s starts right after '{'; returns labels and the rest after '}'.
+    let mut labels = Vec::new();
+    let mut rest = s;
+    loop {
+        rest = rest.trim_start_matches([' ', ',']);
+        if let Some(r) = rest.strip_prefix('}') {
+            return Some((labels, r));
+        }
+        let eq = rest.find('=')?;
+        let name = rest.get(..eq)?.trim();
+        rest = rest.get(eq + 1..)?.trim_start();
+        rest = rest.strip_prefix('"')?;
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let end = loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    c => value.push(c),
+                },
+                '"' => break i,
+                c => value.push(c),
+            }
+        };
+        rest = rest.get(end + 1..)?;
+        labels.push((name, value));
+    }
+}
+
+fn parse_value(s: &str) -> Option<f64> {
+    let v = s.split_whitespace().next()?;
+    match v {
+        "+Inf" | "Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        "NaN" => Some(f64::NAN),
+        _ => v.parse().ok(),
+    }
+}
+
+/// Parse a whole exposition.
+pub fn parse(text: &str) -> Exposition<'_> {
+    let mut out = Exposition::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let name_end = line
+            .find(|c: char| c == '{' || c.is_whitespace())
+            .unwrap_or(line.len());
+        let Some(name) = line.get(..name_end) else {
+            out.bad_lines += 1;
+            continue;
+        };
+        let rest = line.get(name_end..).unwrap_or("");
+        let parsed = if let Some(r) = rest.strip_prefix('{') {
+            parse_labels(r).and_then(|(labels, r)| parse_value(r).map(|v| (labels, v)))
+        } else {
+            parse_value(rest).map(|v| (Vec::new(), v))
+        };
+        match parsed {
+            Some((labels, value)) if !name.is_empty() => out.samples.push(Sample {
+                name,
+                labels,
+                value,
+            }),
+            _ => out.bad_lines += 1,
+        }
+    }
+    out
+}
+
+/// What the router reads from one engine's `/metrics`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EngineMetrics {
+    pub waiting: f64,
+    pub running: f64,
+    /// 0..1; averaged over data-parallel engines.
+    pub kv_usage: f64,
+    pub block_size: Option<u32>,
+    pub num_gpu_blocks: Option<u64>,
+    pub prefix_cache_queries: f64,
+    pub prefix_cache_hits: f64,
+    /// `vllm:lora_requests_info` newest series: running and waiting adapters, max.
+    pub running_loras: Vec<String>,
+    pub waiting_loras: Vec<String>,
+    pub max_lora: Option<u32>,
+}
+
+/// Which metric names each engine uses. Fallbacks come second.
+struct Names {
+    waiting: &'static [&'static str],
+    running: &'static [&'static str],
+    kv: &'static [&'static str],
+    cache_info: &'static str,
+    block_size_label: &'static str,
+    num_blocks_label: &'static str,
+}
+
+const VLLM: Names = Names {
+    waiting: &["vllm:num_requests_waiting"],
+    running: &["vllm:num_requests_running"],
+    kv: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    cache_info: "vllm:cache_config_info",
+    block_size_label: "block_size",
+    num_blocks_label: "num_gpu_blocks",
+};
+
+const SGLANG: Names = Names {
+    waiting: &["sglang:num_queue_reqs"],
+    running: &["sglang:num_running_reqs"],
+    kv: &["sglang:token_usage"],
+    cache_info: "sglang:cache_config_info",
+    block_size_label: "page_size",
+    num_blocks_label: "num_pages",
+};
+
+/// Error when an exposition lacks the metrics a router needs.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("exposition has none of the {engine} metrics {missing:?}")]
+pub struct MissingMetrics {
+    pub engine: String,
+    pub missing: Vec<&'static str>,
+}
+
+fn first_present(exp: &Exposition<'_>, names: &[&'static str]) -> Option<Vec<f64>> {
+    names.iter().find_map(|n| {
+        let v: Vec<f64> = exp
+            .samples
+            .iter()
+            .filter(|s| s.name == *n)
+            .map(|s| s.value)
+            .collect();
+        (!v.is_empty()).then_some(v)
+    })
+}
+
+/// Extract [`EngineMetrics`] for `engine` (`vllm` or `sglang`).
+pub fn engine_metrics(text: &str, engine: &str) -> Result<EngineMetrics, MissingMetrics> {
+    let exp = parse(text);
+    let names = if engine == "sglang" { &SGLANG } else { &VLLM };
+    let waiting = first_present(&exp, names.waiting);
+    let running = first_present(&exp, names.running);
+    let kv = first_present(&exp, names.kv);
+    let (Some(waiting), Some(running), Some(kv)) = (waiting, running, kv) else {
+        return Err(MissingMetrics {
+            engine: engine.into(),
+            missing: [names.waiting[0], names.running[0], names.kv[0]].to_vec(),
+        });
+    };
+    let mut m = EngineMetrics {
+        waiting: waiting.iter().sum(),
+        running: running.iter().sum(),
+        kv_usage: kv.iter().sum::<f64>() / kv.len() as f64,
+        ..Default::default()
+    };
+    if let Some(info) = exp.samples.iter().find(|s| s.name == names.cache_info) {
+        m.block_size = info
+            .label(names.block_size_label)
+            .and_then(|v| v.parse().ok());
+        m.num_gpu_blocks = info
+            .label(names.num_blocks_label)
+            .and_then(|v| v.parse().ok());
+    }
+    m.prefix_cache_queries = exp
+        .samples
+        .iter()
+        .filter(|s| s.name == "vllm:prefix_cache_queries_total")
+        .map(|s| s.value)
+        .sum();
+    m.prefix_cache_hits = exp
+        .samples
+        .iter()
+        .filter(|s| s.name == "vllm:prefix_cache_hits_total")
+        .map(|s| s.value)
+        .sum();
+    // LoRA: the series with the largest value (a timestamp) is the current one.
+    let lora = exp
+        .samples
+        .iter()
+        .filter(|s| s.name == "vllm:lora_requests_info")
+        .max_by(|a, b| a.value.total_cmp(&b.value));
+    if let Some(l) = lora {
+        let split = |v: Option<&str>| -> Vec<String> {
+            v.unwrap_or("")
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        m.running_loras = split(l.label("running_lora_adapters"));
+        m.waiting_loras = split(l.label("waiting_lora_adapters"));
+        m.max_lora = l.label("max_lora").and_then(|v| v.parse().ok());
+    }
+    Ok(m)
+}
+
+/// Group samples by name, for debugging and tests.
+pub fn names<'a>(exp: &'a Exposition<'a>) -> BTreeMap<&'a str, usize> {
+    let mut m = BTreeMap::new();
+    for s in &exp.samples {
+        *m.entry(s.name).or_insert(0) += 1;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_labels_escapes_and_special_values() {
+        let e = parse("# HELP x y\nfoo{a=\"1\",b=\"x\\\"y,z\"} 3.5 1700000000\nbar 1e3\nbaz{le=\"+Inf\"} +Inf\nbroken{a=\"1\" 2\n{}\n");
+        assert_eq!(e.samples.len(), 3);
+        assert_eq!(e.samples[0].label("b"), Some("x\"y,z"));
+        assert_eq!(e.samples[0].value, 3.5);
+        assert_eq!(e.samples[1].value, 1000.0);
+        assert!(e.samples[2].value.is_infinite());
+        assert_eq!(e.bad_lines, 2);
+    }
+
+    #[test]
+    fn vllm_and_sglang_and_fallback_names() {
+        let v = "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\nvllm:num_requests_waiting{engine=\"1\",model_name=\"m\"} 1.0\n\
+                 vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 4.0\nvllm:gpu_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+                 vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"\"} 1.0\n\
+                 vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"c\",waiting_lora_adapters=\"d\"} 2.0\n";
+        let m = engine_metrics(v, "vllm").unwrap();
+        assert_eq!((m.waiting, m.running, m.kv_usage), (3.0, 4.0, 0.25));
+        assert_eq!(m.running_loras, vec!["c"]);
+        assert_eq!(m.waiting_loras, vec!["d"]);
+        let s = "sglang:num_queue_reqs{tp_rank=\"0\"} 5\nsglang:num_running_reqs 1\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"100\"} 1\n";
+        let m = engine_metrics(s, "sglang").unwrap();
+        assert_eq!(
+            (
+                m.waiting,
+                m.running,
+                m.kv_usage,
+                m.block_size,
+                m.num_gpu_blocks
+            ),
+            (5.0, 1.0, 0.5, Some(64), Some(100))
+        );
+        assert!(engine_metrics("foo 1\n", "vllm").is_err());
+    }
+
+    #[test]
+    fn real_vllm_0_32_capture() {
+        // Ground truth: /metrics of a real vLLM 0.32.0, captured in shared/reference/vllm/.
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/reference/vllm/metrics.under-load.txt"
+        );
+        let Ok(text) = std::fs::read_to_string(path) else {
+            panic!("reference capture missing at {path}");
+        };
+        let e = parse(&text);
+        assert_eq!(e.bad_lines, 0);
+        let m = engine_metrics(&text, "vllm").unwrap();
+        assert_eq!(m.block_size, Some(32));
+        assert_eq!(m.num_gpu_blocks, Some(64));
+        assert_eq!((m.running, m.waiting), (8.0, 0.0));
+        assert!((m.kv_usage - 0.5079365).abs() < 1e-6, "kv {}", m.kv_usage);
+    }
+}

@@ -1,0 +1,121 @@
+//! Metrics scraping: one task per endpoint, every `scrape_interval`, with a timeout.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::RwLock;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn, Instrument};
+
+use crate::prom;
+use crate::state::PoolState;
+
+/// Scrape `address` forever, writing results into `state`.
+pub fn spawn(
+    client: reqwest::Client,
+    state: Arc<RwLock<PoolState>>,
+    address: String,
+    metrics_path: String,
+    engine: String,
+    interval: Duration,
+    timeout: Duration,
+) -> JoinHandle<()> {
+    let span = tracing::info_span!("scrape", endpoint = %address);
+    tokio::spawn(
+        async move {
+            let url = format!("http://{address}{metrics_path}");
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut was_ok = true;
+            loop {
+                tick.tick().await;
+                let res = scrape_once(&client, &url, &engine, timeout).await;
+                match (&res, was_ok) {
+                    (Err(e), true) => warn!(error = %e, "scrape failed"),
+                    (Ok(_), false) => debug!("scrape recovered"),
+                    _ => {}
+                }
+                was_ok = res.is_ok();
+                state
+                    .write()
+                    .await
+                    .record_scrape(&address, res, Instant::now());
+            }
+        }
+        .instrument(span),
+    )
+}
+
+async fn scrape_once(
+    client: &reqwest::Client,
+    url: &str,
+    engine: &str,
+    timeout: Duration,
+) -> Result<prom::EngineMetrics, String> {
+    let resp = client
+        .get(url)
+        .timeout(timeout)
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !resp.status().is_success() {
+        return Err(format!("HTTP {}", resp.status()));
+    }
+    let text = resp.text().await.map_err(|e| e.to_string())?;
+    prom::engine_metrics(&text, engine).map_err(|e| e.to_string())
+}
+
+/// The set of running scrapers, kept in step with discovery.
+pub struct Scrapers {
+    client: reqwest::Client,
+    state: Arc<RwLock<PoolState>>,
+    interval: Duration,
+    timeout: Duration,
+    handles: std::collections::HashMap<String, JoinHandle<()>>,
+}
+
+impl Scrapers {
+    pub fn new(
+        client: reqwest::Client,
+        state: Arc<RwLock<PoolState>>,
+        interval: Duration,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            client,
+            state,
+            interval,
+            timeout,
+            handles: Default::default(),
+        }
+    }
+
+    /// Start scrapers for new endpoints, stop those of endpoints that left, then update the
+    /// pool state's endpoint set.
+    pub async fn apply(&mut self, endpoints: Vec<crate::discovery::StaticEndpoint>) {
+        let wanted: std::collections::HashSet<&str> =
+            endpoints.iter().map(|e| e.address.as_str()).collect();
+        self.handles.retain(|addr, h| {
+            let keep = wanted.contains(addr.as_str());
+            if !keep {
+                h.abort();
+            }
+            keep
+        });
+        for e in &endpoints {
+            if !self.handles.contains_key(&e.address) {
+                let h = spawn(
+                    self.client.clone(),
+                    self.state.clone(),
+                    e.address.clone(),
+                    e.metrics_path.clone(),
+                    e.engine.clone(),
+                    self.interval,
+                    self.timeout,
+                );
+                self.handles.insert(e.address.clone(), h);
+            }
+        }
+        self.state.write().await.set_endpoints(endpoints);
+    }
+}

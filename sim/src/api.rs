@@ -1,0 +1,354 @@
+//! The OpenAI-compatible HTTP API of one simulated engine, shaped like vLLM 0.32's output.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use attache_policies::request::{self, Api, Prompt};
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::engine::{Engine, SimRequest, TokenEvent, Usage};
+use crate::metrics::{self, Gauges};
+use crate::tokenizer;
+
+const FINGERPRINT: &str = "vllm-0.32.0-attache-sim";
+
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: Engine,
+    pub name: String,
+    pub port: u16,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/responses", post(responses))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics_handler))
+        .with_state(state)
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn rand_hex() -> String {
+    let n = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "{:016x}",
+        xxhash_rust::xxh64::xxh64(&n.to_le_bytes(), std::process::id() as u64)
+    )
+}
+
+/// vLLM's error body.
+pub fn error(status: StatusCode, kind: &str, param: Option<&str>, message: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}});
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn with_engine_headers(mut r: Response, st: &AppState) -> Response {
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&st.port.to_string()) {
+        h.insert("x-inference-port", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&st.name) {
+        h.insert("x-inference-pod", v);
+    }
+    r
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize, Default)]
+struct Extra {
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+async fn completions(State(st): State<AppState>, body: Bytes) -> Response {
+    let r = handle(&st, Api::Completions, &body).await;
+    with_engine_headers(r, &st)
+}
+
+async fn chat(State(st): State<AppState>, body: Bytes) -> Response {
+    let r = handle(&st, Api::ChatCompletions, &body).await;
+    with_engine_headers(r, &st)
+}
+
+async fn responses(State(st): State<AppState>, body: Bytes) -> Response {
+    let r = handle(&st, Api::Responses, &body).await;
+    with_engine_headers(r, &st)
+}
+
+async fn models(State(st): State<AppState>) -> Response {
+    let cfg = st.engine.config();
+    let body = json!({"object": "list", "data": [{
+        "id": cfg.model, "object": "model", "created": now_s(), "owned_by": "vllm",
+        "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len,
+    }]});
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn metrics_handler(State(st): State<AppState>) -> Response {
+    let text = {
+        let s = st.engine.lock();
+        let g = Gauges {
+            running: s.num_running(),
+            waiting: s.num_waiting(),
+            kv_usage: s.pool.usage(),
+        };
+        metrics::render(&s.cfg, &s.stats, &g)
+    };
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
+    let req = match request::parse(api, body) {
+        Ok(r) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                None,
+                &e.to_string(),
+            )
+        }
+    };
+    let extra: Extra = serde_json::from_slice(body).unwrap_or_default();
+    let cfg = st.engine.config();
+    if req.model != cfg.model {
+        return error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            Some("model"),
+            &format!("The model `{}` does not exist.", req.model),
+        );
+    }
+    let prompt = match &req.prompt {
+        Prompt::Text(t) => tokenizer::encode(t, true),
+        Prompt::Tokens(t) => t.clone(),
+    };
+    let max_tokens = req.max_tokens.unwrap_or(16) as usize;
+    if prompt.len() + max_tokens > cfg.max_model_len {
+        let msg = format!(
+            "This model's maximum context length is {} tokens. However, your request has {} input tokens and requests {} output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={})",
+            cfg.max_model_len,
+            prompt.len(),
+            max_tokens,
+            prompt.len()
+        );
+        return error(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            Some("input_tokens"),
+            &msg,
+        );
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    st.engine.submit(SimRequest {
+        prompt,
+        max_tokens,
+        tx,
+    });
+    let include_usage = extra
+        .stream_options
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    let model = req.model.clone();
+    match (api, req.stream) {
+        (Api::Responses, _) => non_stream(api, model, rx).await,
+        (_, false) => non_stream(api, model, rx).await,
+        (_, true) => stream(api, model, rx, include_usage),
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "completion_tokens": u.completion_tokens,
+        "prompt_tokens_details": if u.cached_tokens > 0 { json!({"cached_tokens": u.cached_tokens}) } else { Value::Null },
+        "completion_tokens_details": null,
+    })
+}
+
+async fn non_stream(
+    api: Api,
+    model: String,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+) -> Response {
+    let mut text = String::new();
+    let mut usage = None;
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            TokenEvent::Token(t) => text.push_str(tokenizer::decode_token(t)),
+            TokenEvent::Done(u) => {
+                usage = Some(u);
+                break;
+            }
+        }
+    }
+    let Some(u) = usage else {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            None,
+            "engine dropped the request",
+        );
+    };
+    let created = now_s();
+    let body = match api {
+        Api::Completions => json!({
+            "id": format!("cmpl-{}", rand_hex()), "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null,
+                         "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null, "routed_experts": null}],
+            "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage_json(&u),
+            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
+        }),
+        Api::ChatCompletions => json!({
+            "id": format!("chatcmpl-{}", rand_hex()), "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
+                         "audio": null, "function_call": null, "reasoning": null},
+                         "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null, "token_ids": null, "routed_experts": null}],
+            "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage_json(&u),
+            "prompt_logprobs": null, "prompt_token_ids": null, "prompt_text": null,
+            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
+        }),
+        Api::Responses => json!({
+            "id": format!("resp_{}", rand_hex()), "object": "response", "created_at": created, "model": model,
+            "status": "completed",
+            "output": [{"type": "message", "id": format!("msg_{}", rand_hex()), "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                      "total_tokens": u.prompt_tokens + u.completion_tokens,
+                      "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        }),
+    };
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn sse(v: &Value) -> Result<Bytes, Infallible> {
+    Ok(Bytes::from(format!("data: {v}\n\n")))
+}
+
+fn stream(
+    api: Api,
+    model: String,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    include_usage: bool,
+) -> Response {
+    let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let created = now_s();
+    let chat = api == Api::ChatCompletions;
+    let id = if chat {
+        format!("chatcmpl-{}", rand_hex())
+    } else {
+        format!("cmpl-{}", rand_hex())
+    };
+    tokio::spawn(async move {
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        if chat {
+            let first = json!({"id": id, "object": object, "created": created, "model": model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
+                "prompt_token_ids": null, "prompt_text": null});
+            if out_tx.send(sse(&first)).await.is_err() {
+                return;
+            }
+        }
+        let mut pending: Option<u32> = None;
+        let chunk = |tok: u32, finish: Option<&str>| -> Value {
+            let text = tokenizer::decode_token(tok);
+            if chat {
+                let mut c = json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "token_ids": null});
+                if finish.is_some() {
+                    c["stop_reason"] = Value::Null;
+                }
+                json!({"id": id, "object": object, "created": created, "model": model, "choices": [c]})
+            } else {
+                json!({"id": id, "object": object, "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null,
+                                 "prompt_token_ids": null, "token_ids": null}]})
+            }
+        };
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                TokenEvent::Token(t) => {
+                    if let Some(p) = pending.replace(t) {
+                        if out_tx.send(sse(&chunk(p, None))).await.is_err() {
+                            return; // client went away; dropping rx aborts the request
+                        }
+                    }
+                }
+                TokenEvent::Done(u) => {
+                    if let Some(p) = pending.take() {
+                        let _ = out_tx.send(sse(&chunk(p, Some(u.finish_reason)))).await;
+                    }
+                    if include_usage {
+                        let v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [],
+                            "usage": {"prompt_tokens": u.prompt_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens,
+                                      "completion_tokens": u.completion_tokens}, "system_fingerprint": FINGERPRINT});
+                        let _ = out_tx.send(sse(&v)).await;
+                    }
+                    let _ = out_tx
+                        .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+                        .await;
+                    return;
+                }
+            }
+        }
+    });
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(out_rx));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}

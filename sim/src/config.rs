@@ -1,0 +1,38 @@
+//! Engine configuration.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct EngineConfig {
+    /// Served model name.
+    pub model: String,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV capacity in blocks.
+    pub num_gpu_blocks: usize,
+    /// Maximum concurrently running sequences.
+    pub max_num_seqs: usize,
+    /// Token budget of one scheduler step.
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output accepted.
+    pub max_model_len: usize,
+    /// Multiplies every simulated step time (0.1 = ten times faster than modelled).
+    pub time_scale: f64,
+    /// Enable prefix caching.
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            model: "tinyllama".into(),
+            block_size: 16,
+            num_gpu_blocks: 2048,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 2048,
+            max_model_len: 131_072,
+            time_scale: 1.0,
+            enable_prefix_caching: true,
+        }
+    }
+}

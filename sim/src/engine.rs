@@ -1,0 +1,543 @@
+//! The engine: a step-level scheduler in the style of vLLM V1.
+//!
+//! Each step spends a token budget on the running set first (one token per decoding sequence,
+//! a chunk for each sequence still in prefill), then admits waiting requests FCFS while
+//! `max_num_seqs` and the KV pool allow. Admission looks up the longest cached block prefix;
+//! only uncached tokens cost prefill time. A decoding sequence that needs a block when none is
+//! free preempts the newest running sequence (recompute). The step then "runs" for the
+//! modelled time multiplied by `time_scale`, and its tokens are delivered.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Notify};
+
+use crate::block_hash::{self, Digest32};
+use crate::config::EngineConfig;
+use crate::kv::{BlockId, BlockPool};
+use crate::latency;
+use crate::metrics::Stats;
+
+/// What a request receives from the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenEvent {
+    Token(u32),
+    Done(Usage),
+}
+
+/// Token accounting of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+    pub finish_reason: &'static str,
+}
+
+/// A request as submitted by the API layer.
+pub struct SimRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub tx: mpsc::UnboundedSender<TokenEvent>,
+}
+
+struct Seq {
+    id: u64,
+    /// Tokens to prefill (the prompt, plus generated tokens after a preemption).
+    prefill: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    output: Vec<u32>,
+    tx: mpsc::UnboundedSender<TokenEvent>,
+    blocks: Vec<BlockId>,
+    /// Digests of every full block of prompt + output computed so far.
+    digests: Vec<Digest32>,
+    num_computed: usize,
+    cached_tokens: usize,
+    arrival: Instant,
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+impl Seq {
+    fn total_len(&self) -> usize {
+        self.prefill.len()
+            + self
+                .output
+                .len()
+                .saturating_sub(self.prefill.len() - self.prompt_len)
+    }
+    fn in_prefill(&self) -> bool {
+        self.num_computed < self.prefill.len()
+    }
+    fn tokens(&self) -> impl Iterator<Item = u32> + '_ {
+        let extra = self.prefill.len() - self.prompt_len;
+        self.prefill
+            .iter()
+            .copied()
+            .chain(self.output.iter().skip(extra).copied())
+    }
+}
+
+/// The engine's mutable state.
+pub struct EngineState {
+    pub cfg: EngineConfig,
+    pub pool: BlockPool,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    pub stats: Stats,
+    next_id: u64,
+    seed: Digest32,
+}
+
+impl EngineState {
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+}
+
+/// A shared handle on one simulated engine.
+#[derive(Clone)]
+pub struct Engine {
+    state: Arc<Mutex<EngineState>>,
+    wake: Arc<Notify>,
+}
+
+enum Planned {
+    Prefill { id: u64, tokens: usize },
+    Decode { id: u64 },
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Self {
+        let pool = BlockPool::new(cfg.num_gpu_blocks);
+        Self {
+            state: Arc::new(Mutex::new(EngineState {
+                pool,
+                waiting: VecDeque::new(),
+                running: Vec::new(),
+                stats: Stats::new(),
+                next_id: 0,
+                seed: block_hash::none_hash(None),
+                cfg,
+            })),
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, EngineState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn config(&self) -> EngineConfig {
+        self.lock().cfg.clone()
+    }
+
+    /// Queue a request.
+    pub fn submit(&self, req: SimRequest) {
+        let mut st = self.lock();
+        st.next_id += 1;
+        let id = st.next_id;
+        let prompt_len = req.prompt.len();
+        st.waiting.push_back(Seq {
+            id,
+            prefill: req.prompt,
+            prompt_len,
+            max_tokens: req.max_tokens.max(1),
+            output: Vec::new(),
+            tx: req.tx,
+            blocks: Vec::new(),
+            digests: Vec::new(),
+            num_computed: 0,
+            cached_tokens: 0,
+            arrival: Instant::now(),
+            scheduled: None,
+            first_token: None,
+            last_token: None,
+        });
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Run the step loop forever.
+    pub async fn run(self) {
+        loop {
+            let (planned, ms) = {
+                let mut st = self.lock();
+                drop_aborted(&mut st);
+                let planned = plan_step(&mut st);
+                let (mut p, mut d) = (0, 0);
+                for x in &planned {
+                    match x {
+                        Planned::Prefill { tokens, .. } => p += tokens,
+                        Planned::Decode { .. } => d += 1,
+                    }
+                }
+                let ms = latency::step_ms(p, d, st.pool.usage()) * st.cfg.time_scale;
+                if !planned.is_empty() {
+                    st.stats.iteration_tokens.observe((p + d) as f64);
+                }
+                (planned, ms)
+            };
+            if planned.is_empty() {
+                let _ = tokio::time::timeout(Duration::from_millis(50), self.wake.notified()).await;
+                continue;
+            }
+            tokio::time::sleep(Duration::from_secs_f64(ms.max(0.0) / 1000.0)).await;
+            let mut st = self.lock();
+            apply_step(&mut st, &planned);
+        }
+    }
+}
+
+fn finish(st: &mut EngineState, seq: Seq, reason: &'static str) {
+    st.pool.release(&seq.blocks);
+    let now = Instant::now();
+    let usage = Usage {
+        prompt_tokens: seq.prompt_len,
+        completion_tokens: seq.output.len(),
+        cached_tokens: seq.cached_tokens,
+        finish_reason: reason,
+    };
+    if reason != "abort" {
+        st.stats.success(reason);
+        st.stats
+            .e2e
+            .observe(now.duration_since(seq.arrival).as_secs_f64());
+        st.stats.generation_hist.observe(seq.output.len() as f64);
+        st.stats.prompt_hist.observe(seq.prompt_len as f64);
+        if let (Some(s), Some(f)) = (seq.scheduled, seq.first_token) {
+            st.stats
+                .prefill_time
+                .observe(f.duration_since(s).as_secs_f64());
+            st.stats
+                .decode_time
+                .observe(now.duration_since(f).as_secs_f64());
+        }
+    } else {
+        st.stats.success("abort");
+    }
+    let _ = seq.tx.send(TokenEvent::Done(usage));
+}
+
+fn drop_aborted(st: &mut EngineState) {
+    let mut i = 0;
+    while i < st.running.len() {
+        if st.running[i].tx.is_closed() {
+            let s = st.running.remove(i);
+            finish(st, s, "abort");
+        } else {
+            i += 1;
+        }
+    }
+    let before = st.waiting.len();
+    st.waiting.retain(|s| !s.tx.is_closed());
+    for _ in st.waiting.len()..before {
+        st.stats.success("abort");
+    }
+}
+
+/// Preempt the newest running sequence other than `keep`; returns false if there is none.
+fn preempt(st: &mut EngineState, keep: u64) -> bool {
+    let Some(pos) = st.running.iter().rposition(|s| s.id != keep) else {
+        return false;
+    };
+    let mut s = st.running.remove(pos);
+    st.pool.release(&s.blocks);
+    s.blocks.clear();
+    s.digests.clear();
+    // Recompute: prefill the prompt and what was generated so far.
+    let toks: Vec<u32> = s.tokens().collect();
+    s.prefill = toks;
+    s.num_computed = 0;
+    st.stats.preemptions += 1;
+    st.waiting.push_front(s);
+    true
+}
+
+fn plan_step(st: &mut EngineState) -> Vec<Planned> {
+    let bs = st.cfg.block_size.max(1);
+    let mut budget = st.cfg.max_num_batched_tokens.max(1);
+    let mut planned = Vec::new();
+
+    // 1. The running set: prefill chunks and decodes.
+    let mut i = 0;
+    while i < st.running.len() && budget > 0 {
+        let id = st.running[i].id;
+        if st.running[i].in_prefill() {
+            let n = (st.running[i].prefill.len() - st.running[i].num_computed).min(budget);
+            budget -= n;
+            planned.push(Planned::Prefill { id, tokens: n });
+            i += 1;
+            continue;
+        }
+        // Decoding: make room for one more token.
+        let need_block = st.running[i].total_len() + 1 > st.running[i].blocks.len() * bs;
+        if need_block {
+            let got = loop {
+                if let Some(b) = st.pool.allocate(1) {
+                    break Some(b);
+                }
+                if !preempt(st, id) {
+                    break None;
+                }
+            };
+            // Preemption may have removed sequences before i; find ours again.
+            let Some(pos) = st.running.iter().position(|s| s.id == id) else {
+                break;
+            };
+            i = pos;
+            match got {
+                Some(b) => st.running[i].blocks.extend(b),
+                None => {
+                    i += 1;
+                    continue;
+                }
+            }
+        }
+        budget -= 1;
+        planned.push(Planned::Decode { id });
+        i += 1;
+    }
+
+    // 2. Admit waiting requests.
+    while budget > 0 && st.running.len() < st.cfg.max_num_seqs {
+        let Some(seq) = st.waiting.front() else { break };
+        let len = seq.prefill.len();
+        let digests = if st.cfg.enable_prefix_caching {
+            block_hash::chain(&st.seed, &seq.prefill, bs)
+        } else {
+            Vec::new()
+        };
+        let ids: Vec<u64> = digests.iter().map(block_hash::event_id).collect();
+        // vLLM always recomputes at least the last prompt token.
+        let hit = st.pool.longest_cached(&ids).min(len.saturating_sub(1) / bs);
+        let total_blocks = len.div_ceil(bs).max(1);
+        let hit_blocks = st.pool.acquire_cached(&ids[..hit]);
+        let Some(fresh) = st.pool.allocate(total_blocks - hit) else {
+            st.pool.release(&hit_blocks);
+            break;
+        };
+        let Some(mut seq) = st.waiting.pop_front() else {
+            break;
+        };
+        st.stats.prefix_queries += len as u64;
+        st.stats.prefix_hits += (hit * bs) as u64;
+        let now = Instant::now();
+        if seq.scheduled.is_none() {
+            st.stats
+                .queue_time
+                .observe(now.duration_since(seq.arrival).as_secs_f64());
+            seq.scheduled = Some(now);
+            seq.cached_tokens = hit * bs;
+        }
+        seq.blocks = hit_blocks;
+        seq.blocks.extend(fresh);
+        seq.digests = digests;
+        seq.num_computed = hit * bs;
+        let n = (len - seq.num_computed).min(budget);
+        budget -= n;
+        planned.push(Planned::Prefill {
+            id: seq.id,
+            tokens: n,
+        });
+        st.running.push(seq);
+    }
+    planned
+}
+
+fn store_full_blocks(st: &mut EngineState, idx: usize) {
+    let bs = st.cfg.block_size.max(1);
+    if !st.cfg.enable_prefix_caching {
+        return;
+    }
+    let s = &st.running[idx];
+    let computed_tokens = if s.in_prefill() {
+        s.num_computed
+    } else {
+        s.total_len()
+    };
+    let full = computed_tokens / bs;
+    let mut new_digests = Vec::new();
+    if full > s.digests.len() {
+        let toks: Vec<u32> = s.tokens().collect();
+        let mut prev = s.digests.last().copied().unwrap_or(st.seed);
+        for b in s.digests.len()..full {
+            prev = block_hash::block_digest(&prev, &toks[b * bs..(b + 1) * bs]);
+            new_digests.push(prev);
+        }
+    }
+    let s = &mut st.running[idx];
+    s.digests.extend(new_digests);
+    let pairs: Vec<(BlockId, u64)> = (0..full)
+        .filter_map(|b| Some((*s.blocks.get(b)?, block_hash::event_id(s.digests.get(b)?))))
+        .collect();
+    let mut stored = Vec::new();
+    for (id, h) in pairs {
+        if st.pool.store(id, h) {
+            stored.push(h);
+        }
+    }
+    if !stored.is_empty() {
+        st.pool.events.push(crate::kv::KvEvent::Stored(stored));
+    }
+}
+
+fn emit_token(st: &mut EngineState, idx: usize, now: Instant) -> bool {
+    let s = &mut st.running[idx];
+    let tok = 3
+        + ((s.id as u32)
+            .wrapping_mul(2654435761)
+            .wrapping_add(s.output.len() as u32)
+            % 31_997);
+    s.output.push(tok);
+    match s.first_token {
+        None => {
+            s.first_token = Some(now);
+            let ttft = now.duration_since(s.arrival).as_secs_f64();
+            st.stats.ttft.observe(ttft);
+        }
+        Some(_) => {
+            if let Some(l) = s.last_token {
+                let itl = now.duration_since(l).as_secs_f64();
+                st.stats.itl.observe(itl);
+            }
+        }
+    }
+    let s = &mut st.running[idx];
+    s.last_token = Some(now);
+    st.stats.generation_tokens += 1;
+    let _ = s.tx.send(TokenEvent::Token(tok));
+    s.output.len() >= s.max_tokens
+}
+
+fn apply_step(st: &mut EngineState, planned: &[Planned]) {
+    let now = Instant::now();
+    let mut done = Vec::new();
+    for p in planned {
+        let id = match p {
+            Planned::Prefill { id, .. } | Planned::Decode { id } => *id,
+        };
+        let Some(idx) = st.running.iter().position(|s| s.id == id) else {
+            continue;
+        };
+        let finished = match p {
+            Planned::Prefill { tokens, .. } => {
+                st.running[idx].num_computed += tokens;
+                st.stats.prompt_tokens += *tokens as u64;
+                store_full_blocks(st, idx);
+                if st.running[idx].in_prefill() {
+                    false
+                } else {
+                    emit_token(st, idx, now)
+                }
+            }
+            Planned::Decode { .. } => {
+                let f = emit_token(st, idx, now);
+                store_full_blocks(st, idx);
+                f
+            }
+        };
+        if finished {
+            done.push(id);
+        }
+    }
+    for id in done {
+        if let Some(idx) = st.running.iter().position(|s| s.id == id) {
+            let s = st.running.remove(idx);
+            finish(st, s, "length");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> EngineConfig {
+        EngineConfig {
+            block_size: 4,
+            num_gpu_blocks: 16,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            time_scale: 0.0,
+            ..Default::default()
+        }
+    }
+
+    async fn run_one(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        e.submit(SimRequest {
+            prompt,
+            max_tokens,
+            tx,
+        });
+        let mut toks = Vec::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                TokenEvent::Token(t) => toks.push(t),
+                TokenEvent::Done(u) => return (toks, u),
+            }
+        }
+        panic!("engine dropped the request");
+    }
+
+    #[tokio::test]
+    async fn prefix_hits_counted_and_all_tokens_delivered() {
+        let e = Engine::new(cfg());
+        tokio::spawn(e.clone().run());
+        let prompt: Vec<u32> = (10..30).collect(); // 20 tokens = 5 blocks
+        let (t, u) = run_one(&e, prompt.clone(), 3).await;
+        assert_eq!(t.len(), 3);
+        assert_eq!(
+            (
+                u.prompt_tokens,
+                u.completion_tokens,
+                u.cached_tokens,
+                u.finish_reason
+            ),
+            (20, 3, 0, "length")
+        );
+        let (_, u) = run_one(&e, prompt.clone(), 2).await;
+        assert_eq!(
+            u.cached_tokens, 16,
+            "4 full blocks hit; the last token is always recomputed"
+        );
+        let st = e.lock();
+        assert_eq!(st.stats.prefix_queries, 40);
+        assert_eq!(st.stats.prefix_hits, 16);
+        assert_eq!(st.pool.usage(), 0.0, "all blocks released");
+    }
+
+    #[tokio::test]
+    async fn eviction_under_pressure_and_preemption_completes_everything() {
+        let e = Engine::new(EngineConfig {
+            num_gpu_blocks: 12,
+            ..cfg()
+        });
+        tokio::spawn(e.clone().run());
+        let mut handles = Vec::new();
+        for i in 0..6u32 {
+            let e = e.clone();
+            handles.push(tokio::spawn(async move {
+                run_one(&e, (i * 100..i * 100 + 12).collect(), 20).await
+            }));
+        }
+        for h in handles {
+            let (t, u) = h.await.unwrap();
+            assert_eq!(t.len(), 20);
+            assert_eq!(u.completion_tokens, 20);
+        }
+        let st = e.lock();
+        assert!(
+            st.stats.preemptions > 0,
+            "12 blocks cannot hold 4 x 8 blocks of decode"
+        );
+        assert_eq!(st.num_running() + st.num_waiting(), 0);
+    }
+}

@@ -1,0 +1,14 @@
+//! A vLLM-compatible engine simulator: vLLM's wire formats on top of a step-level scheduling,
+//! KV-cache and latency model.
+
+pub mod api;
+pub mod block_hash;
+pub mod config;
+pub mod engine;
+pub mod kv;
+pub mod latency;
+pub mod metrics;
+pub mod tokenizer;
+
+pub use config::EngineConfig;
+pub use engine::Engine;

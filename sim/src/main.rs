@@ -1,0 +1,86 @@
+//! `attache-sim`: serve N simulated vLLM engines on N consecutive ports.
+
+use clap::Parser;
+use tracing::info;
+
+use attache_sim::api::{self, AppState};
+use attache_sim::{Engine, EngineConfig};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "attache-sim",
+    about = "vLLM-compatible engine simulator",
+    version
+)]
+struct Args {
+    /// Number of engines.
+    #[arg(long, default_value_t = 1)]
+    engines: u16,
+    /// Listen address.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port of the first engine; engine i listens on base_port + i.
+    #[arg(long, default_value_t = 18001)]
+    base_port: u16,
+    /// Served model name.
+    #[arg(long, default_value = "tinyllama")]
+    model: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV capacity in blocks, per engine.
+    #[arg(long, default_value_t = 2048)]
+    num_gpu_blocks: usize,
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    #[arg(long, default_value_t = 131072)]
+    max_model_len: usize,
+    /// Multiplies every simulated step time.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Disable prefix caching.
+    #[arg(long)]
+    no_prefix_caching: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let a = Args::parse();
+    let mut servers = Vec::new();
+    for i in 0..a.engines {
+        let port = a.base_port + i;
+        let cfg = EngineConfig {
+            model: a.model.clone(),
+            block_size: a.block_size,
+            num_gpu_blocks: a.num_gpu_blocks,
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            max_model_len: a.max_model_len.min(a.block_size * a.num_gpu_blocks),
+            time_scale: a.time_scale,
+            enable_prefix_caching: !a.no_prefix_caching,
+        };
+        let engine = Engine::new(cfg);
+        tokio::spawn(engine.clone().run());
+        let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
+        let app = api::router(AppState {
+            engine,
+            name: format!("sim-{port}"),
+            port,
+        });
+        info!(port, "engine listening");
+        servers.push(tokio::spawn(
+            async move { axum::serve(listener, app).await },
+        ));
+    }
+    for s in servers {
+        s.await??;
+    }
+    Ok(())
+}
