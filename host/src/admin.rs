@@ -15,10 +15,7 @@ pub struct AdminState {
 }
 
 pub fn router(state: AdminState) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/v1/snapshot", get(snapshot))
-        .with_state(state)
+    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/v1/snapshot", get(snapshot)).with_state(state)
 }
 
 async fn snapshot(State(st): State<AdminState>) -> Json<Value> {

@@ -46,15 +46,9 @@ pub struct StaticEndpoints {
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
     #[error("reading {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    Read { path: String, source: std::io::Error },
     #[error("parsing {path}: {source}")]
-    Parse {
-        path: String,
-        source: serde_yaml::Error,
-    },
+    Parse { path: String, source: serde_yaml::Error },
     #[error("{path}: endpoint `{address}` is not ip:port")]
     BadAddress { path: String, address: String },
 }
@@ -62,16 +56,10 @@ pub enum DiscoveryError {
 impl StaticEndpoints {
     pub fn parse(path: &str, text: &str) -> Result<Self, DiscoveryError> {
         let eps: StaticEndpoints =
-            serde_yaml::from_str(text).map_err(|source| DiscoveryError::Parse {
-                path: path.into(),
-                source,
-            })?;
+            serde_yaml::from_str(text).map_err(|source| DiscoveryError::Parse { path: path.into(), source })?;
         for e in &eps.endpoints {
             if e.address.parse::<std::net::SocketAddr>().is_err() {
-                return Err(DiscoveryError::BadAddress {
-                    path: path.into(),
-                    address: e.address.clone(),
-                });
+                return Err(DiscoveryError::BadAddress { path: path.into(), address: e.address.clone() });
             }
         }
         Ok(eps)
@@ -79,10 +67,7 @@ impl StaticEndpoints {
 
     pub fn load(path: &Path) -> Result<Self, DiscoveryError> {
         let p = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| DiscoveryError::Read {
-            path: p.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|source| DiscoveryError::Read { path: p.clone(), source })?;
         Self::parse(&p, &text)
     }
 }
@@ -93,11 +78,7 @@ mod tests {
 
     #[test]
     fn parses_with_defaults_and_rejects_bad_addresses() {
-        let e = StaticEndpoints::parse(
-            "f",
-            "endpoints:\n  - address: 127.0.0.1:1\n    models: [m]\n",
-        )
-        .unwrap();
+        let e = StaticEndpoints::parse("f", "endpoints:\n  - address: 127.0.0.1:1\n    models: [m]\n").unwrap();
         assert_eq!(e.endpoints[0].role, "both");
         assert_eq!(e.endpoints[0].engine, "vllm");
         assert_eq!(e.endpoints[0].metrics_path, "/metrics");
@@ -105,9 +86,6 @@ mod tests {
             StaticEndpoints::parse("f", "endpoints:\n  - address: nope\n    models: [m]\n"),
             Err(DiscoveryError::BadAddress { .. })
         ));
-        assert!(matches!(
-            StaticEndpoints::parse("f", "endpoints: 3"),
-            Err(DiscoveryError::Parse { .. })
-        ));
+        assert!(matches!(StaticEndpoints::parse("f", "endpoints: 3"), Err(DiscoveryError::Parse { .. })));
     }
 }

@@ -13,11 +13,7 @@ use tokio::sync::RwLock;
 use tracing::{error, info, warn};
 
 #[derive(Parser)]
-#[command(
-    name = "attache",
-    about = "Attaché: an inference scheduler inside Envoy",
-    version
-)]
+#[command(name = "attache", about = "Attaché: an inference scheduler inside Envoy", version)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -45,21 +41,13 @@ enum Cmd {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     match Cli::parse().cmd {
-        Cmd::Host {
-            config,
-            endpoints,
-            grpc_listen,
-            admin_listen,
-        } => {
+        Cmd::Host { config, endpoints, grpc_listen, admin_listen } => {
             let mut cfg = match config {
                 Some(p) => HostConfig::from_yaml(
-                    &std::fs::read_to_string(&p)
-                        .with_context(|| format!("reading {}", p.display()))?,
+                    &std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?,
                 )
                 .with_context(|| format!("parsing {}", p.display()))?,
                 None => HostConfig::default(),
@@ -81,9 +69,7 @@ async fn main() -> anyhow::Result<()> {
 async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
     let state = Arc::new(RwLock::new(PoolState::default()));
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(2)
-        .build()?;
+    let client = reqwest::Client::builder().pool_max_idle_per_host(2).build()?;
 
     // Validate the endpoints file before binding any port.
     let initial = match &cfg.endpoints_file {
@@ -100,25 +86,16 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
         .add_service(push::Snapshots::new(rx.clone(), cfg.heartbeat()).into_server());
-    let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen)
-        .await
-        .with_context(|| format!("binding {}", cfg.grpc_listen))?;
+    let grpc_listener =
+        tokio::net::TcpListener::bind(cfg.grpc_listen).await.with_context(|| format!("binding {}", cfg.grpc_listen))?;
     let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
         .await
         .with_context(|| format!("binding {}", cfg.admin_listen))?;
     info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
 
     // Discovery: apply the file now and re-read it when it changes.
-    let mut scrapers = scrape::Scrapers::new(
-        client,
-        state.clone(),
-        cfg.scrape_interval(),
-        cfg.scrape_timeout(),
-    );
-    info!(
-        endpoints = initial.endpoints.len(),
-        "discovery: static file loaded"
-    );
+    let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout());
+    info!(endpoints = initial.endpoints.len(), "discovery: static file loaded");
     scrapers.apply(initial.endpoints).await;
     if let Some(path) = cfg.endpoints_file.clone() {
         tokio::spawn(async move {
@@ -132,10 +109,7 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
                 last = now;
                 match StaticEndpoints::load(&path) {
                     Ok(eps) => {
-                        info!(
-                            endpoints = eps.endpoints.len(),
-                            "discovery: static file reloaded"
-                        );
+                        info!(endpoints = eps.endpoints.len(), "discovery: static file reloaded");
                         scrapers.apply(eps.endpoints).await;
                     }
                     Err(e) => warn!(error = %e, "discovery: keeping the previous endpoints"),
@@ -144,13 +118,8 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         });
     }
 
-    let admin = axum::serve(
-        admin_listener,
-        admin::router(admin::AdminState { snapshots: rx }),
-    );
-    let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(
-        grpc_listener,
-    ));
+    let admin = axum::serve(admin_listener, admin::router(admin::AdminState { snapshots: rx }));
+    let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
     tokio::select! {
         r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }
         r = admin => { if let Err(e) = r { error!(error = %e, "admin server stopped"); } }

@@ -16,10 +16,7 @@ pub struct Sample<'a> {
 
 impl Sample<'_> {
     pub fn label(&self, k: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(n, _)| *n == k)
-            .map(|(_, v)| v.as_str())
+        self.labels.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str())
     }
 }
 
@@ -79,9 +76,7 @@ pub fn parse(text: &str) -> Exposition<'_> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let name_end = line
-            .find(|c: char| c == '{' || c.is_whitespace())
-            .unwrap_or(line.len());
+        let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).unwrap_or(line.len());
         let Some(name) = line.get(..name_end) else {
             out.bad_lines += 1;
             continue;
@@ -93,11 +88,7 @@ pub fn parse(text: &str) -> Exposition<'_> {
             parse_value(rest).map(|v| (Vec::new(), v))
         };
         match parsed {
-            Some((labels, value)) if !name.is_empty() => out.samples.push(Sample {
-                name,
-                labels,
-                value,
-            }),
+            Some((labels, value)) if !name.is_empty() => out.samples.push(Sample { name, labels, value }),
             _ => out.bad_lines += 1,
         }
     }
@@ -159,12 +150,7 @@ pub struct MissingMetrics {
 
 fn first_present(exp: &Exposition<'_>, names: &[&'static str]) -> Option<Vec<f64>> {
     names.iter().find_map(|n| {
-        let v: Vec<f64> = exp
-            .samples
-            .iter()
-            .filter(|s| s.name == *n)
-            .map(|s| s.value)
-            .collect();
+        let v: Vec<f64> = exp.samples.iter().filter(|s| s.name == *n).map(|s| s.value).collect();
         (!v.is_empty()).then_some(v)
     })
 }
@@ -189,38 +175,19 @@ pub fn engine_metrics(text: &str, engine: &str) -> Result<EngineMetrics, Missing
         ..Default::default()
     };
     if let Some(info) = exp.samples.iter().find(|s| s.name == names.cache_info) {
-        m.block_size = info
-            .label(names.block_size_label)
-            .and_then(|v| v.parse().ok());
-        m.num_gpu_blocks = info
-            .label(names.num_blocks_label)
-            .and_then(|v| v.parse().ok());
+        m.block_size = info.label(names.block_size_label).and_then(|v| v.parse().ok());
+        m.num_gpu_blocks = info.label(names.num_blocks_label).and_then(|v| v.parse().ok());
     }
-    m.prefix_cache_queries = exp
-        .samples
-        .iter()
-        .filter(|s| s.name == "vllm:prefix_cache_queries_total")
-        .map(|s| s.value)
-        .sum();
-    m.prefix_cache_hits = exp
-        .samples
-        .iter()
-        .filter(|s| s.name == "vllm:prefix_cache_hits_total")
-        .map(|s| s.value)
-        .sum();
+    m.prefix_cache_queries =
+        exp.samples.iter().filter(|s| s.name == "vllm:prefix_cache_queries_total").map(|s| s.value).sum();
+    m.prefix_cache_hits =
+        exp.samples.iter().filter(|s| s.name == "vllm:prefix_cache_hits_total").map(|s| s.value).sum();
     // LoRA: the series with the largest value (a timestamp) is the current one.
-    let lora = exp
-        .samples
-        .iter()
-        .filter(|s| s.name == "vllm:lora_requests_info")
-        .max_by(|a, b| a.value.total_cmp(&b.value));
+    let lora =
+        exp.samples.iter().filter(|s| s.name == "vllm:lora_requests_info").max_by(|a, b| a.value.total_cmp(&b.value));
     if let Some(l) = lora {
         let split = |v: Option<&str>| -> Vec<String> {
-            v.unwrap_or("")
-                .split(',')
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned)
-                .collect()
+            v.unwrap_or("").split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
         };
         m.running_loras = split(l.label("running_lora_adapters"));
         m.waiting_loras = split(l.label("waiting_lora_adapters"));
@@ -266,13 +233,7 @@ mod tests {
         let s = "sglang:num_queue_reqs{tp_rank=\"0\"} 5\nsglang:num_running_reqs 1\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"100\"} 1\n";
         let m = engine_metrics(s, "sglang").unwrap();
         assert_eq!(
-            (
-                m.waiting,
-                m.running,
-                m.kv_usage,
-                m.block_size,
-                m.num_gpu_blocks
-            ),
+            (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks),
             (5.0, 1.0, 0.5, Some(64), Some(100))
         );
         assert!(engine_metrics("foo 1\n", "vllm").is_err());
@@ -281,10 +242,7 @@ mod tests {
     #[test]
     fn real_vllm_0_32_capture() {
         // Ground truth: /metrics of a real vLLM 0.32.0, captured in shared/reference/vllm/.
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/reference/vllm/metrics.under-load.txt"
-        );
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/vllm/metrics.under-load.txt");
         let Ok(text) = std::fs::read_to_string(path) else {
             panic!("reference capture missing at {path}");
         };

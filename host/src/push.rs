@@ -20,17 +20,11 @@ use tracing::{debug, info};
 use crate::state::PoolState;
 
 fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 
 fn full(s: &v1::Snapshot) -> v1::Update {
-    v1::Update {
-        kind: Some(update::Kind::Full(s.clone())),
-        sent_unix_ns: now_ns(),
-    }
+    v1::Update { kind: Some(update::Kind::Full(s.clone())), sent_unix_ns: now_ns() }
 }
 
 /// Publish a new snapshot version whenever the pool state changes, at most once per
@@ -41,11 +35,7 @@ pub fn spawn_publisher(
     interval: Duration,
     unready_after: Duration,
 ) -> watch::Receiver<Arc<v1::Snapshot>> {
-    let initial = Arc::new(v1::Snapshot {
-        version: 0,
-        host_epoch: epoch,
-        ..Default::default()
-    });
+    let initial = Arc::new(v1::Snapshot { version: 0, host_epoch: epoch, ..Default::default() });
     let (tx, rx) = watch::channel(initial);
     tokio::spawn(async move {
         let mut version = 0u64;
@@ -66,11 +56,7 @@ pub fn spawn_publisher(
             drop(st);
             last_ready = ready;
             version += 1;
-            debug!(
-                version,
-                endpoints = snap.endpoints.len(),
-                "publishing snapshot"
-            );
+            debug!(version, endpoints = snap.endpoints.len(), "publishing snapshot");
             if tx.send(Arc::new(snap)).is_err() {
                 break;
             }
@@ -101,10 +87,7 @@ type UpdateStream = Pin<Box<dyn Stream<Item = Result<v1::Update, Status>> + Send
 impl SnapshotService for Snapshots {
     type SubscribeStream = UpdateStream;
 
-    async fn subscribe(
-        &self,
-        req: Request<v1::SubscribeRequest>,
-    ) -> Result<Response<Self::SubscribeStream>, Status> {
+    async fn subscribe(&self, req: Request<v1::SubscribeRequest>) -> Result<Response<Self::SubscribeStream>, Status> {
         let node = req.into_inner().node;
         info!(%node, "subscriber connected");
         let mut rx = self.rx.clone();

@@ -36,10 +36,7 @@ pub fn spawn(
                     _ => {}
                 }
                 was_ok = res.is_ok();
-                state
-                    .write()
-                    .await
-                    .record_scrape(&address, res, Instant::now());
+                state.write().await.record_scrape(&address, res, Instant::now());
             }
         }
         .instrument(span),
@@ -52,12 +49,7 @@ async fn scrape_once(
     engine: &str,
     timeout: Duration,
 ) -> Result<prom::EngineMetrics, String> {
-    let resp = client
-        .get(url)
-        .timeout(timeout)
-        .send()
-        .await
-        .map_err(|e| e.to_string())?;
+    let resp = client.get(url).timeout(timeout).send().await.map_err(|e| e.to_string())?;
     if !resp.status().is_success() {
         return Err(format!("HTTP {}", resp.status()));
     }
@@ -75,26 +67,14 @@ pub struct Scrapers {
 }
 
 impl Scrapers {
-    pub fn new(
-        client: reqwest::Client,
-        state: Arc<RwLock<PoolState>>,
-        interval: Duration,
-        timeout: Duration,
-    ) -> Self {
-        Self {
-            client,
-            state,
-            interval,
-            timeout,
-            handles: Default::default(),
-        }
+    pub fn new(client: reqwest::Client, state: Arc<RwLock<PoolState>>, interval: Duration, timeout: Duration) -> Self {
+        Self { client, state, interval, timeout, handles: Default::default() }
     }
 
     /// Start scrapers for new endpoints, stop those of endpoints that left, then update the
     /// pool state's endpoint set.
     pub async fn apply(&mut self, endpoints: Vec<crate::discovery::StaticEndpoint>) {
-        let wanted: std::collections::HashSet<&str> =
-            endpoints.iter().map(|e| e.address.as_str()).collect();
+        let wanted: std::collections::HashSet<&str> = endpoints.iter().map(|e| e.address.as_str()).collect();
         self.handles.retain(|addr, h| {
             let keep = wanted.contains(addr.as_str());
             if !keep {

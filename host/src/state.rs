@@ -51,39 +51,35 @@ impl PoolState {
         self.generation += 1;
     }
 
-    pub fn record_scrape(
-        &mut self,
-        address: &str,
-        result: Result<EngineMetrics, String>,
-        now: Instant,
-    ) {
+    pub fn record_scrape(&mut self, address: &str, result: Result<EngineMetrics, String>, now: Instant) {
         let Some(e) = self.endpoints.get_mut(address) else {
             return;
         };
-        match result {
+        // Only a change of what the filters see bumps the generation; readiness that changes
+        // with time alone (metrics ageing out) is caught by the publisher.
+        let changed = match result {
             Ok(m) => {
+                let changed = e.metrics.as_ref() != Some(&m) || e.consecutive_failures > 0;
                 e.metrics = Some(m);
                 e.last_ok = Some(now);
                 e.consecutive_failures = 0;
                 e.last_error = None;
+                changed
             }
             Err(err) => {
                 e.consecutive_failures += 1;
                 e.last_error = Some(err);
+                e.consecutive_failures == 1
             }
+        };
+        if changed {
+            self.generation += 1;
         }
-        self.generation += 1;
     }
 
     /// Build the wire snapshot. An endpoint whose last good scrape is older than
     /// `unready_after` (or that never answered) is marked not ready.
-    pub fn snapshot(
-        &self,
-        version: u64,
-        epoch: u64,
-        now: Instant,
-        unready_after: Duration,
-    ) -> v1::Snapshot {
+    pub fn snapshot(&self, version: u64, epoch: u64, now: Instant, unready_after: Duration) -> v1::Snapshot {
         let endpoints = self
             .endpoints
             .values()
@@ -110,10 +106,7 @@ impl PoolState {
         v1::Snapshot {
             version,
             host_epoch: epoch,
-            generated_unix_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
-                .unwrap_or(0),
+            generated_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
             endpoints,
         }
     }
@@ -138,14 +131,7 @@ mod tests {
         let mut p = PoolState::default();
         p.set_endpoints(vec![spec("1.1.1.1:1"), spec("1.1.1.2:1")]);
         let t0 = Instant::now();
-        p.record_scrape(
-            "1.1.1.1:1",
-            Ok(EngineMetrics {
-                waiting: 3.0,
-                ..Default::default()
-            }),
-            t0,
-        );
+        p.record_scrape("1.1.1.1:1", Ok(EngineMetrics { waiting: 3.0, ..Default::default() }), t0);
         p.record_scrape("1.1.1.2:1", Err("refused".into()), t0);
         let s = p.snapshot(1, 9, t0, Duration::from_secs(1));
         assert!(s.endpoints[0].ready && s.endpoints[0].has_metrics);
@@ -157,9 +143,6 @@ mod tests {
         p.set_endpoints(vec![spec("1.1.1.1:1")]);
         assert!(p.generation > g);
         assert_eq!(p.endpoints.len(), 1);
-        assert!(
-            p.endpoints["1.1.1.1:1"].metrics.is_some(),
-            "metrics survive rediscovery"
-        );
+        assert!(p.endpoints["1.1.1.1:1"].metrics.is_some(), "metrics survive rediscovery");
     }
 }

@@ -4,22 +4,20 @@
 use serde::{Deserialize, Serialize};
 
 /// Weights of the built-in scorers. Defaults follow llm-d's default profile
-/// (`reference/llmd.md` §1.2): prefix 3, queue 2, kv-cache 2.
+/// (`reference/llmd.md` §1.2): prefix 3, queue 2, kv-cache 2; plus `no-hit-lru` 1.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct ScorerWeights {
     pub prefix: f64,
     pub queue: f64,
     pub kv_cache: f64,
+    /// `no-hit-lru`: spreads cold prefixes over the pool (weight 1, llm-d's default weight).
+    pub no_hit_lru: f64,
 }
 
 impl Default for ScorerWeights {
     fn default() -> Self {
-        Self {
-            prefix: 3.0,
-            queue: 2.0,
-            kv_cache: 2.0,
-        }
+        Self { prefix: 3.0, queue: 2.0, kv_cache: 2.0, no_hit_lru: 1.0 }
     }
 }
 
@@ -35,6 +33,9 @@ pub struct PrefixConfig {
     pub bytes_per_token: usize,
     /// Maximum number of (block, endpoint-set) entries the approximate index holds.
     pub index_capacity: usize,
+    /// Slots of the table that shares routing decisions between Envoy workers (shared data).
+    /// Each holds one (block hash, endpoint) pair of about 30 bytes; 0 disables sharing.
+    pub shared_slots: u64,
 }
 
 impl Default for PrefixConfig {
@@ -44,12 +45,16 @@ impl Default for PrefixConfig {
             max_prefix_tokens: 131_072,
             bytes_per_token: 4,
             index_capacity: 200_000,
+            shared_slots: 65_536,
         }
     }
 }
 
 /// When an endpoint counts as saturated and is filtered out (unless every endpoint is).
-/// Defaults follow llm-d's utilization detector (queue 5, kv 0.8; `reference/llmd.md` §2).
+/// The queue default follows llm-d's utilization detector (5 waiting requests;
+/// `reference/llmd.md` §2). The KV default is higher than the detector's 0.8: running requests
+/// that share a cached prefix all reference its blocks, so an endpoint that holds hot prefixes
+/// sits near 0.8 by design, and filtering it there would defeat prefix affinity.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SaturationConfig {
@@ -61,11 +66,7 @@ pub struct SaturationConfig {
 
 impl Default for SaturationConfig {
     fn default() -> Self {
-        Self {
-            queue_threshold: 5.0,
-            kv_threshold: 0.8,
-            metrics_stale_ms: 1_000,
-        }
+        Self { queue_threshold: 5.0, kv_threshold: 0.95, metrics_stale_ms: 1_000 }
     }
 }
 

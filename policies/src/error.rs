@@ -44,13 +44,7 @@ pub struct ErrorResponse {
 }
 
 impl ErrorResponse {
-    pub fn new(
-        status: u16,
-        reason: &'static str,
-        kind: &str,
-        param: Option<&str>,
-        message: &str,
-    ) -> Self {
+    pub fn new(status: u16, reason: &'static str, kind: &str, param: Option<&str>, message: &str) -> Self {
         let body = serde_json::json!({
             "error": {
                 "message": message,
@@ -60,11 +54,7 @@ impl ErrorResponse {
             }
         })
         .to_string();
-        Self {
-            status,
-            reason,
-            body,
-        }
+        Self { status, reason, body }
     }
 }
 
@@ -72,16 +62,10 @@ impl From<&RequestError> for ErrorResponse {
     fn from(e: &RequestError) -> Self {
         let msg = e.to_string();
         match e {
-            RequestError::BodyTooLarge { .. } => ErrorResponse::new(
-                413,
-                "body_too_large",
-                "RequestEntityTooLargeError",
-                None,
-                &msg,
-            ),
-            RequestError::MalformedJson(_)
-            | RequestError::NotAnObject
-            | RequestError::EmptyBody => {
+            RequestError::BodyTooLarge { .. } => {
+                ErrorResponse::new(413, "body_too_large", "RequestEntityTooLargeError", None, &msg)
+            }
+            RequestError::MalformedJson(_) | RequestError::NotAnObject | RequestError::EmptyBody => {
                 ErrorResponse::new(400, "malformed_body", "BadRequestError", None, &msg)
             }
             RequestError::MissingModel => {
@@ -120,19 +104,10 @@ mod tests {
         assert_eq!(v["error"]["type"], "NotFoundError");
         assert_eq!(v["error"]["code"], 404);
         assert_eq!(v["error"]["param"], "model");
-        assert!(v["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("nope"));
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains("nope"));
 
-        assert_eq!(
-            ErrorResponse::from(&RequestError::MalformedJson("x".into())).status,
-            400
-        );
-        assert_eq!(
-            ErrorResponse::from(&RequestError::BodyTooLarge { size: 2, limit: 1 }).status,
-            413
-        );
+        assert_eq!(ErrorResponse::from(&RequestError::MalformedJson("x".into())).status, 400);
+        assert_eq!(ErrorResponse::from(&RequestError::BodyTooLarge { size: 2, limit: 1 }).status, 413);
         assert_eq!(ErrorResponse::from(&ScheduleError::NoEndpoints).status, 503);
     }
 }

@@ -12,11 +12,7 @@ pub fn by_model(endpoints: &[Endpoint], candidates: &mut Vec<usize>, model: &str
 
 /// Keep ready endpoints that can take whole requests (role `both` or `decode`).
 pub fn by_health(endpoints: &[Endpoint], candidates: &mut Vec<usize>) {
-    candidates.retain(|&i| {
-        endpoints
-            .get(i)
-            .is_some_and(|e| e.ready && e.role != Role::Prefill)
-    });
+    candidates.retain(|&i| endpoints.get(i).is_some_and(|e| e.ready && e.role != Role::Prefill));
 }
 
 /// Whether an endpoint's fresh metrics say it is saturated.
@@ -29,11 +25,8 @@ pub fn is_saturated(e: &Endpoint, cfg: &SaturationConfig) -> bool {
 
 /// Drop saturated endpoints, unless every candidate is saturated.
 pub fn by_saturation(endpoints: &[Endpoint], candidates: &mut Vec<usize>, cfg: &SaturationConfig) {
-    let keep: Vec<usize> = candidates
-        .iter()
-        .copied()
-        .filter(|&i| endpoints.get(i).is_some_and(|e| !is_saturated(e, cfg)))
-        .collect();
+    let keep: Vec<usize> =
+        candidates.iter().copied().filter(|&i| endpoints.get(i).is_some_and(|e| !is_saturated(e, cfg))).collect();
     if !keep.is_empty() {
         *candidates = keep;
     }
@@ -50,31 +43,17 @@ mod tests {
             models: vec!["m".into()],
             role: Role::Both,
             ready: true,
-            metrics: Some(EndpointMetrics {
-                waiting,
-                running: 0.0,
-                kv_usage: kv,
-                age_ms: age,
-            }),
+            metrics: Some(EndpointMetrics { waiting, running: 0.0, kv_usage: kv, age_ms: age }),
         }
     }
 
     #[test]
     fn saturation_drops_busy_but_never_all() {
         let cfg = SaturationConfig::default();
-        let eps = vec![
-            ep("a", 10.0, 0.1, 0),
-            ep("b", 0.0, 0.9, 0),
-            ep("c", 1.0, 0.1, 0),
-            ep("d", 50.0, 0.1, 99_999),
-        ];
+        let eps = vec![ep("a", 10.0, 0.1, 0), ep("b", 0.0, 0.97, 0), ep("c", 1.0, 0.1, 0), ep("d", 50.0, 0.1, 99_999)];
         let mut c = vec![0, 1, 2, 3];
         by_saturation(&eps, &mut c, &cfg);
-        assert_eq!(
-            c,
-            vec![2, 3],
-            "stale metrics do not count as saturation here"
-        );
+        assert_eq!(c, vec![2, 3], "stale metrics do not count as saturation here");
         let mut c = vec![0, 1];
         by_saturation(&eps, &mut c, &cfg);
         assert_eq!(c, vec![0, 1]);
@@ -82,11 +61,7 @@ mod tests {
 
     #[test]
     fn model_and_health() {
-        let mut eps = vec![
-            ep("a", 0.0, 0.0, 0),
-            ep("b", 0.0, 0.0, 0),
-            ep("c", 0.0, 0.0, 0),
-        ];
+        let mut eps = vec![ep("a", 0.0, 0.0, 0), ep("b", 0.0, 0.0, 0), ep("c", 0.0, 0.0, 0)];
         eps[1].ready = false;
         eps[2].models = vec!["other".into()];
         let mut c = vec![0, 1, 2];

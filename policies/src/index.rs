@@ -25,11 +25,7 @@ const MAX_ENDPOINTS_PER_BLOCK: usize = 8;
 impl ApproxPrefixIndex {
     pub fn new(capacity: usize) -> Self {
         let cap = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
-        Self {
-            blocks: LruCache::new(cap),
-            ids: HashMap::new(),
-            names: Vec::new(),
-        }
+        Self { blocks: LruCache::new(cap), ids: HashMap::new(), names: Vec::new() }
     }
 
     pub fn len(&self) -> usize {
@@ -97,9 +93,7 @@ impl ApproxPrefixIndex {
                 break;
             }
         }
-        run.into_iter()
-            .filter_map(|(id, n)| self.names.get(id as usize).map(|a| (a.clone(), n)))
-            .collect()
+        run.into_iter().filter_map(|(id, n)| self.names.get(id as usize).map(|a| (a.clone(), n))).collect()
     }
 
     /// Forget an endpoint (it left the pool).
@@ -140,5 +134,98 @@ mod tests {
         assert_eq!(ix.match_lengths(&[99]).get("a:1"), Some(&1));
         ix.forget("a:1");
         assert!(ix.match_lengths(&[99]).is_empty());
+    }
+}
+
+/// A bounded table shared by every Envoy worker (shared data in the filter): slot → (block
+/// hash, endpoint). It lets a worker learn where *another* worker sent a prefix. Writes
+/// overwrite colliding slots, so its size never exceeds `slots` entries.
+pub trait AffinityStore {
+    fn load(&mut self, slot: u64) -> Option<(u64, String)>;
+    fn store(&mut self, slot: u64, hash: u64, endpoint: &str);
+}
+
+/// Block positions recorded in and probed from the shared table: 0, 1, 3, 7, 15, … and the
+/// last block. A hit at position `i` proves the endpoint was sent the first `i + 1` blocks.
+pub fn probe_points(n_blocks: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut i = 1usize;
+    while i <= n_blocks {
+        v.push(i - 1);
+        i = i.saturating_mul(2);
+    }
+    if n_blocks > 0 && v.last() != Some(&(n_blocks - 1)) {
+        v.push(n_blocks - 1);
+    }
+    v
+}
+
+fn slot_of(hash: u64, slots: u64) -> u64 {
+    hash % slots.max(1)
+}
+
+/// Record a decision in the shared table.
+pub fn shared_record(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64], endpoint: &str) {
+    for i in probe_points(hashes.len()) {
+        if let Some(h) = hashes.get(i) {
+            store.store(slot_of(*h, slots), *h, endpoint);
+        }
+    }
+}
+
+/// Endpoints the shared table says hold a prefix of `hashes`, with the number of leading
+/// blocks proven: the deepest probe point that still matches, per endpoint.
+pub fn shared_matches(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64]) -> HashMap<String, usize> {
+    let mut out: HashMap<String, usize> = HashMap::new();
+    for i in probe_points(hashes.len()) {
+        let Some(h) = hashes.get(i) else { break };
+        match store.load(slot_of(*h, slots)) {
+            Some((stored, ep)) if stored == *h => {
+                let e = out.entry(ep).or_insert(0);
+                *e = (*e).max(i + 1);
+            }
+            // Deeper blocks of a chain cannot match if this one does not.
+            _ => break,
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod shared_tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Mem(std::collections::HashMap<u64, (u64, String)>);
+    impl AffinityStore for Mem {
+        fn load(&mut self, slot: u64) -> Option<(u64, String)> {
+            self.0.get(&slot).cloned()
+        }
+        fn store(&mut self, slot: u64, hash: u64, endpoint: &str) {
+            self.0.insert(slot, (hash, endpoint.to_owned()));
+        }
+    }
+
+    #[test]
+    fn probe_points_are_logarithmic_and_end_at_the_last_block() {
+        assert_eq!(probe_points(0), Vec::<usize>::new());
+        assert_eq!(probe_points(1), vec![0]);
+        assert_eq!(probe_points(10), vec![0, 1, 3, 7, 9]);
+        assert_eq!(probe_points(16), vec![0, 1, 3, 7, 15]);
+    }
+
+    #[test]
+    fn another_worker_learns_the_prefix_and_the_table_stays_bounded() {
+        let mut m = Mem::default();
+        let a: Vec<u64> = (100..120).collect();
+        shared_record(&mut m, 64, &a, "e1:1");
+        let mut b = a[..10].to_vec();
+        b.extend([7, 8, 9]);
+        assert_eq!(shared_matches(&mut m, 64, &b).get("e1:1"), Some(&8), "probe 7 matches, probe 12 does not");
+        assert!(shared_matches(&mut m, 64, &[5, 6]).is_empty());
+        for i in 0..10_000u64 {
+            shared_record(&mut m, 64, &[i], "e2:1");
+        }
+        assert!(m.0.len() <= 64);
     }
 }

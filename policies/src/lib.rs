@@ -26,4 +26,4 @@ pub use endpoint::{Endpoint, EndpointMetrics, PoolState, Role};
 pub use error::{ErrorResponse, RequestError, ScheduleError};
 pub use index::ApproxPrefixIndex;
 pub use request::{Api, InferenceRequest, Prompt};
-pub use scheduler::{Decision, Scheduler, SchedulingInput};
+pub use scheduler::{Decision, Scheduler, SchedulerState, SchedulingInput};

@@ -9,20 +9,10 @@ pub fn max_score(scores: &[f64], max: usize, seed: u64) -> Vec<usize> {
     let mut order: Vec<(usize, f64, u64)> = scores
         .iter()
         .enumerate()
-        .map(|(i, &s)| {
-            (
-                i,
-                if s.is_finite() { s } else { f64::NEG_INFINITY },
-                rng.next_u64(),
-            )
-        })
+        .map(|(i, &s)| (i, if s.is_finite() { s } else { f64::NEG_INFINITY }, rng.next_u64()))
         .collect();
     order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.2.cmp(&b.2)));
-    order
-        .into_iter()
-        .take(max.max(1))
-        .map(|(i, _, _)| i)
-        .collect()
+    order.into_iter().take(max.max(1)).map(|(i, _, _)| i).collect()
 }
 
 #[cfg(test)]
@@ -34,12 +24,8 @@ mod tests {
         assert_eq!(max_score(&[0.1, 0.9, 0.5], 3, 1), vec![1, 2, 0]);
         assert_eq!(max_score(&[0.1, 0.9, 0.5], 1, 1), vec![1]);
         assert_eq!(max_score(&[f64::NAN, 0.2], 2, 1), vec![1, 0]);
-        let firsts: std::collections::HashSet<usize> =
-            (0..64).map(|s| max_score(&[1.0; 4], 1, s)[0]).collect();
-        assert!(
-            firsts.len() >= 3,
-            "ties should spread over candidates, got {firsts:?}"
-        );
+        let firsts: std::collections::HashSet<usize> = (0..64).map(|s| max_score(&[1.0; 4], 1, s)[0]).collect();
+        assert!(firsts.len() >= 3, "ties should spread over candidates, got {firsts:?}");
         assert_eq!(max_score(&[1.0; 4], 4, 9), max_score(&[1.0; 4], 4, 9));
     }
 }

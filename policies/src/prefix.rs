@@ -30,12 +30,7 @@ fn chain(prev: u64, block: &[u8]) -> u64 {
 }
 
 /// Block hashes of `prompt`, at most `max_prefix_tokens / block_size_tokens` (rounded up).
-pub fn block_hashes(
-    cfg: &PrefixConfig,
-    model: &str,
-    cache_salt: Option<&str>,
-    prompt: &Prompt,
-) -> Vec<u64> {
+pub fn block_hashes(cfg: &PrefixConfig, model: &str, cache_salt: Option<&str>, prompt: &Prompt) -> Vec<u64> {
     let block_tokens = cfg.block_size_tokens.max(1);
     let mut prev = chain_seed(model, cache_salt);
     match prompt {
@@ -68,9 +63,7 @@ pub fn block_hashes(
         Prompt::Tokens(ids) => {
             let mut ids = ids.as_slice();
             if cfg.max_prefix_tokens > 0 {
-                ids = ids
-                    .get(..cfg.max_prefix_tokens.min(ids.len()))
-                    .unwrap_or(ids);
+                ids = ids.get(..cfg.max_prefix_tokens.min(ids.len())).unwrap_or(ids);
             }
             let mut out = Vec::with_capacity(ids.len().div_ceil(block_tokens));
             let mut buf = Vec::with_capacity(block_tokens * 4);
@@ -98,24 +91,15 @@ mod tests {
             max_prefix_tokens: cap,
             bytes_per_token: 4,
             index_capacity: 1000,
+            shared_slots: 0,
         }
     }
 
     #[test]
     fn shared_prefix_shares_leading_hashes() {
         let c = cfg(4, 0); // 16 bytes per block
-        let a = block_hashes(
-            &c,
-            "m",
-            None,
-            &Prompt::Text("0123456789abcdef0123456789abcdefXXXX".into()),
-        );
-        let b = block_hashes(
-            &c,
-            "m",
-            None,
-            &Prompt::Text("0123456789abcdef0123456789abcdefYYYY".into()),
-        );
+        let a = block_hashes(&c, "m", None, &Prompt::Text("0123456789abcdef0123456789abcdefXXXX".into()));
+        let b = block_hashes(&c, "m", None, &Prompt::Text("0123456789abcdef0123456789abcdefYYYY".into()));
         assert_eq!(a.len(), 3);
         assert_eq!(a[..2], b[..2]);
         assert_ne!(a[2], b[2]);

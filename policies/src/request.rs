@@ -201,10 +201,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
     }
     let b: Body = serde_json::from_slice(body).map_err(|e| {
         if e.is_data() {
-            RequestError::InvalidField {
-                field: "body",
-                detail: e.to_string(),
-            }
+            RequestError::InvalidField { field: "body", detail: e.to_string() }
         } else {
             RequestError::MalformedJson(e.to_string())
         }
@@ -244,20 +241,12 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         },
         Api::Responses => match b.input {
             Some(InputField::Text(t)) => {
-                let ms = [Message {
-                    role: Some("user".into()),
-                    content: Some(Content::Text(t)),
-                    output: None,
-                }];
-                (
-                    Prompt::Text(render_messages(b.instructions.as_deref(), &ms)),
-                    1,
-                )
+                let ms = [Message { role: Some("user".into()), content: Some(Content::Text(t)), output: None }];
+                (Prompt::Text(render_messages(b.instructions.as_deref(), &ms)), 1)
             }
-            Some(InputField::Items(items)) if !items.is_empty() => (
-                Prompt::Text(render_messages(b.instructions.as_deref(), &items)),
-                1,
-            ),
+            Some(InputField::Items(items)) if !items.is_empty() => {
+                (Prompt::Text(render_messages(b.instructions.as_deref(), &items)), 1)
+            }
             _ => return Err(RequestError::MissingField("input")),
         },
     };
@@ -267,10 +256,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         prompt,
         num_prompts,
         stream: b.stream.unwrap_or(false),
-        max_tokens: b
-            .max_tokens
-            .or(b.max_completion_tokens)
-            .or(b.max_output_tokens),
+        max_tokens: b.max_tokens.or(b.max_completion_tokens).or(b.max_output_tokens),
         cache_salt: b.cache_salt,
         priority: b.priority,
         user: b.user,
@@ -289,17 +275,18 @@ mod tests {
     #[test]
     fn api_from_path() {
         assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
-        assert_eq!(
-            Api::from_path("/v1/chat/completions?x=1"),
-            Some(Api::ChatCompletions)
-        );
+        assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
         assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
         assert_eq!(Api::from_path("/v1/models"), None);
     }
 
     #[test]
     fn completions_all_prompt_shapes() {
-        let r = p(Api::Completions, r#"{"model":"m","prompt":"hello","stream":true,"max_tokens":5,"cache_salt":"s","priority":-1,"user":"u"}"#).unwrap();
+        let r = p(
+            Api::Completions,
+            r#"{"model":"m","prompt":"hello","stream":true,"max_tokens":5,"cache_salt":"s","priority":-1,"user":"u"}"#,
+        )
+        .unwrap();
         assert_eq!(r.model, "m");
         assert_eq!(r.prompt, Prompt::Text("hello".into()));
         assert!(r.stream);
@@ -314,14 +301,8 @@ mod tests {
         assert_eq!(r.prompt, Prompt::Tokens(vec![1, 2, 3]));
         let r = p(Api::Completions, r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap();
         assert_eq!((r.prompt, r.num_prompts), (Prompt::Tokens(vec![4, 5]), 2));
-        assert_eq!(
-            p(Api::Completions, r#"{"model":"m","prompt":[]}"#),
-            Err(RequestError::MissingField("prompt"))
-        );
-        assert_eq!(
-            p(Api::Completions, r#"{"model":"m"}"#),
-            Err(RequestError::MissingField("prompt"))
-        );
+        assert_eq!(p(Api::Completions, r#"{"model":"m","prompt":[]}"#), Err(RequestError::MissingField("prompt")));
+        assert_eq!(p(Api::Completions, r#"{"model":"m"}"#), Err(RequestError::MissingField("prompt")));
     }
 
     #[test]
@@ -331,10 +312,7 @@ mod tests {
             r#"{"model":"m","messages":[{"role":"system","content":"be terse"},{"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"there"}]}],"max_completion_tokens":9}"#,
         )
         .unwrap();
-        assert_eq!(
-            r.prompt,
-            Prompt::Text("system: be terse\nuser: hi\nthere\nassistant:".into())
-        );
+        assert_eq!(r.prompt, Prompt::Text("system: be terse\nuser: hi\nthere\nassistant:".into()));
         assert_eq!(r.max_tokens, Some(9));
         assert_eq!(
             p(Api::ChatCompletions, r#"{"model":"m","messages":[]}"#),
@@ -344,44 +322,27 @@ mod tests {
 
     #[test]
     fn responses_input_and_instructions() {
-        let r = p(Api::Responses, r#"{"model":"m","input":"q","instructions":"sys","previous_response_id":"resp_1","max_output_tokens":3}"#).unwrap();
-        assert_eq!(
-            r.prompt,
-            Prompt::Text("system: sys\nuser: q\nassistant:".into())
-        );
+        let r = p(
+            Api::Responses,
+            r#"{"model":"m","input":"q","instructions":"sys","previous_response_id":"resp_1","max_output_tokens":3}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, Prompt::Text("system: sys\nuser: q\nassistant:".into()));
         assert_eq!(r.previous_response_id.as_deref(), Some("resp_1"));
         assert_eq!(r.max_tokens, Some(3));
         let r = p(Api::Responses, r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"a"}]},{"type":"function_call_output","output":"42"}]}"#).unwrap();
-        assert_eq!(
-            r.prompt,
-            Prompt::Text("user: a\nuser: 42\nassistant:".into())
-        );
+        assert_eq!(r.prompt, Prompt::Text("user: a\nuser: 42\nassistant:".into()));
     }
 
     #[test]
     fn bad_bodies_are_typed_errors() {
-        assert!(matches!(
-            p(Api::Completions, "{not json"),
-            Err(RequestError::MalformedJson(_))
-        ));
-        assert!(matches!(
-            p(Api::Completions, "hello world"),
-            Err(RequestError::MalformedJson(_))
-        ));
+        assert!(matches!(p(Api::Completions, "{not json"), Err(RequestError::MalformedJson(_))));
+        assert!(matches!(p(Api::Completions, "hello world"), Err(RequestError::MalformedJson(_))));
         assert_eq!(p(Api::Completions, "[1,2]"), Err(RequestError::NotAnObject));
         assert_eq!(p(Api::Completions, "   "), Err(RequestError::EmptyBody));
-        assert_eq!(
-            p(Api::Completions, r#"{"prompt":"x"}"#),
-            Err(RequestError::MissingModel)
-        );
-        assert_eq!(
-            p(Api::Completions, r#"{"model":"","prompt":"x"}"#),
-            Err(RequestError::MissingModel)
-        );
-        assert!(matches!(
-            p(Api::Completions, r#"{"model":5,"prompt":"x"}"#),
-            Err(RequestError::InvalidField { .. })
-        ));
+        assert_eq!(p(Api::Completions, r#"{"prompt":"x"}"#), Err(RequestError::MissingModel));
+        assert_eq!(p(Api::Completions, r#"{"model":"","prompt":"x"}"#), Err(RequestError::MissingModel));
+        assert!(matches!(p(Api::Completions, r#"{"model":5,"prompt":"x"}"#), Err(RequestError::InvalidField { .. })));
         assert!(matches!(
             p(Api::Completions, r#"{"model":"m","prompt":[-1]}"#),
             Err(RequestError::InvalidField { .. })
@@ -391,14 +352,8 @@ mod tests {
     #[test]
     fn arbitrary_bytes_never_panic() {
         // A cheap exhaustive-ish sweep; the fuzz target covers the rest.
-        let seeds: [&[u8]; 6] = [
-            b"{",
-            b"{\"model\":",
-            b"\xff\xfe",
-            b"{\"model\":\"m\",\"prompt\":[[[]]]}",
-            b"null",
-            b"{\"messages\":{}}",
-        ];
+        let seeds: [&[u8]; 6] =
+            [b"{", b"{\"model\":", b"\xff\xfe", b"{\"model\":\"m\",\"prompt\":[[[]]]}", b"null", b"{\"messages\":{}}"];
         for s in seeds {
             for api in [Api::Completions, Api::ChatCompletions, Api::Responses] {
                 let _ = parse(api, s);

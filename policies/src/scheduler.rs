@@ -17,6 +17,9 @@ pub struct SchedulingInput<'a> {
     pub inflight: &'a HashMap<String, u32>,
     /// Seed for the picker's tie-break.
     pub seed: u64,
+    /// Prefix matches learned elsewhere (other Envoy workers, see
+    /// [`crate::index::shared_matches`]): endpoint → leading blocks held.
+    pub extra_matches: Option<&'a HashMap<String, usize>>,
 }
 
 /// One scored candidate, for the decision log and metrics.
@@ -26,6 +29,7 @@ pub struct ScoredEndpoint {
     pub prefix: f64,
     pub queue: f64,
     pub kv_cache: f64,
+    pub no_hit_lru: f64,
     pub total: f64,
     pub matched_blocks: usize,
 }
@@ -41,12 +45,27 @@ pub struct Decision {
     pub candidates: usize,
     /// Blocks the request hashed to.
     pub total_blocks: usize,
+    /// No candidate held any of the request's prefix.
+    pub cold: bool,
 }
 
 impl Decision {
     /// `x-gateway-destination-endpoint` value: `ip:port[,fallback…]`.
     pub fn header_value(&self) -> String {
         self.endpoints.join(",")
+    }
+}
+
+/// The scheduler's mutable state: what one scheduler instance (an Envoy worker, the
+/// simulator's router) has learned from its own decisions.
+pub struct SchedulerState {
+    pub index: ApproxPrefixIndex,
+    pub no_hit_lru: scorer::NoHitLru,
+}
+
+impl SchedulerState {
+    pub fn new(config: &SchedulerConfig) -> Self {
+        Self { index: ApproxPrefixIndex::new(config.prefix.index_capacity), no_hit_lru: scorer::NoHitLru::default() }
     }
 }
 
@@ -61,12 +80,16 @@ impl Scheduler {
         Self { config }
     }
 
+    pub fn new_state(&self) -> SchedulerState {
+        SchedulerState::new(&self.config)
+    }
+
     /// Choose endpoints for a request.
     pub fn schedule(
         &self,
         input: &SchedulingInput<'_>,
         pool: &PoolState,
-        index: &mut ApproxPrefixIndex,
+        state: &mut SchedulerState,
     ) -> Result<Decision, ScheduleError> {
         let eps = &pool.endpoints;
         if eps.is_empty() {
@@ -84,29 +107,31 @@ impl Scheduler {
         filter::by_saturation(eps, &mut cands, &self.config.saturation);
 
         let chosen: Vec<&crate::Endpoint> = cands.iter().filter_map(|&i| eps.get(i)).collect();
-        let matches = if input.block_hashes.is_empty() {
-            HashMap::new()
-        } else {
-            index.match_lengths(input.block_hashes)
-        };
+        let matches =
+            if input.block_hashes.is_empty() { HashMap::new() } else { state.index.match_lengths(input.block_hashes) };
         let matched: Vec<usize> = chosen
             .iter()
-            .map(|e| matches.get(&e.address).copied().unwrap_or(0))
+            .map(|e| {
+                let local = matches.get(&e.address).copied().unwrap_or(0);
+                let extra = input.extra_matches.and_then(|m| m.get(&e.address)).copied().unwrap_or(0);
+                local.max(extra)
+            })
             .collect();
-        let inflight: Vec<u32> = chosen
-            .iter()
-            .map(|e| input.inflight.get(&e.address).copied().unwrap_or(0))
-            .collect();
+        let cold = matched.iter().all(|&m| m == 0);
+        let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
         let sat = &self.config.saturation;
         let w = &self.config.weights;
         let s_prefix = scorer::prefix(&matched, input.block_hashes.len());
         let s_queue = scorer::queue(&chosen, &inflight, sat);
         let s_kv = scorer::kv_cache(&chosen, sat);
+        let s_lru = scorer::no_hit_lru(&chosen, cold, &state.no_hit_lru);
+        let at = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
         let totals: Vec<f64> = (0..chosen.len())
             .map(|i| {
-                w.prefix * s_prefix.get(i).copied().unwrap_or(0.0)
-                    + w.queue * s_queue.get(i).copied().unwrap_or(0.0)
-                    + w.kv_cache * s_kv.get(i).copied().unwrap_or(0.0)
+                w.prefix * at(&s_prefix, i)
+                    + w.queue * at(&s_queue, i)
+                    + w.kv_cache * at(&s_kv, i)
+                    + w.no_hit_lru * at(&s_lru, i)
             })
             .collect();
         let order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
@@ -118,6 +143,7 @@ impl Scheduler {
                     prefix: *s_prefix.get(i)?,
                     queue: *s_queue.get(i)?,
                     kv_cache: *s_kv.get(i)?,
+                    no_hit_lru: *s_lru.get(i)?,
                     total: *totals.get(i)?,
                     matched_blocks: *matched.get(i)?,
                 })
@@ -131,13 +157,18 @@ impl Scheduler {
             scores,
             candidates: chosen.len(),
             total_blocks: input.block_hashes.len(),
+            cold,
         })
     }
 
-    /// Record a decision in the approximate index (llm-d's `PreRequest` step).
-    pub fn commit(&self, decision: &Decision, block_hashes: &[u64], index: &mut ApproxPrefixIndex) {
+    /// Record a decision (llm-d's `PreRequest` step): the approximate index learns where the
+    /// prefix went, and a cold request moves its endpoint to the back of the no-hit LRU.
+    pub fn commit(&self, decision: &Decision, block_hashes: &[u64], state: &mut SchedulerState) {
         if let Some(primary) = decision.endpoints.first() {
-            index.record(block_hashes, primary);
+            state.index.record(block_hashes, primary);
+            if decision.cold {
+                state.no_hit_lru.record(primary);
+            }
         }
     }
 }
@@ -164,23 +195,12 @@ mod tests {
         }
     }
 
-    fn run(
-        s: &Scheduler,
-        pool: &PoolState,
-        ix: &mut ApproxPrefixIndex,
-        prompt: &str,
-        seed: u64,
-    ) -> Decision {
+    fn run(s: &Scheduler, pool: &PoolState, ix: &mut SchedulerState, prompt: &str, seed: u64) -> Decision {
         let hashes = block_hashes(&s.config.prefix, "m", None, &Prompt::Text(prompt.into()));
         let inflight = HashMap::new();
         let d = s
             .schedule(
-                &SchedulingInput {
-                    model: "m",
-                    block_hashes: &hashes,
-                    inflight: &inflight,
-                    seed,
-                },
+                &SchedulingInput { model: "m", block_hashes: &hashes, inflight: &inflight, seed, extra_matches: None },
                 pool,
                 ix,
             )
@@ -193,7 +213,7 @@ mod tests {
     fn shared_prefix_sticks_and_unrelated_spread() {
         let s = Scheduler::default();
         let p = pool(4);
-        let mut ix = ApproxPrefixIndex::new(10_000);
+        let mut ix = s.new_state();
         let prefix = "You are a helpful assistant. ".repeat(100);
         let first = run(&s, &p, &mut ix, &format!("{prefix} question 0"), 1);
         for q in 1..10 {
@@ -204,42 +224,21 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for g in 0..40 {
             seen.insert(
-                run(
-                    &s,
-                    &p,
-                    &mut ix,
-                    &format!("{g} unrelated group {g} ").repeat(50),
-                    1000 + g,
-                )
-                .endpoints[0]
-                    .clone(),
+                run(&s, &p, &mut ix, &format!("{g} unrelated group {g} ").repeat(50), 1000 + g).endpoints[0].clone(),
             );
         }
-        assert_eq!(
-            seen.len(),
-            4,
-            "unrelated prefixes should use the whole pool"
-        );
+        assert_eq!(seen.len(), 4, "unrelated prefixes should use the whole pool");
     }
 
     #[test]
     fn saturated_endpoint_is_avoided_even_with_prefix() {
         let s = Scheduler::default();
         let mut p = pool(3);
-        let mut ix = ApproxPrefixIndex::new(10_000);
+        let mut ix = s.new_state();
         let prompt = "shared ".repeat(300);
         let first = run(&s, &p, &mut ix, &prompt, 3);
-        let hot = p
-            .endpoints
-            .iter_mut()
-            .find(|e| e.address == first.endpoints[0])
-            .unwrap();
-        hot.metrics = Some(EndpointMetrics {
-            waiting: 20.0,
-            running: 8.0,
-            kv_usage: 0.5,
-            age_ms: 0,
-        });
+        let hot = p.endpoints.iter_mut().find(|e| e.address == first.endpoints[0]).unwrap();
+        hot.metrics = Some(EndpointMetrics { waiting: 20.0, running: 8.0, kv_usage: 0.5, age_ms: 0 });
         for seed in 0..10 {
             let d = run(&s, &p, &mut ix, &prompt, seed);
             assert_ne!(d.endpoints[0], first.endpoints[0]);
@@ -247,40 +246,58 @@ mod tests {
     }
 
     #[test]
+    fn cold_prefixes_spread_evenly_on_an_idle_pool() {
+        let s = Scheduler::default();
+        let p = pool(4);
+        let mut st = s.new_state();
+        let mut per: std::collections::HashMap<String, usize> = Default::default();
+        for g in 0..8 {
+            let d = run(&s, &p, &mut st, &format!("group {g} ").repeat(80), 7);
+            assert!(d.cold);
+            *per.entry(d.endpoints[0].clone()).or_default() += 1;
+        }
+        assert!(per.values().all(|&n| n == 2), "{per:?}");
+    }
+
+    #[test]
+    fn matches_learned_by_another_worker_are_used() {
+        let s = Scheduler::default();
+        let p = pool(4);
+        let prompt = "a long shared system prompt ".repeat(40);
+        let hashes = block_hashes(&s.config.prefix, "m", None, &Prompt::Text(prompt));
+        let target = p.endpoints[2].address.clone();
+        let extra: HashMap<String, usize> = [(target.clone(), hashes.len())].into_iter().collect();
+        let inflight = HashMap::new();
+        let mut fresh = s.new_state();
+        for seed in 0..8 {
+            let input = SchedulingInput {
+                model: "m",
+                block_hashes: &hashes,
+                inflight: &inflight,
+                seed,
+                extra_matches: Some(&extra),
+            };
+            let d = s.schedule(&input, &p, &mut fresh).unwrap();
+            assert_eq!(d.endpoints[0], target);
+            assert!(!d.cold);
+        }
+    }
+
+    #[test]
     fn errors_and_fallbacks() {
         let s = Scheduler::default();
-        let mut ix = ApproxPrefixIndex::new(10);
+        let mut ix = s.new_state();
         let inflight = HashMap::new();
-        let input = SchedulingInput {
-            model: "m",
-            block_hashes: &[],
-            inflight: &inflight,
-            seed: 0,
-        };
-        assert_eq!(
-            s.schedule(&input, &PoolState::default(), &mut ix),
-            Err(ScheduleError::NoEndpoints)
-        );
-        let bad = SchedulingInput {
-            model: "zzz",
-            ..input
-        };
-        assert_eq!(
-            s.schedule(&bad, &pool(2), &mut ix),
-            Err(ScheduleError::UnknownModel("zzz".into()))
-        );
+        let input =
+            SchedulingInput { model: "m", block_hashes: &[], inflight: &inflight, seed: 0, extra_matches: None };
+        assert_eq!(s.schedule(&input, &PoolState::default(), &mut ix), Err(ScheduleError::NoEndpoints));
+        let bad = SchedulingInput { model: "zzz", ..input };
+        assert_eq!(s.schedule(&bad, &pool(2), &mut ix), Err(ScheduleError::UnknownModel("zzz".into())));
         let mut p = pool(2);
         p.endpoints.iter_mut().for_each(|e| e.ready = false);
-        let input = SchedulingInput {
-            model: "m",
-            block_hashes: &[],
-            inflight: &inflight,
-            seed: 0,
-        };
-        assert_eq!(
-            s.schedule(&input, &p, &mut ix),
-            Err(ScheduleError::NoEndpoints)
-        );
+        let input =
+            SchedulingInput { model: "m", block_hashes: &[], inflight: &inflight, seed: 0, extra_matches: None };
+        assert_eq!(s.schedule(&input, &p, &mut ix), Err(ScheduleError::NoEndpoints));
         let d = s.schedule(&input, &pool(5), &mut ix).unwrap();
         assert_eq!(d.endpoints.len(), 3);
         assert_eq!(d.header_value().split(',').count(), 3);

@@ -11,13 +11,7 @@ pub const UNKNOWN_LOAD_SCORE: f64 = 0.5;
 pub fn prefix(matched_blocks: &[usize], total_blocks: usize) -> Vec<f64> {
     matched_blocks
         .iter()
-        .map(|&m| {
-            if total_blocks == 0 {
-                0.0
-            } else {
-                (m as f64 / total_blocks as f64).clamp(0.0, 1.0)
-            }
-        })
+        .map(|&m| if total_blocks == 0 { 0.0 } else { (m as f64 / total_blocks as f64).clamp(0.0, 1.0) })
         .collect()
 }
 
@@ -28,10 +22,7 @@ pub fn queue(endpoints: &[&Endpoint], inflight: &[u32], cfg: &SaturationConfig) 
     let loads: Vec<Option<f64>> = endpoints
         .iter()
         .zip(inflight.iter().chain(std::iter::repeat(&0)))
-        .map(|(e, &f)| {
-            e.fresh_metrics(cfg.metrics_stale_ms)
-                .map(|m| m.waiting + f64::from(f))
-        })
+        .map(|(e, &f)| e.fresh_metrics(cfg.metrics_stale_ms).map(|m| m.waiting + f64::from(f)))
         .collect();
     let known = loads.iter().flatten();
     let min = known.clone().copied().fold(f64::INFINITY, f64::min);
@@ -68,12 +59,7 @@ mod tests {
             models: vec![],
             role: Role::Both,
             ready: true,
-            metrics: Some(EndpointMetrics {
-                waiting,
-                running: 0.0,
-                kv_usage: kv,
-                age_ms: age,
-            }),
+            metrics: Some(EndpointMetrics { waiting, running: 0.0, kv_usage: kv, age_ms: age }),
         }
     }
 
@@ -82,25 +68,68 @@ mod tests {
         let cfg = SaturationConfig::default();
         assert_eq!(prefix(&[0, 2, 4], 4), vec![0.0, 0.5, 1.0]);
         assert_eq!(prefix(&[0], 0), vec![0.0]);
-        let (a, b, c, stale) = (
-            ep(0.0, 0.2, 0),
-            ep(4.0, 0.5, 0),
-            ep(2.0, 1.0, 0),
-            ep(0.0, 0.0, 60_000),
-        );
+        let (a, b, c, stale) = (ep(0.0, 0.2, 0), ep(4.0, 0.5, 0), ep(2.0, 1.0, 0), ep(0.0, 0.0, 60_000));
         let eps = [&a, &b, &c, &stale];
-        assert_eq!(
-            queue(&eps, &[0, 0, 0, 0], &cfg),
-            vec![1.0, 0.0, 0.5, UNKNOWN_LOAD_SCORE]
-        );
+        assert_eq!(queue(&eps, &[0, 0, 0, 0], &cfg), vec![1.0, 0.0, 0.5, UNKNOWN_LOAD_SCORE]);
         // In-flight requests count as load.
         assert_eq!(queue(&eps[..2], &[4, 0], &cfg), vec![1.0, 1.0]);
         let kv = kv_cache(&eps, &cfg);
         assert!(
-            (kv[0] - 0.8).abs() < 1e-9
-                && (kv[1] - 0.5).abs() < 1e-9
-                && kv[2] == 0.0
-                && kv[3] == UNKNOWN_LOAD_SCORE
+            (kv[0] - 0.8).abs() < 1e-9 && (kv[1] - 0.5).abs() < 1e-9 && kv[2] == 0.0 && kv[3] == UNKNOWN_LOAD_SCORE
         );
+    }
+}
+
+/// State of the `no-hit-lru` scorer: when each endpoint last received a cold request.
+#[derive(Debug, Default, Clone)]
+pub struct NoHitLru {
+    tick: u64,
+    last_cold: hashbrown::HashMap<String, u64>,
+}
+
+impl NoHitLru {
+    /// Remember that `address` received a cold request.
+    pub fn record(&mut self, address: &str) {
+        self.tick += 1;
+        if self.last_cold.len() > 4096 && !self.last_cold.contains_key(address) {
+            self.last_cold.clear();
+        }
+        self.last_cold.insert(address.to_owned(), self.tick);
+    }
+}
+
+/// llm-d's `no-hit-lru-scorer`: for a cold request (no endpoint holds any of its prefix),
+/// endpoints that received a cold request least recently (or never) score up to 1, so new
+/// prefixes spread evenly even when load metrics cannot tell endpoints apart. A warm request
+/// scores 0.5 everywhere.
+pub fn no_hit_lru(endpoints: &[&Endpoint], cold: bool, lru: &NoHitLru) -> Vec<f64> {
+    if !cold || endpoints.len() < 2 {
+        return vec![if cold { 1.0 } else { 0.5 }; endpoints.len()];
+    }
+    let ticks: Vec<u64> = endpoints.iter().map(|e| lru.last_cold.get(&e.address).copied().unwrap_or(0)).collect();
+    let mut order: Vec<usize> = (0..ticks.len()).collect();
+    order.sort_by_key(|&i| ticks[i]);
+    let mut scores = vec![0.0; ticks.len()];
+    let n = (ticks.len() - 1) as f64;
+    for (rank, i) in order.into_iter().enumerate() {
+        scores[i] = 1.0 - rank as f64 / n;
+    }
+    scores
+}
+
+#[cfg(test)]
+mod lru_tests {
+    use super::*;
+
+    #[test]
+    fn cold_requests_prefer_least_recently_used() {
+        let eps: Vec<Endpoint> =
+            ["a", "b", "c"].iter().map(|a| Endpoint { address: (*a).into(), ..Default::default() }).collect();
+        let refs: Vec<&Endpoint> = eps.iter().collect();
+        let mut lru = NoHitLru::default();
+        lru.record("a");
+        lru.record("c");
+        assert_eq!(no_hit_lru(&refs, true, &lru), vec![0.5, 1.0, 0.0]);
+        assert_eq!(no_hit_lru(&refs, false, &lru), vec![0.5; 3]);
     }
 }

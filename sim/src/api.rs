@@ -39,32 +39,18 @@ pub fn router(state: AppState) -> Router {
 }
 
 fn now_s() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 fn rand_hex() -> String {
-    let n = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!(
-        "{:016x}",
-        xxhash_rust::xxh64::xxh64(&n.to_le_bytes(), std::process::id() as u64)
-    )
+    let n = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{:016x}", xxhash_rust::xxh64::xxh64(&n.to_le_bytes(), std::process::id() as u64))
 }
 
 /// vLLM's error body.
 pub fn error(status: StatusCode, kind: &str, param: Option<&str>, message: &str) -> Response {
     let body = json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}});
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
 fn with_engine_headers(mut r: Response, st: &AppState) -> Response {
@@ -111,46 +97,22 @@ async fn models(State(st): State<AppState>) -> Response {
         "id": cfg.model, "object": "model", "created": now_s(), "owned_by": "vllm",
         "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len,
     }]});
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
 async fn metrics_handler(State(st): State<AppState>) -> Response {
     let text = {
         let s = st.engine.lock();
-        let g = Gauges {
-            running: s.num_running(),
-            waiting: s.num_waiting(),
-            kv_usage: s.pool.usage(),
-        };
+        let g = Gauges { running: s.num_running(), waiting: s.num_waiting(), kv_usage: s.pool.usage() };
         metrics::render(&s.cfg, &s.stats, &g)
     };
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
 async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
     let req = match request::parse(api, body) {
         Ok(r) => r,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "BadRequestError",
-                None,
-                &e.to_string(),
-            )
-        }
+        Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
     };
     let extra: Extra = serde_json::from_slice(body).unwrap_or_default();
     let cfg = st.engine.config();
@@ -175,23 +137,11 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
             max_tokens,
             prompt.len()
         );
-        return error(
-            StatusCode::BAD_REQUEST,
-            "BadRequestError",
-            Some("input_tokens"),
-            &msg,
-        );
+        return error(StatusCode::BAD_REQUEST, "BadRequestError", Some("input_tokens"), &msg);
     }
     let (tx, rx) = mpsc::unbounded_channel();
-    st.engine.submit(SimRequest {
-        prompt,
-        max_tokens,
-        tx,
-    });
-    let include_usage = extra
-        .stream_options
-        .and_then(|o| o.include_usage)
-        .unwrap_or(false);
+    st.engine.submit(SimRequest { prompt, max_tokens, tx });
+    let include_usage = extra.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let model = req.model.clone();
     match (api, req.stream) {
         (Api::Responses, _) => non_stream(api, model, rx).await,
@@ -210,16 +160,12 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-async fn non_stream(
-    api: Api,
-    model: String,
-    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
-) -> Response {
+async fn non_stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>) -> Response {
     let mut text = String::new();
     let mut usage = None;
     while let Some(ev) = rx.recv().await {
         match ev {
-            TokenEvent::Token(t) => text.push_str(tokenizer::decode_token(t)),
+            TokenEvent::Token(t, _) => text.push_str(tokenizer::decode_token(t)),
             TokenEvent::Done(u) => {
                 usage = Some(u);
                 break;
@@ -227,12 +173,7 @@ async fn non_stream(
         }
     }
     let Some(u) = usage else {
-        return error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "InternalServerError",
-            None,
-            "engine dropped the request",
-        );
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", None, "engine dropped the request");
     };
     let created = now_s();
     let body = match api {
@@ -263,38 +204,20 @@ async fn non_stream(
                       "output_tokens_details": {"reasoning_tokens": 0}},
         }),
     };
-    (
-        StatusCode::OK,
-        [(header::CONTENT_TYPE, "application/json")],
-        body.to_string(),
-    )
-        .into_response()
+    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
 fn sse(v: &Value) -> Result<Bytes, Infallible> {
     Ok(Bytes::from(format!("data: {v}\n\n")))
 }
 
-fn stream(
-    api: Api,
-    model: String,
-    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
-    include_usage: bool,
-) -> Response {
+fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, include_usage: bool) -> Response {
     let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
     let created = now_s();
     let chat = api == Api::ChatCompletions;
-    let id = if chat {
-        format!("chatcmpl-{}", rand_hex())
-    } else {
-        format!("cmpl-{}", rand_hex())
-    };
+    let id = if chat { format!("chatcmpl-{}", rand_hex()) } else { format!("cmpl-{}", rand_hex()) };
     tokio::spawn(async move {
-        let object = if chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
+        let object = if chat { "chat.completion.chunk" } else { "text_completion" };
         if chat {
             let first = json!({"id": id, "object": object, "created": created, "model": model,
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
@@ -303,7 +226,7 @@ fn stream(
                 return;
             }
         }
-        let mut pending: Option<u32> = None;
+        let finish: &'static str = "length";
         let chunk = |tok: u32, finish: Option<&str>| -> Value {
             let text = tokenizer::decode_token(tok);
             if chat {
@@ -320,26 +243,20 @@ fn stream(
         };
         while let Some(ev) = rx.recv().await {
             match ev {
-                TokenEvent::Token(t) => {
-                    if let Some(p) = pending.replace(t) {
-                        if out_tx.send(sse(&chunk(p, None))).await.is_err() {
-                            return; // client went away; dropping rx aborts the request
-                        }
+                TokenEvent::Token(t, last) => {
+                    // vLLM carries finish_reason on the last token's chunk.
+                    if out_tx.send(sse(&chunk(t, last.then_some(finish)))).await.is_err() {
+                        return; // client went away; dropping rx aborts the request
                     }
                 }
                 TokenEvent::Done(u) => {
-                    if let Some(p) = pending.take() {
-                        let _ = out_tx.send(sse(&chunk(p, Some(u.finish_reason)))).await;
-                    }
                     if include_usage {
                         let v = json!({"id": id, "object": object, "created": created, "model": model, "choices": [],
                             "usage": {"prompt_tokens": u.prompt_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens,
                                       "completion_tokens": u.completion_tokens}, "system_fingerprint": FINGERPRINT});
                         let _ = out_tx.send(sse(&v)).await;
                     }
-                    let _ = out_tx
-                        .send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
-                        .await;
+                    let _ = out_tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
                     return;
                 }
             }

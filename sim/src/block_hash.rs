@@ -79,39 +79,21 @@ mod tests {
     fn none_hash_matches_vllm() {
         let h = none_hash(None);
         let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex,
-            "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
-        );
+        assert_eq!(hex, "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0");
     }
 
     #[test]
     fn reproduces_real_vllm_block_hashes() {
         // First BlockStored batch of the real vLLM 0.32 run with sha256_cbor, block size 32.
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/reference/vllm/sha256_cbor/kv-events.decoded.jsonl"
-        );
+        let path =
+            concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/vllm/sha256_cbor/kv-events.decoded.jsonl");
         let text = std::fs::read_to_string(path).unwrap();
         let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         let ev = &first["payload"][1][0];
         assert_eq!(ev["type"], "BlockStored");
-        let toks: Vec<u32> = ev["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let want: Vec<u64> = ev["block_hashes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect();
-        let got: Vec<u64> = chain(&none_hash(None), &toks, 32)
-            .iter()
-            .map(event_id)
-            .collect();
+        let toks: Vec<u32> = ev["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let want: Vec<u64> = ev["block_hashes"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let got: Vec<u64> = chain(&none_hash(None), &toks, 32).iter().map(event_id).collect();
         assert_eq!(got, want);
     }
 }

@@ -22,7 +22,8 @@ use crate::metrics::Stats;
 /// What a request receives from the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TokenEvent {
-    Token(u32),
+    /// A generated token; the flag is set on the request's last token.
+    Token(u32, bool),
     Done(Usage),
 }
 
@@ -63,21 +64,14 @@ struct Seq {
 
 impl Seq {
     fn total_len(&self) -> usize {
-        self.prefill.len()
-            + self
-                .output
-                .len()
-                .saturating_sub(self.prefill.len() - self.prompt_len)
+        self.prefill.len() + self.output.len().saturating_sub(self.prefill.len() - self.prompt_len)
     }
     fn in_prefill(&self) -> bool {
         self.num_computed < self.prefill.len()
     }
     fn tokens(&self) -> impl Iterator<Item = u32> + '_ {
         let extra = self.prefill.len() - self.prompt_len;
-        self.prefill
-            .iter()
-            .copied()
-            .chain(self.output.iter().skip(extra).copied())
+        self.prefill.iter().copied().chain(self.output.iter().skip(extra).copied())
     }
 }
 
@@ -206,18 +200,12 @@ fn finish(st: &mut EngineState, seq: Seq, reason: &'static str) {
     };
     if reason != "abort" {
         st.stats.success(reason);
-        st.stats
-            .e2e
-            .observe(now.duration_since(seq.arrival).as_secs_f64());
+        st.stats.e2e.observe(now.duration_since(seq.arrival).as_secs_f64());
         st.stats.generation_hist.observe(seq.output.len() as f64);
         st.stats.prompt_hist.observe(seq.prompt_len as f64);
         if let (Some(s), Some(f)) = (seq.scheduled, seq.first_token) {
-            st.stats
-                .prefill_time
-                .observe(f.duration_since(s).as_secs_f64());
-            st.stats
-                .decode_time
-                .observe(now.duration_since(f).as_secs_f64());
+            st.stats.prefill_time.observe(f.duration_since(s).as_secs_f64());
+            st.stats.decode_time.observe(now.duration_since(f).as_secs_f64());
         }
     } else {
         st.stats.success("abort");
@@ -309,11 +297,8 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
     while budget > 0 && st.running.len() < st.cfg.max_num_seqs {
         let Some(seq) = st.waiting.front() else { break };
         let len = seq.prefill.len();
-        let digests = if st.cfg.enable_prefix_caching {
-            block_hash::chain(&st.seed, &seq.prefill, bs)
-        } else {
-            Vec::new()
-        };
+        let digests =
+            if st.cfg.enable_prefix_caching { block_hash::chain(&st.seed, &seq.prefill, bs) } else { Vec::new() };
         let ids: Vec<u64> = digests.iter().map(block_hash::event_id).collect();
         // vLLM always recomputes at least the last prompt token.
         let hit = st.pool.longest_cached(&ids).min(len.saturating_sub(1) / bs);
@@ -330,9 +315,7 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         st.stats.prefix_hits += (hit * bs) as u64;
         let now = Instant::now();
         if seq.scheduled.is_none() {
-            st.stats
-                .queue_time
-                .observe(now.duration_since(seq.arrival).as_secs_f64());
+            st.stats.queue_time.observe(now.duration_since(seq.arrival).as_secs_f64());
             seq.scheduled = Some(now);
             seq.cached_tokens = hit * bs;
         }
@@ -342,10 +325,7 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         seq.num_computed = hit * bs;
         let n = (len - seq.num_computed).min(budget);
         budget -= n;
-        planned.push(Planned::Prefill {
-            id: seq.id,
-            tokens: n,
-        });
+        planned.push(Planned::Prefill { id: seq.id, tokens: n });
         st.running.push(seq);
     }
     planned
@@ -357,11 +337,7 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
         return;
     }
     let s = &st.running[idx];
-    let computed_tokens = if s.in_prefill() {
-        s.num_computed
-    } else {
-        s.total_len()
-    };
+    let computed_tokens = if s.in_prefill() { s.num_computed } else { s.total_len() };
     let full = computed_tokens / bs;
     let mut new_digests = Vec::new();
     if full > s.digests.len() {
@@ -374,9 +350,8 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
     }
     let s = &mut st.running[idx];
     s.digests.extend(new_digests);
-    let pairs: Vec<(BlockId, u64)> = (0..full)
-        .filter_map(|b| Some((*s.blocks.get(b)?, block_hash::event_id(s.digests.get(b)?))))
-        .collect();
+    let pairs: Vec<(BlockId, u64)> =
+        (0..full).filter_map(|b| Some((*s.blocks.get(b)?, block_hash::event_id(s.digests.get(b)?)))).collect();
     let mut stored = Vec::new();
     for (id, h) in pairs {
         if st.pool.store(id, h) {
@@ -390,11 +365,7 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
 
 fn emit_token(st: &mut EngineState, idx: usize, now: Instant) -> bool {
     let s = &mut st.running[idx];
-    let tok = 3
-        + ((s.id as u32)
-            .wrapping_mul(2654435761)
-            .wrapping_add(s.output.len() as u32)
-            % 31_997);
+    let tok = 3 + ((s.id as u32).wrapping_mul(2654435761).wrapping_add(s.output.len() as u32) % 31_997);
     s.output.push(tok);
     match s.first_token {
         None => {
@@ -412,8 +383,9 @@ fn emit_token(st: &mut EngineState, idx: usize, now: Instant) -> bool {
     let s = &mut st.running[idx];
     s.last_token = Some(now);
     st.stats.generation_tokens += 1;
-    let _ = s.tx.send(TokenEvent::Token(tok));
-    s.output.len() >= s.max_tokens
+    let last = s.output.len() >= s.max_tokens;
+    let _ = s.tx.send(TokenEvent::Token(tok, last));
+    last
 }
 
 fn apply_step(st: &mut EngineState, planned: &[Planned]) {
@@ -472,15 +444,11 @@ mod tests {
 
     async fn run_one(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        e.submit(SimRequest {
-            prompt,
-            max_tokens,
-            tx,
-        });
+        e.submit(SimRequest { prompt, max_tokens, tx });
         let mut toks = Vec::new();
         while let Some(ev) = rx.recv().await {
             match ev {
-                TokenEvent::Token(t) => toks.push(t),
+                TokenEvent::Token(t, _) => toks.push(t),
                 TokenEvent::Done(u) => return (toks, u),
             }
         }
@@ -494,20 +462,9 @@ mod tests {
         let prompt: Vec<u32> = (10..30).collect(); // 20 tokens = 5 blocks
         let (t, u) = run_one(&e, prompt.clone(), 3).await;
         assert_eq!(t.len(), 3);
-        assert_eq!(
-            (
-                u.prompt_tokens,
-                u.completion_tokens,
-                u.cached_tokens,
-                u.finish_reason
-            ),
-            (20, 3, 0, "length")
-        );
+        assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.finish_reason), (20, 3, 0, "length"));
         let (_, u) = run_one(&e, prompt.clone(), 2).await;
-        assert_eq!(
-            u.cached_tokens, 16,
-            "4 full blocks hit; the last token is always recomputed"
-        );
+        assert_eq!(u.cached_tokens, 16, "4 full blocks hit; the last token is always recomputed");
         let st = e.lock();
         assert_eq!(st.stats.prefix_queries, 40);
         assert_eq!(st.stats.prefix_hits, 16);
@@ -516,17 +473,12 @@ mod tests {
 
     #[tokio::test]
     async fn eviction_under_pressure_and_preemption_completes_everything() {
-        let e = Engine::new(EngineConfig {
-            num_gpu_blocks: 12,
-            ..cfg()
-        });
+        let e = Engine::new(EngineConfig { num_gpu_blocks: 12, ..cfg() });
         tokio::spawn(e.clone().run());
         let mut handles = Vec::new();
         for i in 0..6u32 {
             let e = e.clone();
-            handles.push(tokio::spawn(async move {
-                run_one(&e, (i * 100..i * 100 + 12).collect(), 20).await
-            }));
+            handles.push(tokio::spawn(async move { run_one(&e, (i * 100..i * 100 + 12).collect(), 20).await }));
         }
         for h in handles {
             let (t, u) = h.await.unwrap();
@@ -534,10 +486,7 @@ mod tests {
             assert_eq!(u.completion_tokens, 20);
         }
         let st = e.lock();
-        assert!(
-            st.stats.preemptions > 0,
-            "12 blocks cannot hold 4 x 8 blocks of decode"
-        );
+        assert!(st.stats.preemptions > 0, "12 blocks cannot hold 4 x 8 blocks of decode");
         assert_eq!(st.num_running() + st.num_waiting(), 0);
     }
 }

@@ -37,12 +37,7 @@ impl BlockPool {
         for i in 0..n as BlockId {
             free.put(i, ());
         }
-        Self {
-            blocks: vec![Block::default(); n],
-            free,
-            cached: HashMap::new(),
-            events: Vec::new(),
-        }
+        Self { blocks: vec![Block::default(); n], free, cached: HashMap::new(), events: Vec::new() }
     }
 
     pub fn capacity(&self) -> usize {
@@ -60,10 +55,7 @@ impl BlockPool {
 
     /// How many leading hashes are cached.
     pub fn longest_cached(&self, hashes: &[u64]) -> usize {
-        hashes
-            .iter()
-            .take_while(|h| self.cached.contains_key(*h))
-            .count()
+        hashes.iter().take_while(|h| self.cached.contains_key(*h)).count()
     }
 
     /// Take a reference on the cached blocks of `hashes` (all must be cached).
@@ -140,8 +132,7 @@ impl BlockPool {
                 b.hash = None;
             }
         }
-        self.cached
-            .retain(|_, id| self.blocks[*id as usize].hash.is_some());
+        self.cached.retain(|_, id| self.blocks[*id as usize].hash.is_some());
     }
 }
 

@@ -19,11 +19,7 @@ pub fn decode_ms(u: f64) -> f64 {
 
 /// Time (ms) of a step that prefills `prefill_tokens` and decodes `decode_seqs` sequences.
 pub fn step_ms(prefill_tokens: usize, decode_seqs: usize, kv_usage: f64) -> f64 {
-    let d = if decode_seqs > 0 {
-        decode_ms(kv_usage)
-    } else {
-        0.0
-    };
+    let d = if decode_seqs > 0 { decode_ms(kv_usage) } else { 0.0 };
     prefill_ms(prefill_tokens) + d
 }
 

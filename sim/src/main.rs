@@ -7,11 +7,7 @@ use attache_sim::api::{self, AppState};
 use attache_sim::{Engine, EngineConfig};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "attache-sim",
-    about = "vLLM-compatible engine simulator",
-    version
-)]
+#[command(name = "attache-sim", about = "vLLM-compatible engine simulator", version)]
 struct Args {
     /// Number of engines.
     #[arg(long, default_value_t = 1)]
@@ -48,9 +44,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let a = Args::parse();
     let mut servers = Vec::new();
@@ -69,15 +63,9 @@ async fn main() -> anyhow::Result<()> {
         let engine = Engine::new(cfg);
         tokio::spawn(engine.clone().run());
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
-        let app = api::router(AppState {
-            engine,
-            name: format!("sim-{port}"),
-            port,
-        });
+        let app = api::router(AppState { engine, name: format!("sim-{port}"), port });
         info!(port, "engine listening");
-        servers.push(tokio::spawn(
-            async move { axum::serve(listener, app).await },
-        ));
+        servers.push(tokio::spawn(async move { axum::serve(listener, app).await }));
     }
     for s in servers {
         s.await??;

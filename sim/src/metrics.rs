@@ -7,24 +7,20 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::config::EngineConfig;
 
 pub const TTFT_BUCKETS: &[f64] = &[
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
 ];
-pub const ITL_BUCKETS: &[f64] = &[
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0, 80.0,
-];
+pub const ITL_BUCKETS: &[f64] =
+    &[0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 pub const REQUEST_BUCKETS: &[f64] = &[
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
 ];
 pub const TOKEN_BUCKETS: &[f64] = &[
-    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
-    50000.0, 100000.0,
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0, 100000.0,
 ];
-pub const ITERATION_BUCKETS: &[f64] = &[
-    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
-];
+pub const ITERATION_BUCKETS: &[f64] =
+    &[1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0];
 
 #[derive(Debug, Clone)]
 pub struct Histogram {
@@ -36,12 +32,7 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn new(buckets: &'static [f64]) -> Self {
-        Self {
-            buckets,
-            counts: vec![0; buckets.len()],
-            sum: 0.0,
-            count: 0,
-        }
+        Self { buckets, counts: vec![0; buckets.len()], sum: 0.0, count: 0 }
     }
     pub fn observe(&mut self, v: f64) {
         self.sum += v;
@@ -81,22 +72,13 @@ impl Default for Stats {
 impl Stats {
     pub fn new() -> Self {
         Self {
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0),
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0),
             prefix_queries: 0,
             prefix_hits: 0,
             prompt_tokens: 0,
             generation_tokens: 0,
             preemptions: 0,
-            finished: [
-                ("stop", 0),
-                ("length", 0),
-                ("abort", 0),
-                ("error", 0),
-                ("repetition", 0),
-            ],
+            finished: [("stop", 0), ("length", 0), ("abort", 0), ("error", 0), ("repetition", 0)],
             ttft: Histogram::new(TTFT_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             e2e: Histogram::new(REQUEST_BUCKETS),
@@ -148,18 +130,9 @@ impl W<'_> {
     }
     fn counter(&mut self, name: &str, help: &str, v: u64) {
         self.head(&format!("{name}_total"), "counter", help);
-        let _ = writeln!(
-            self.out,
-            "{name}_total{{{}}} {}",
-            self.labels,
-            fmt_f(v as f64)
-        );
+        let _ = writeln!(self.out, "{name}_total{{{}}} {}", self.labels, fmt_f(v as f64));
         self.head(&format!("{name}_created"), "gauge", help);
-        let _ = writeln!(
-            self.out,
-            "{name}_created{{{}}} {}",
-            self.labels, self.created
-        );
+        let _ = writeln!(self.out, "{name}_created{{{}}} {}", self.labels, self.created);
     }
     fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
         self.head(name, "histogram", help);
@@ -167,31 +140,13 @@ impl W<'_> {
         let mut cum = 0;
         for (b, c) in h.buckets.iter().zip(&h.counts) {
             cum += c;
-            let _ = writeln!(
-                self.out,
-                "{name}_bucket{{{engine},le=\"{}\",{model}}} {}",
-                fmt_f(*b),
-                fmt_f(cum as f64)
-            );
+            let _ = writeln!(self.out, "{name}_bucket{{{engine},le=\"{}\",{model}}} {}", fmt_f(*b), fmt_f(cum as f64));
         }
-        let _ = writeln!(
-            self.out,
-            "{name}_bucket{{{engine},le=\"+Inf\",{model}}} {}",
-            fmt_f(h.count as f64)
-        );
-        let _ = writeln!(
-            self.out,
-            "{name}_count{{{}}} {}",
-            self.labels,
-            fmt_f(h.count as f64)
-        );
+        let _ = writeln!(self.out, "{name}_bucket{{{engine},le=\"+Inf\",{model}}} {}", fmt_f(h.count as f64));
+        let _ = writeln!(self.out, "{name}_count{{{}}} {}", self.labels, fmt_f(h.count as f64));
         let _ = writeln!(self.out, "{name}_sum{{{}}} {}", self.labels, h.sum);
         self.head(&format!("{name}_created"), "gauge", help);
-        let _ = writeln!(
-            self.out,
-            "{name}_created{{{}}} {}",
-            self.labels, self.created
-        );
+        let _ = writeln!(self.out, "{name}_created{{{}}} {}", self.labels, self.created);
     }
 }
 
@@ -203,16 +158,8 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
         created: s.created,
         _p: std::marker::PhantomData,
     };
-    w.gauge(
-        "vllm:num_requests_running",
-        "Number of requests in model execution batches.",
-        g.running as f64,
-    );
-    w.gauge(
-        "vllm:num_requests_waiting",
-        "Number of requests waiting to be processed.",
-        g.waiting as f64,
-    );
+    w.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", g.running as f64);
+    w.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting as f64);
     w.head("vllm:num_requests_waiting_by_reason", "gauge", "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.");
     let _ = writeln!(
         w.out,
@@ -220,91 +167,31 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
         w.labels,
         fmt_f(g.waiting as f64)
     );
-    let _ = writeln!(
-        w.out,
-        "vllm:num_requests_waiting_by_reason{{{},reason=\"deferred\"}} 0.0",
-        w.labels
-    );
-    w.gauge(
-        "vllm:kv_cache_usage_perc",
-        "KV-cache usage. 1 means 100 percent usage.",
-        g.kv_usage,
-    );
+    let _ = writeln!(w.out, "vllm:num_requests_waiting_by_reason{{{},reason=\"deferred\"}} 0.0", w.labels);
+    w.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage);
     w.counter(
         "vllm:prefix_cache_queries",
         "Prefix cache queries, in terms of number of queried tokens.",
         s.prefix_queries,
     );
-    w.counter(
-        "vllm:prefix_cache_hits",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        s.prefix_hits,
-    );
+    w.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits);
     w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", 0);
     w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", 0);
-    w.counter(
-        "vllm:num_preemptions",
-        "Cumulative number of preemption from the engine.",
-        s.preemptions,
-    );
-    w.counter(
-        "vllm:prompt_tokens",
-        "Number of prefill tokens processed.",
-        s.prompt_tokens,
-    );
-    w.counter(
-        "vllm:prompt_tokens_cached",
-        "Number of cached prompt tokens (local + external).",
-        s.prefix_hits,
-    );
-    w.counter(
-        "vllm:generation_tokens",
-        "Number of generation tokens processed.",
-        s.generation_tokens,
-    );
-    w.head(
-        "vllm:request_success_total",
-        "counter",
-        "Count of successfully processed requests.",
-    );
+    w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions);
+    w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens);
+    w.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", s.prefix_hits);
+    w.counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens);
+    w.head("vllm:request_success_total", "counter", "Count of successfully processed requests.");
     for (r, n) in &s.finished {
         let (e, m) = w.labels.split_once(',').unwrap_or(("", ""));
-        let _ = writeln!(
-            w.out,
-            "vllm:request_success_total{{{e},finished_reason=\"{r}\",{m}}} {}",
-            fmt_f(*n as f64)
-        );
+        let _ = writeln!(w.out, "vllm:request_success_total{{{e},finished_reason=\"{r}\",{m}}} {}", fmt_f(*n as f64));
     }
-    w.histogram(
-        "vllm:request_prompt_tokens",
-        "Number of prefill tokens processed.",
-        &s.prompt_hist,
-    );
-    w.histogram(
-        "vllm:request_generation_tokens",
-        "Number of generation tokens processed.",
-        &s.generation_hist,
-    );
-    w.histogram(
-        "vllm:iteration_tokens_total",
-        "Histogram of number of tokens per engine_step.",
-        &s.iteration_tokens,
-    );
-    w.histogram(
-        "vllm:time_to_first_token_seconds",
-        "Histogram of time to first token in seconds.",
-        &s.ttft,
-    );
-    w.histogram(
-        "vllm:inter_token_latency_seconds",
-        "Histogram of inter-token latency in seconds.",
-        &s.itl,
-    );
-    w.histogram(
-        "vllm:e2e_request_latency_seconds",
-        "Histogram of e2e request latency in seconds.",
-        &s.e2e,
-    );
+    w.histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", &s.prompt_hist);
+    w.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", &s.generation_hist);
+    w.histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", &s.iteration_tokens);
+    w.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &s.ttft);
+    w.histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", &s.itl);
+    w.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", &s.e2e);
     w.histogram(
         "vllm:request_queue_time_seconds",
         "Histogram of time spent in WAITING phase for request.",
@@ -320,11 +207,7 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
         "Histogram of time spent in DECODE phase for request.",
         &s.decode_time,
     );
-    w.head(
-        "vllm:cache_config_info",
-        "gauge",
-        "Information of the LLMEngine CacheConfig",
-    );
+    w.head("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
     let _ = writeln!(
         w.out,
         "vllm:cache_config_info{{block_size=\"{bs}\",cache_dtype=\"auto\",enable_prefix_caching=\"{pc}\",engine=\"0\",gpu_memory_utilization=\"0.9\",kv_cache_size_tokens=\"{tok}\",num_cpu_blocks=\"None\",num_gpu_blocks=\"{nb}\",num_gpu_blocks_override=\"None\",prefix_caching_hash_algo=\"sha256_cbor\",sliding_window=\"None\"}} 1.0",

@@ -23,9 +23,7 @@ pub fn encode(text: &str, add_bos: bool) -> Vec<u32> {
 
 /// Text for generated token `id` (the simulator's "model" output).
 pub fn decode_token(id: u32) -> &'static str {
-    const WORDS: [&str; 8] = [
-        " the", " cache", " engine", " token", " prefix", " block", " route", " pool",
-    ];
+    const WORDS: [&str; 8] = [" the", " cache", " engine", " token", " prefix", " block", " route", " pool"];
     WORDS[(id as usize) % WORDS.len()]
 }
 

@@ -28,11 +28,7 @@ pub struct SubscribeConfig {
 
 impl Default for SubscribeConfig {
     fn default() -> Self {
-        Self {
-            cluster: "attache_host".into(),
-            idle_timeout_ms: 5_000,
-            tick_ms: 500,
-        }
+        Self { cluster: "attache_host".into(), idle_timeout_ms: 5_000, tick_ms: 500 }
     }
 }
 
@@ -68,9 +64,7 @@ mod tests {
         let c = FilterConfig::parse(br#"{"role":"agent","subscribe":{"cluster":"h"}}"#).unwrap();
         assert_eq!(c.role, Role::Agent);
         assert_eq!(c.subscribe.unwrap().cluster, "h");
-        let c =
-            FilterConfig::parse(br#"{"scheduler":{"max_body_bytes":10,"weights":{"prefix":1.0}}}"#)
-                .unwrap();
+        let c = FilterConfig::parse(br#"{"scheduler":{"max_body_bytes":10,"weights":{"prefix":1.0}}}"#).unwrap();
         assert_eq!(c.scheduler.max_body_bytes, 10);
         assert_eq!(c.scheduler.weights.prefix, 1.0);
         assert_eq!(c.scheduler.weights.queue, 2.0);

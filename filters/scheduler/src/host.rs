@@ -9,9 +9,7 @@ pub fn log(level: LogLevel, msg: &str) {
 }
 
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
 }
 
 pub fn set_request_header(name: &str, value: &str) -> bool {
@@ -27,24 +25,16 @@ pub fn set_response_header(name: &str, value: &str) {
 }
 
 pub fn request_body(size: usize) -> Option<Vec<u8>> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-        .ok()
-        .flatten()
+    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size).ok().flatten()
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default()
 }
 
 /// Answer the request from the filter with a JSON body.
 pub fn send_json(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) {
-    let mut headers = vec![
-        ("content-type", "application/json"),
-        ("x-attache-error", reason),
-    ];
+    let mut headers = vec![("content-type", "application/json"), ("x-attache-error", reason)];
     headers.extend_from_slice(extra);
     if hostcalls::send_http_response(u32::from(status), headers, Some(body.as_bytes())).is_err() {
         log(LogLevel::Error, "send_http_response failed");

@@ -3,6 +3,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use attache_policies::index;
 use attache_policies::request::{self, Api};
 use attache_policies::{prefix, ErrorResponse, RequestError, SchedulingInput};
 use proxy_wasm::traits::{Context, HttpContext};
@@ -10,6 +11,7 @@ use proxy_wasm::types::{Action, LogLevel};
 
 use crate::host;
 use crate::root::Worker;
+use crate::snapshot::SharedAffinity;
 
 /// The header Envoy's override_host LB policy (or an ORIGINAL_DST cluster) routes on.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -28,23 +30,14 @@ pub struct SchedulerHttp {
 
 impl SchedulerHttp {
     pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
-        Self {
-            id,
-            worker,
-            api: None,
-            answered: false,
-            dispatched: None,
-        }
+        Self { id, worker, api: None, answered: false, dispatched: None }
     }
 
     fn reject(&mut self, err: ErrorResponse) -> Action {
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.metrics.error(err.reason);
         }
-        host::log(
-            LogLevel::Debug,
-            &format!("attache[{}]: {} {}", self.id, err.status, err.reason),
-        );
+        host::log(LogLevel::Debug, &format!("attache[{}]: {} {}", self.id, err.status, err.reason));
         host::send_json(err.status, err.reason, &err.body, &[]);
         self.answered = true;
         Action::Pause
@@ -56,10 +49,7 @@ impl SchedulerHttp {
             Err(e) => return self.reject(ErrorResponse::from(&e)),
         };
         let Ok(mut guard) = self.worker.try_borrow_mut() else {
-            host::log(
-                LogLevel::Error,
-                "attache: worker state busy; passing request through",
-            );
+            host::log(LogLevel::Error, "attache: worker state busy; passing request through");
             return Action::Continue;
         };
         let w = &mut *guard;
@@ -67,20 +57,19 @@ impl SchedulerHttp {
             let v = w.cache.pool.version;
             w.metrics.snapshot(v);
         }
-        let hashes = prefix::block_hashes(
-            &w.config.scheduler.prefix,
-            &req.model,
-            req.cache_salt.as_deref(),
-            &req.prompt,
-        );
+        let hashes =
+            prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
         let seed = hashes.first().copied().unwrap_or(u64::from(self.id));
+        let slots = w.config.scheduler.prefix.shared_slots;
+        let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes));
         let input = SchedulingInput {
             model: &req.model,
             block_hashes: &hashes,
             inflight: &w.inflight,
             seed,
+            extra_matches: shared.as_ref(),
         };
-        let decision = match w.scheduler.schedule(&input, &w.cache.pool, &mut w.index) {
+        let decision = match w.scheduler.schedule(&input, &w.cache.pool, &mut w.state) {
             Ok(d) => d,
             Err(e) => {
                 drop(guard);
@@ -97,7 +86,10 @@ impl SchedulerHttp {
                 "could not set the destination header",
             ));
         }
-        w.scheduler.commit(&decision, &hashes, &mut w.index);
+        w.scheduler.commit(&decision, &hashes, &mut w.state);
+        if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
+            index::shared_record(&mut SharedAffinity, slots, &hashes, primary);
+        }
         if let Some(best) = decision.scores.first() {
             w.metrics.scheduled(
                 &best.address,
@@ -141,30 +133,17 @@ impl HttpContext for SchedulerHttp {
         host::remove_request_header(PREFILLER_HEADER);
         let method = host::request_header(":method").unwrap_or_default();
         let path = host::request_header(":path").unwrap_or_default();
-        self.api = if method == "POST" {
-            Api::from_path(&path)
-        } else {
-            None
-        };
+        self.api = if method == "POST" { Api::from_path(&path) } else { None };
         let Some(_) = self.api else {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.metrics.passthrough();
             }
             return Action::Continue;
         };
-        let limit = self
-            .worker
-            .try_borrow()
-            .map(|w| w.config.scheduler.max_body_bytes)
-            .unwrap_or(usize::MAX);
-        if let Some(len) =
-            host::request_header("content-length").and_then(|v| v.trim().parse::<usize>().ok())
-        {
+        let limit = self.worker.try_borrow().map(|w| w.config.scheduler.max_body_bytes).unwrap_or(usize::MAX);
+        if let Some(len) = host::request_header("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
             if len > limit {
-                return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge {
-                    size: len,
-                    limit,
-                }));
+                return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge { size: len, limit }));
             }
         }
         if end_of_stream {
@@ -180,16 +159,9 @@ impl HttpContext for SchedulerHttp {
         if self.answered {
             return Action::Pause;
         }
-        let limit = self
-            .worker
-            .try_borrow()
-            .map(|w| w.config.scheduler.max_body_bytes)
-            .unwrap_or(usize::MAX);
+        let limit = self.worker.try_borrow().map(|w| w.config.scheduler.max_body_bytes).unwrap_or(usize::MAX);
         if body_size > limit {
-            return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge {
-                size: body_size,
-                limit,
-            }));
+            return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge { size: body_size, limit }));
         }
         if !end_of_stream {
             return Action::Pause;

@@ -33,16 +33,7 @@ fn inc(id: Option<u32>, by: i64) {
 }
 
 fn sanitize(address: &str) -> String {
-    address
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '.' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    address.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' }).collect()
 }
 
 impl Metrics {
@@ -61,23 +52,12 @@ impl Metrics {
         }
     }
 
-    pub fn scheduled(
-        &mut self,
-        endpoint: &str,
-        prefix: f64,
-        queue: f64,
-        kv: f64,
-        matched: usize,
-        total: usize,
-    ) {
+    pub fn scheduled(&mut self, endpoint: &str, prefix: f64, queue: f64, kv: f64, matched: usize, total: usize) {
         inc(self.scheduled, 1);
         let id = match self.picks.get(endpoint) {
             Some(id) => Some(*id),
             None => {
-                let id = define(
-                    MetricType::Counter,
-                    &format!("attache.endpoint.{}.picks", sanitize(endpoint)),
-                );
+                let id = define(MetricType::Counter, &format!("attache.endpoint.{}.picks", sanitize(endpoint)));
                 if let Some(id) = id {
                     self.picks.insert(endpoint.to_owned(), id);
                 }
@@ -85,11 +65,7 @@ impl Metrics {
             }
         };
         inc(id, 1);
-        for (m, v) in [
-            (self.score_prefix, prefix),
-            (self.score_queue, queue),
-            (self.score_kv, kv),
-        ] {
+        for (m, v) in [(self.score_prefix, prefix), (self.score_queue, queue), (self.score_kv, kv)] {
             if let Some(m) = m {
                 let _ = hostcalls::record_metric(m, (v * 1000.0).round().clamp(0.0, 1000.0) as u64);
             }

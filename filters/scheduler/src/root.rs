@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use attache_policies::{ApproxPrefixIndex, Scheduler};
+use attache_policies::{Scheduler, SchedulerState};
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -21,7 +21,7 @@ use crate::snapshot::{self, SnapshotCache, Subscriber};
 pub struct Worker {
     pub config: FilterConfig,
     pub scheduler: Scheduler,
-    pub index: ApproxPrefixIndex,
+    pub state: SchedulerState,
     pub cache: SnapshotCache,
     /// Requests this worker has dispatched and not yet finished, per endpoint.
     pub inflight: HashMap<String, u32>,
@@ -32,7 +32,7 @@ impl Worker {
     fn new(config: FilterConfig) -> Self {
         Self {
             scheduler: Scheduler::new(config.scheduler.clone()),
-            index: ApproxPrefixIndex::new(config.scheduler.prefix.index_capacity),
+            state: SchedulerState::new(&config.scheduler),
             cache: SnapshotCache::default(),
             inflight: HashMap::new(),
             metrics: Metrics::define(),
@@ -50,12 +50,7 @@ pub struct AttacheRoot {
 
 impl AttacheRoot {
     pub fn new(context_id: u32) -> Self {
-        Self {
-            context_id,
-            role: Role::Scheduler,
-            worker: None,
-            subscriber: None,
-        }
+        Self { context_id, role: Role::Scheduler, worker: None, subscriber: None }
     }
 
     fn node(&self) -> String {
@@ -76,10 +71,7 @@ impl Context for AttacheRoot {
         };
         if let Some(s) = sub.on_message(token_id, message_size, now) {
             if !snapshot::publish(&s) {
-                host::log(
-                    LogLevel::Error,
-                    "attache: could not write snapshot to shared data",
-                );
+                host::log(LogLevel::Error, "attache: could not write snapshot to shared data");
             }
             if let Some(w) = &self.worker {
                 if let Ok(mut w) = w.try_borrow_mut() {
@@ -102,10 +94,7 @@ impl RootContext for AttacheRoot {
         let config = match FilterConfig::parse(&raw) {
             Ok(c) => c,
             Err(e) => {
-                host::log(
-                    LogLevel::Critical,
-                    &format!("attache: invalid plugin configuration: {e}"),
-                );
+                host::log(LogLevel::Critical, &format!("attache: invalid plugin configuration: {e}"));
                 return false;
             }
         };

@@ -53,8 +53,27 @@ fn version_key(s: &v1::Snapshot) -> [u8; 16] {
 /// Write a snapshot for every worker: the snapshot first, then the version key.
 pub fn publish(s: &v1::Snapshot) -> bool {
     let bytes = s.encode_to_vec();
-    host::set_shared_data(SNAPSHOT_KEY, &bytes)
-        && host::set_shared_data(VERSION_KEY, &version_key(s))
+    host::set_shared_data(SNAPSHOT_KEY, &bytes) && host::set_shared_data(VERSION_KEY, &version_key(s))
+}
+
+/// The cross-worker affinity table in shared data: key `attache.aff.<slot>`, value the block
+/// hash (8 bytes, big-endian) followed by the endpoint address.
+pub struct SharedAffinity;
+
+impl attache_policies::index::AffinityStore for SharedAffinity {
+    fn load(&mut self, slot: u64) -> Option<(u64, String)> {
+        let v = host::shared_data(&format!("attache.aff.{slot}"))?;
+        let (h, ep) = v.split_at_checked(8)?;
+        let h = u64::from_be_bytes(h.try_into().ok()?);
+        Some((h, String::from_utf8(ep.to_vec()).ok()?))
+    }
+
+    fn store(&mut self, slot: u64, hash: u64, endpoint: &str) {
+        let mut v = Vec::with_capacity(8 + endpoint.len());
+        v.extend_from_slice(&hash.to_be_bytes());
+        v.extend_from_slice(endpoint.as_bytes());
+        host::set_shared_data(&format!("attache.aff.{slot}"), &v);
+    }
 }
 
 /// A worker's cached view of the newest snapshot.
@@ -88,10 +107,7 @@ impl SnapshotCache {
             }
             Err(e) => {
                 self.decode_failures += 1;
-                host::log(
-                    LogLevel::Warn,
-                    &format!("attache: undecodable snapshot ignored: {e}"),
-                );
+                host::log(LogLevel::Warn, &format!("attache: undecodable snapshot ignored: {e}"));
                 false
             }
         }
@@ -109,13 +125,7 @@ pub struct Subscriber {
 
 impl Subscriber {
     pub fn new(cfg: SubscribeConfig) -> Self {
-        Self {
-            cfg,
-            token: None,
-            last_message_ms: 0,
-            received: 0,
-            reconnects: 0,
-        }
+        Self { cfg, token: None, last_message_ms: 0, received: 0, reconnects: 0 }
     }
 
     pub fn tick_ms(&self) -> u64 {
@@ -132,10 +142,7 @@ impl Subscriber {
             let _ = hostcalls::cancel_grpc_stream(t);
             self.token = None;
         }
-        let req = v1::SubscribeRequest {
-            node: node.to_owned(),
-        }
-        .encode_to_vec();
+        let req = v1::SubscribeRequest { node: node.to_owned() }.encode_to_vec();
         match hostcalls::open_grpc_stream(&self.cfg.cluster, SERVICE, METHOD, vec![]) {
             Ok(t) => {
                 // tonic runs a server-streaming handler only after the client half-closes.
@@ -147,13 +154,9 @@ impl Subscriber {
                 self.last_message_ms = now_ms;
                 self.reconnects += 1;
             }
-            Err(s) => host::log(
-                LogLevel::Warn,
-                &format!(
-                    "attache: open_grpc_stream({}) failed: {s:?}",
-                    self.cfg.cluster
-                ),
-            ),
+            Err(s) => {
+                host::log(LogLevel::Warn, &format!("attache: open_grpc_stream({}) failed: {s:?}", self.cfg.cluster))
+            }
         }
     }
 
@@ -163,9 +166,7 @@ impl Subscriber {
             return None;
         }
         self.last_message_ms = now_ms;
-        let bytes = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size)
-            .ok()
-            .flatten()?;
+        let bytes = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten()?;
         match v1::Update::decode(bytes.as_slice()) {
             Ok(u) => {
                 self.received += 1;
@@ -175,10 +176,7 @@ impl Subscriber {
                 }
             }
             Err(e) => {
-                host::log(
-                    LogLevel::Warn,
-                    &format!("attache: undecodable update ignored: {e}"),
-                );
+                host::log(LogLevel::Warn, &format!("attache: undecodable update ignored: {e}"));
                 None
             }
         }
@@ -189,10 +187,7 @@ impl Subscriber {
             let (code, msg) = hostcalls::get_grpc_status().unwrap_or((0, None));
             host::log(
                 LogLevel::Info,
-                &format!(
-                    "attache: snapshot stream closed (grpc {code}: {}); will reopen",
-                    msg.unwrap_or_default()
-                ),
+                &format!("attache: snapshot stream closed (grpc {code}: {}); will reopen", msg.unwrap_or_default()),
             );
             self.token = None;
         }
@@ -221,10 +216,7 @@ mod tests {
                     metrics_age_ms: 20,
                     ..Default::default()
                 },
-                v1::Endpoint {
-                    address: "1.2.3.5:80".into(),
-                    ..Default::default()
-                },
+                v1::Endpoint { address: "1.2.3.5:80".into(), ..Default::default() },
             ],
         };
         let p = to_pool(&s);
@@ -233,12 +225,6 @@ mod tests {
         assert_eq!(p.endpoints[0].metrics.unwrap().waiting, 3.0);
         assert!(p.endpoints[1].metrics.is_none());
         assert!(!p.endpoints[1].ready);
-        assert_ne!(
-            version_key(&s),
-            version_key(&v1::Snapshot {
-                version: 8,
-                ..s.clone()
-            })
-        );
+        assert_ne!(version_key(&s), version_key(&v1::Snapshot { version: 8, ..s.clone() }));
     }
 }

@@ -1,0 +1,135 @@
+//! `attache-bench`: the demo and the side-by-side benchmarks.
+
+mod run;
+mod workload;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
+use clap::{Parser, Subcommand};
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(name = "attache-bench", about = "Attaché demo and benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Shared-prefix chat through Envoy: plain round-robin, then Attaché, on 4 simulated engines.
+    Demo(DemoArgs),
+}
+
+#[derive(Parser, Debug, Clone)]
+struct DemoArgs {
+    #[arg(long, default_value = "bench/results/demo.json")]
+    out: PathBuf,
+    #[arg(long, default_value_t = 4)]
+    engines: u16,
+    /// Distinct long system prompts.
+    #[arg(long, default_value_t = 16)]
+    groups: usize,
+    /// Requests per system prompt.
+    #[arg(long, default_value_t = 16)]
+    per_group: usize,
+    #[arg(long, default_value_t = 4000)]
+    prefix_tokens: usize,
+    #[arg(long, default_value_t = 60)]
+    question_tokens: usize,
+    #[arg(long, default_value_t = 48)]
+    max_tokens: u64,
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Simulated step times are multiplied by this.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Share of the cluster's KV cache the shared prefixes fill (llm-d's canonical run: ~0.73).
+    #[arg(long, default_value_t = 0.73)]
+    prefix_kv_share: f64,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Envoy worker threads.
+    #[arg(long, default_value_t = 2)]
+    envoy_concurrency: u32,
+}
+
+async fn demo(a: DemoArgs) -> anyhow::Result<()> {
+    let items =
+        workload::shared_prefix(a.groups, a.per_group, a.prefix_tokens, a.question_tokens, a.max_tokens, a.seed);
+    let prefix_total = (a.groups * a.prefix_tokens) as f64;
+    let blocks_per_engine =
+        ((prefix_total / a.prefix_kv_share) / f64::from(a.engines) / a.block_size as f64).ceil() as usize;
+    let sim = SimOpts {
+        engines: a.engines,
+        model: "tinyllama".into(),
+        block_size: a.block_size,
+        num_gpu_blocks: blocks_per_engine,
+        max_num_seqs: 32,
+        time_scale: a.time_scale,
+    };
+    println!(
+        "demo: {} requests ({} groups x {}), {}-token shared prefixes, {} engines x {} KV blocks of {} tokens, concurrency {}, time scale {}",
+        items.len(),
+        a.groups,
+        a.per_group,
+        a.prefix_tokens,
+        a.engines,
+        blocks_per_engine,
+        a.block_size,
+        a.concurrency,
+        a.time_scale
+    );
+    let mut rows = Vec::new();
+    for (system, kind) in [("round-robin", EnvoyKind::RoundRobin), ("attache", EnvoyKind::Attache)] {
+        let mut stack = Stack::new(&format!("demo-{system}"))?;
+        stack.start_sim(sim.clone())?;
+        if kind != EnvoyKind::RoundRobin {
+            stack.start_host()?;
+        }
+        stack.start_envoy(kind, &Stack::default_scheduler_config(), a.envoy_concurrency)?;
+        if kind != EnvoyKind::RoundRobin {
+            stack.wait_snapshot(usize::from(a.engines), Duration::from_secs(20))?;
+        }
+        let (q0, h0) = stack.prefix_counters().await?;
+        let (outcomes, wall) =
+            run::drive(&stack.http, &stack.url("/v1/chat/completions"), "tinyllama", &items, a.concurrency).await;
+        let (q1, h1) = stack.prefix_counters().await?;
+        let row = run::summarise(system, &outcomes, wall, q1 - q0, h1 - h0);
+        println!("  {system}: done in {:.1}s", row.wall_s);
+        rows.push(row);
+    }
+    run::print_table("shared-prefix chat (demo)", &rows);
+    let doc = json!({
+        "scenario": "shared-prefix-chat",
+        "command": "cargo xtask demo",
+        "date": std::process::Command::new("date").arg("-u").arg("+%Y-%m-%dT%H:%M:%SZ").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+        "machine": format!("{} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)),
+        "config": {
+            "engines": a.engines, "groups": a.groups, "per_group": a.per_group, "prefix_tokens": a.prefix_tokens,
+            "question_tokens": a.question_tokens, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
+            "time_scale": a.time_scale, "block_size": a.block_size, "num_gpu_blocks_per_engine": blocks_per_engine,
+            "prefix_kv_share": a.prefix_kv_share, "seed": a.seed,
+        },
+        "runs": rows,
+    });
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&a.out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    println!("\nwrote {}", a.out.display());
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Demo(a) => demo(a).await,
+    }
+}

@@ -1,0 +1,100 @@
+//! Drive a workload through a gateway and summarise what happened.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use attache_e2e::client::{self, Outcome};
+use serde::Serialize;
+use tokio::sync::Semaphore;
+
+use crate::workload::Item;
+
+/// One system's row in a results table.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    pub system: String,
+    pub requests: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p95_ms: f64,
+    pub output_tok_per_s: f64,
+    pub prefix_hit_rate: f64,
+    pub errors: usize,
+    pub wall_s: f64,
+}
+
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// Send every item with at most `concurrency` in flight; returns outcomes in item order.
+pub async fn drive(
+    http: &reqwest::Client,
+    url: &str,
+    model: &str,
+    items: &[Item],
+    concurrency: usize,
+) -> (Vec<Outcome>, Duration) {
+    let sem = Arc::new(Semaphore::new(concurrency.max(1)));
+    let start = Instant::now();
+    let mut handles = Vec::with_capacity(items.len());
+    for it in items {
+        let permit = sem.clone().acquire_owned().await;
+        let http = http.clone();
+        let url = url.to_string();
+        let body = client::chat_body(model, &it.system, &it.user, it.max_tokens);
+        handles.push(tokio::spawn(async move {
+            let _p = permit;
+            client::post(&http, &url, body, &[]).await
+        }));
+    }
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        out.push(h.await.unwrap_or_default());
+    }
+    (out, start.elapsed())
+}
+
+/// Summarise outcomes; `hits`/`queries` are the engines' prefix-cache counter deltas.
+pub fn summarise(system: &str, outcomes: &[Outcome], wall: Duration, queries: f64, hits: f64) -> RunSummary {
+    let mut ttft: Vec<f64> =
+        outcomes.iter().filter(|o| o.ok()).filter_map(|o| o.ttft).map(|d| d.as_secs_f64() * 1000.0).collect();
+    ttft.sort_by(f64::total_cmp);
+    let tokens: u64 = outcomes.iter().filter(|o| o.ok()).map(|o| o.output_tokens).sum();
+    let errors = outcomes.iter().filter(|o| !o.ok() || !o.done).count();
+    RunSummary {
+        system: system.into(),
+        requests: outcomes.len(),
+        ttft_p50_ms: round2(percentile(&ttft, 50.0)),
+        ttft_p95_ms: round2(percentile(&ttft, 95.0)),
+        output_tok_per_s: round2(tokens as f64 / wall.as_secs_f64().max(1e-9)),
+        prefix_hit_rate: if queries > 0.0 { round4(hits / queries) } else { 0.0 },
+        errors,
+        wall_s: round2(wall.as_secs_f64()),
+    }
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+fn round4(v: f64) -> f64 {
+    (v * 10_000.0).round() / 10_000.0
+}
+
+/// Print a results table.
+pub fn print_table(title: &str, rows: &[RunSummary]) {
+    println!("\n{title}");
+    println!(
+        "{:<14} {:>8} {:>12} {:>12} {:>17} {:>16} {:>7}",
+        "system", "requests", "ttft_p50_ms", "ttft_p95_ms", "output_tok_per_s", "prefix_hit_rate", "errors"
+    );
+    for r in rows {
+        println!(
+            "{:<14} {:>8} {:>12.2} {:>12.2} {:>17.2} {:>16.4} {:>7}",
+            r.system, r.requests, r.ttft_p50_ms, r.ttft_p95_ms, r.output_tok_per_s, r.prefix_hit_rate, r.errors
+        );
+    }
+}

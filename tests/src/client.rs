@@ -1,0 +1,126 @@
+//! An OpenAI-style client for tests and benchmarks: sends a request, reads an SSE stream, and
+//! measures time to first token.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::Value;
+
+/// What one request produced.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    pub status: u16,
+    /// Time to the first content chunk (streaming) or to the full response.
+    pub ttft: Option<Duration>,
+    pub total: Duration,
+    /// Completion tokens, from the usage chunk or the response's `usage`.
+    pub output_tokens: u64,
+    /// The engine that served it (the simulator's `x-inference-port`).
+    pub engine_port: Option<u16>,
+    /// The whole body (for errors and non-streaming responses).
+    pub body: String,
+    /// SSE `data:` payloads, in order (streaming only).
+    pub events: Vec<String>,
+    /// Whether the stream ended with `data: [DONE]`.
+    pub done: bool,
+    /// Transport error, if the request failed below HTTP.
+    pub error: Option<String>,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Outcome {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+    pub fn ok(&self) -> bool {
+        self.error.is_none() && self.status == 200
+    }
+}
+
+/// POST `body` to `url` and read the whole response; SSE bodies are split into events.
+pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>, headers: &[(&str, &str)]) -> Outcome {
+    let start = Instant::now();
+    let mut req = client.post(url).header("content-type", "application/json").body(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut out = Outcome::default();
+    let resp = match req.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            out.error = Some(e.to_string());
+            out.total = start.elapsed();
+            return out;
+        }
+    };
+    out.status = resp.status().as_u16();
+    out.headers = resp.headers().iter().map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string())).collect();
+    out.engine_port = out.header("x-inference-port").and_then(|v| v.parse().ok());
+    let is_sse = out.header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
+    let mut stream = resp.bytes_stream();
+    let mut buf = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(b) => {
+                buf.extend_from_slice(&b);
+                if is_sse {
+                    while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                        let ev: Vec<u8> = buf.drain(..pos + 2).collect();
+                        let line = String::from_utf8_lossy(&ev).trim().to_string();
+                        out.body.push_str(&line);
+                        out.body.push_str("\n\n");
+                        let Some(data) = line.strip_prefix("data: ") else { continue };
+                        if data == "[DONE]" {
+                            out.done = true;
+                            continue;
+                        }
+                        if let Ok(v) = serde_json::from_str::<Value>(data) {
+                            let has_content = v["choices"].as_array().is_some_and(|c| {
+                                c.iter().any(|c| {
+                                    c["delta"]["content"].as_str().is_some_and(|s| !s.is_empty())
+                                        || c["text"].as_str().is_some_and(|s| !s.is_empty())
+                                })
+                            });
+                            if has_content && out.ttft.is_none() {
+                                out.ttft = Some(start.elapsed());
+                            }
+                            if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                                out.output_tokens = n;
+                            }
+                        }
+                        out.events.push(data.to_string());
+                    }
+                }
+            }
+            Err(e) => {
+                out.error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    if !is_sse {
+        out.body = String::from_utf8_lossy(&buf).into_owned();
+        if out.status == 200 {
+            out.ttft = Some(start.elapsed());
+            out.output_tokens = out.json()["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        }
+    }
+    out.total = start.elapsed();
+    out
+}
+
+/// A streaming chat request with usage reporting.
+pub fn chat_body(model: &str, system: &str, user: &str, max_tokens: u64) -> Vec<u8> {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string()
+    .into_bytes()
+}

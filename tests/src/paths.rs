@@ -1,0 +1,57 @@
+//! Where the binaries are.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+
+#[derive(Debug, Clone)]
+pub struct Paths {
+    pub root: PathBuf,
+    pub target: PathBuf,
+    pub host_bin: PathBuf,
+    pub sim_bin: PathBuf,
+    pub wasm: PathBuf,
+    pub envoy: PathBuf,
+}
+
+fn find_envoy(root: &Path) -> Option<PathBuf> {
+    let lib = root.join(".venv/lib");
+    for py in std::fs::read_dir(&lib).ok()?.flatten() {
+        let p = py.path().join("site-packages/envoy/_bin/envoy");
+        if p.exists() {
+            return Some(p);
+        }
+    }
+    None
+}
+
+impl Paths {
+    /// Resolve paths from `ATTACHE_*` variables, else the workspace defaults. Errors name
+    /// the command that builds what is missing.
+    pub fn discover() -> anyhow::Result<Self> {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?.to_path_buf();
+        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
+        let target = if target.is_relative() { root.join(target) } else { target };
+        let bin_dir = std::env::var_os("ATTACHE_BIN_DIR").map(PathBuf::from).unwrap_or_else(|| target.join("release"));
+        let wasm = std::env::var_os("ATTACHE_WASM")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| target.join("wasm32-wasip1/wasm/attache_scheduler_filter.wasm"));
+        let envoy = std::env::var_os("ATTACHE_ENVOY").map(PathBuf::from).or_else(|| find_envoy(&root));
+        let p = Paths {
+            host_bin: bin_dir.join("attache"),
+            sim_bin: bin_dir.join("attache-sim"),
+            wasm,
+            envoy: envoy.unwrap_or_else(|| root.join(".venv/lib/python3/site-packages/envoy/_bin/envoy")),
+            root,
+            target,
+        };
+        for (what, path) in
+            [("host", &p.host_bin), ("simulator", &p.sim_bin), ("Wasm filter", &p.wasm), ("Envoy 1.40", &p.envoy)]
+        {
+            if !path.exists() {
+                bail!("{what} not found at {}; run `cargo xtask build` (or `cargo xtask test`) first", path.display());
+            }
+        }
+        Ok(p)
+    }
+}

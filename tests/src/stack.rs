@@ -1,0 +1,417 @@
+//! Start and stop the real processes of an Attaché deployment on loopback.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::paths::Paths;
+
+/// Pick a free loopback port.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+}
+
+/// Pick `n` consecutive free ports (the simulator binds base..base+n).
+pub fn free_port_range(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = free_port();
+        if base == 0 || base > 65000 - n {
+            continue;
+        }
+        if (0..n).all(|i| TcpListener::bind(("127.0.0.1", base + i)).is_ok()) {
+            return base;
+        }
+    }
+    0
+}
+
+/// A child process, killed when dropped. Its output goes to `<workdir>/<name>.log`.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Options of the simulated pool.
+#[derive(Debug, Clone)]
+pub struct SimOpts {
+    pub engines: u16,
+    pub model: String,
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub max_num_seqs: usize,
+    pub time_scale: f64,
+}
+
+impl Default for SimOpts {
+    fn default() -> Self {
+        Self {
+            engines: 4,
+            model: "tinyllama".into(),
+            block_size: 16,
+            num_gpu_blocks: 4096,
+            max_num_seqs: 32,
+            time_scale: 0.2,
+        }
+    }
+}
+
+/// Which Envoy configuration to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvoyKind {
+    /// Attaché with the override_host pool (recommended).
+    Attache,
+    /// Attaché with an ORIGINAL_DST pool.
+    AttacheOriginalDst,
+    /// Plain round-robin, no Attaché.
+    RoundRobin,
+}
+
+/// A running deployment: simulator, host and Envoy, on fresh ports.
+pub struct Stack {
+    pub paths: Paths,
+    pub workdir: PathBuf,
+    pub sim: Option<Proc>,
+    pub host: Option<Proc>,
+    pub envoy: Option<Proc>,
+    pub sim_opts: SimOpts,
+    pub sim_base_port: u16,
+    pub host_grpc_port: u16,
+    pub host_admin_port: u16,
+    pub envoy_port: u16,
+    pub envoy_admin_port: u16,
+    pub endpoints_file: PathBuf,
+    pub http: reqwest::Client,
+}
+
+fn wait_until<F: FnMut() -> bool>(timeout: Duration, mut f: F) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+fn port_open(port: u16) -> bool {
+    std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)).is_ok()
+}
+
+impl Stack {
+    /// A stack with nothing started yet; `name` names its work directory.
+    pub fn new(name: &str) -> anyhow::Result<Self> {
+        let paths = Paths::discover()?;
+        let workdir = paths.target.join("attache-e2e").join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&workdir).with_context(|| format!("creating {}", workdir.display()))?;
+        Ok(Self {
+            endpoints_file: workdir.join("endpoints.yaml"),
+            paths,
+            workdir,
+            sim: None,
+            host: None,
+            envoy: None,
+            sim_opts: SimOpts::default(),
+            sim_base_port: 0,
+            host_grpc_port: free_port(),
+            host_admin_port: free_port(),
+            envoy_port: free_port(),
+            envoy_admin_port: free_port(),
+            http: reqwest::Client::builder().pool_max_idle_per_host(64).build()?,
+        })
+    }
+
+    fn spawn(&self, name: &str, cmd: &mut Command) -> anyhow::Result<Proc> {
+        let log = self.workdir.join(format!("{name}.log"));
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let child = cmd
+            .stdout(Stdio::from(f.try_clone()?))
+            .stderr(Stdio::from(f))
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Proc { name: name.into(), child, log })
+    }
+
+    /// Engine addresses (`127.0.0.1:port`).
+    pub fn engine_addrs(&self) -> Vec<String> {
+        (0..self.sim_opts.engines).map(|i| format!("127.0.0.1:{}", self.sim_base_port + i)).collect()
+    }
+
+    /// Start (or restart, with cold caches) the simulated engines.
+    pub fn start_sim(&mut self, opts: SimOpts) -> anyhow::Result<()> {
+        if let Some(mut p) = self.sim.take() {
+            p.kill();
+        }
+        if self.sim_base_port == 0 || self.sim_opts.engines != opts.engines {
+            self.sim_base_port = free_port_range(opts.engines);
+        }
+        self.sim_opts = opts.clone();
+        let p = self.spawn(
+            "sim",
+            Command::new(&self.paths.sim_bin)
+                .arg("--engines")
+                .arg(opts.engines.to_string())
+                .arg("--base-port")
+                .arg(self.sim_base_port.to_string())
+                .arg("--model")
+                .arg(&opts.model)
+                .arg("--block-size")
+                .arg(opts.block_size.to_string())
+                .arg("--num-gpu-blocks")
+                .arg(opts.num_gpu_blocks.to_string())
+                .arg("--max-num-seqs")
+                .arg(opts.max_num_seqs.to_string())
+                .arg("--time-scale")
+                .arg(opts.time_scale.to_string()),
+        )?;
+        self.sim = Some(p);
+        let ports: Vec<u16> = (0..opts.engines).map(|i| self.sim_base_port + i).collect();
+        if !wait_until(Duration::from_secs(20), || ports.iter().all(|p| port_open(*p))) {
+            bail!("simulator did not listen on {ports:?}; see {}", self.workdir.join("sim.log").display());
+        }
+        self.write_endpoints(&self.engine_addrs())?;
+        Ok(())
+    }
+
+    /// Write the host's static endpoints file.
+    pub fn write_endpoints(&self, addrs: &[String]) -> anyhow::Result<()> {
+        let mut y = String::from("endpoints:\n");
+        for a in addrs {
+            y.push_str(&format!(
+                "  - address: {a}\n    models: [{}]\n    role: both\n    engine: vllm\n",
+                self.sim_opts.model
+            ));
+        }
+        let tmp = self.endpoints_file.with_extension("tmp");
+        std::fs::write(&tmp, y)?;
+        std::fs::rename(&tmp, &self.endpoints_file)?;
+        Ok(())
+    }
+
+    /// Start the host (or restart it).
+    pub fn start_host(&mut self) -> anyhow::Result<()> {
+        if let Some(mut p) = self.host.take() {
+            p.kill();
+        }
+        let p = self.spawn(
+            "host",
+            Command::new(&self.paths.host_bin)
+                .arg("host")
+                .arg("--endpoints")
+                .arg(&self.endpoints_file)
+                .arg("--grpc-listen")
+                .arg(format!("127.0.0.1:{}", self.host_grpc_port))
+                .arg("--admin-listen")
+                .arg(format!("127.0.0.1:{}", self.host_admin_port))
+                .env("RUST_LOG", "info"),
+        )?;
+        self.host = Some(p);
+        let port = self.host_grpc_port;
+        if !wait_until(Duration::from_secs(20), || port_open(port)) {
+            bail!("host did not listen; see {}", self.workdir.join("host.log").display());
+        }
+        Ok(())
+    }
+
+    pub fn kill_host(&mut self) {
+        if let Some(mut p) = self.host.take() {
+            p.kill();
+        }
+    }
+
+    /// The scheduler filter's JSON configuration used by default.
+    /// `ATTACHE_SCHEDULER_CONFIG` (JSON) replaces it, to try other weights without rebuilding.
+    pub fn default_scheduler_config() -> serde_json::Value {
+        if let Some(v) = std::env::var("ATTACHE_SCHEDULER_CONFIG").ok().and_then(|s| serde_json::from_str(&s).ok()) {
+            return v;
+        }
+        serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304}})
+    }
+
+    /// Render an Envoy template.
+    pub fn render_envoy(&self, kind: EnvoyKind, scheduler_config: &serde_json::Value) -> anyhow::Result<String> {
+        let file = match kind {
+            EnvoyKind::Attache => "attache.yaml",
+            EnvoyKind::AttacheOriginalDst => "attache-original-dst.yaml",
+            EnvoyKind::RoundRobin => "round-robin.yaml",
+        };
+        let tpl = std::fs::read_to_string(self.paths.root.join("envoy").join(file))?;
+        let mut eps = String::new();
+        for a in self.engine_addrs() {
+            let (ip, port) = a.split_once(':').context("engine address")?;
+            eps.push_str(&format!(
+                "        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}\n"
+            ));
+        }
+        let mut single = scheduler_config.clone();
+        single["scheduler"]["max_endpoints"] = serde_json::json!(1);
+        Ok(tpl
+            .replace("{{ADMIN_PORT}}", &self.envoy_admin_port.to_string())
+            .replace("{{LISTEN_PORT}}", &self.envoy_port.to_string())
+            .replace("{{HOST_GRPC_PORT}}", &self.host_grpc_port.to_string())
+            .replace("{{WASM}}", &self.paths.wasm.display().to_string())
+            .replace("{{POOL_ENDPOINTS}}\n", &eps)
+            .replace("{{SCHEDULER_CONFIG_SINGLE}}", &single.to_string())
+            .replace("{{SCHEDULER_CONFIG}}", &scheduler_config.to_string()))
+    }
+
+    /// Start Envoy (or restart it) with `kind`, and wait until it is ready.
+    pub fn start_envoy(
+        &mut self,
+        kind: EnvoyKind,
+        scheduler_config: &serde_json::Value,
+        concurrency: u32,
+    ) -> anyhow::Result<()> {
+        if let Some(mut p) = self.envoy.take() {
+            p.kill();
+        }
+        let cfg = self.render_envoy(kind, scheduler_config)?;
+        let path = self.workdir.join("envoy.yaml");
+        std::fs::write(&path, cfg)?;
+        let p = self.spawn(
+            "envoy",
+            Command::new(&self.paths.envoy)
+                .arg("-c")
+                .arg(&path)
+                .arg("--concurrency")
+                .arg(concurrency.to_string())
+                .arg("--log-level")
+                .arg("warn")
+                .arg("--base-id")
+                .arg(self.envoy_admin_port.to_string()),
+        )?;
+        self.envoy = Some(p);
+        let admin = self.envoy_admin_port;
+        let ready = wait_until(Duration::from_secs(30), || {
+            http_get_blocking(admin, "/ready").is_some_and(|b| b.contains("LIVE"))
+        });
+        if !ready {
+            bail!("envoy not ready; see {}", self.workdir.join("envoy.log").display());
+        }
+        Ok(())
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.envoy_port)
+    }
+
+    /// Envoy's admin `/stats` as text (blocking, for use outside async code too).
+    pub fn envoy_stats(&self) -> String {
+        http_get_blocking(self.envoy_admin_port, "/stats").unwrap_or_default()
+    }
+
+    /// A counter or gauge from Envoy's `/stats`, 0 if absent.
+    pub fn envoy_stat(&self, name: &str) -> u64 {
+        stat_value(&self.envoy_stats(), name)
+    }
+
+    /// Wait until the filters have a snapshot in which every engine is ready (or `want_ready`
+    /// engines are). Reads the host's view via its admin API and waits for the snapshot agent's
+    /// `attache.snapshot.version` gauge to reach that version.
+    pub fn wait_snapshot(&self, want_ready: usize, timeout: Duration) -> anyhow::Result<u64> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(body) = http_get_blocking(self.host_admin_port, "/v1/snapshot") {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) {
+                    let ready =
+                        v["endpoints"].as_array().map(|a| a.iter().filter(|e| e["ready"] == true).count()).unwrap_or(0);
+                    let version = v["version"].as_u64().unwrap_or(0);
+                    if ready == want_ready
+                        && version > 0
+                        && self.envoy_stat("wasmcustom.attache.snapshot.version") >= version
+                    {
+                        return Ok(version);
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("filters never saw a snapshot with {want_ready} ready endpoints")
+    }
+
+    /// Prefix-cache counters summed over the engines: (queries, hits), in tokens.
+    pub async fn prefix_counters(&self) -> anyhow::Result<(f64, f64)> {
+        let mut q = 0.0;
+        let mut h = 0.0;
+        for a in self.engine_addrs() {
+            let text = self.http.get(format!("http://{a}/metrics")).send().await?.text().await?;
+            q += stat_line(&text, "vllm:prefix_cache_queries_total");
+            h += stat_line(&text, "vllm:prefix_cache_hits_total");
+        }
+        Ok((q, h))
+    }
+}
+
+/// Value of the first sample line of `name` in a Prometheus exposition.
+pub fn stat_line(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Value of `name: N` in Envoy's `/stats` text.
+pub fn stat_value(stats: &str, name: &str) -> u64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(": ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A tiny blocking HTTP/1.0 GET for admin endpoints (no runtime needed).
+pub fn http_get_blocking(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s =
+        std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let (head, body) = buf.split_once("\r\n\r\n")?;
+    if !head.starts_with("HTTP/1.") {
+        return None;
+    }
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return Some(dechunk(body));
+    }
+    Some(body.to_string())
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}

