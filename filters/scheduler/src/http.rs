@@ -53,10 +53,7 @@ impl SchedulerHttp {
             return Action::Continue;
         };
         let w = &mut *guard;
-        if w.cache.refresh(host::now_ms()) {
-            let v = w.cache.pool.version;
-            w.metrics.snapshot(v);
-        }
+        w.cache.refresh(host::now_ms());
         let hashes =
             prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
         let seed = hashes.first().copied().unwrap_or(u64::from(self.id));

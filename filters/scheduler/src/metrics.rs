@@ -19,6 +19,7 @@ pub struct Metrics {
     prefix_blocks_matched: Option<u32>,
     prefix_blocks_total: Option<u32>,
     snapshot_version: Option<u32>,
+    snapshot_epoch: Option<u32>,
     snapshot_updates: Option<u32>,
 }
 
@@ -47,6 +48,7 @@ impl Metrics {
             prefix_blocks_matched: define(MetricType::Counter, "attache.prefix.blocks_matched"),
             prefix_blocks_total: define(MetricType::Counter, "attache.prefix.blocks_total"),
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
+            snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
             ..Default::default()
         }
@@ -93,9 +95,12 @@ impl Metrics {
         inc(id, 1);
     }
 
-    pub fn snapshot(&mut self, version: u64) {
-        if let Some(id) = self.snapshot_version {
-            let _ = hostcalls::record_metric(id, version);
+    /// A new snapshot arrived (agent) or was loaded (worker).
+    pub fn snapshot(&mut self, epoch: u64, version: u64) {
+        for (id, v) in [(self.snapshot_version, version), (self.snapshot_epoch, epoch)] {
+            if let Some(id) = id {
+                let _ = hostcalls::record_metric(id, v);
+            }
         }
         inc(self.snapshot_updates, 1);
     }

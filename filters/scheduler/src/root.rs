@@ -75,7 +75,7 @@ impl Context for AttacheRoot {
             }
             if let Some(w) = &self.worker {
                 if let Ok(mut w) = w.try_borrow_mut() {
-                    w.metrics.snapshot(s.version);
+                    w.metrics.snapshot(s.host_epoch, s.version);
                 }
             }
         }

@@ -1,0 +1,44 @@
+//! Helpers shared by the end-to-end test files.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use attache_e2e::client::{self, Outcome};
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
+
+pub const MODEL: &str = "tinyllama";
+
+/// Simulator, host and Envoy (Attaché, override_host) on fresh ports, with the filters holding
+/// a snapshot in which every engine is ready.
+pub fn attache_stack(name: &str, opts: SimOpts) -> Stack {
+    let mut s = Stack::new(name).expect("stack");
+    let engines = usize::from(opts.engines);
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+    s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
+    s
+}
+
+pub fn small_pool() -> SimOpts {
+    SimOpts { engines: 4, time_scale: 0.05, ..SimOpts::default() }
+}
+
+/// A client that opens a new connection per request, so requests spread over Envoy's workers.
+pub fn fresh_client() -> reqwest::Client {
+    reqwest::Client::builder().pool_max_idle_per_host(0).build().expect("client")
+}
+
+pub fn chat(system: &str, user: &str, max_tokens: u64) -> Vec<u8> {
+    client::chat_body(MODEL, system, user, max_tokens)
+}
+
+pub async fn send(s: &Stack, http: &reqwest::Client, body: Vec<u8>, headers: &[(&str, &str)]) -> Outcome {
+    client::post(http, &s.url("/v1/chat/completions"), body, headers).await
+}
+
+/// A long shared prefix (about 2,000 pseudo-tokens).
+pub fn long_prefix(tag: &str) -> String {
+    format!("{tag}: ").to_string() + &"You are a careful assistant. Follow the operating manual exactly. ".repeat(120)
+}

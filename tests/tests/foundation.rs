@@ -1,0 +1,334 @@
+//! End-to-end tests of the foundation: the real Envoy 1.40 binary with the Attaché filter, the
+//! host and simulated vLLM engines, all real processes on loopback.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use attache_e2e::client;
+use attache_e2e::stack::http_get_blocking;
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
+use common::*;
+use serde_json::Value;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_prefix_sticks_and_unrelated_prefixes_spread() {
+    let s = attache_stack("sticky", small_pool());
+    let http = fresh_client();
+    let prefix = long_prefix("group-a");
+    let mut ports = HashSet::new();
+    for q in 0..8 {
+        let o = send(&s, &http, chat(&prefix, &format!("question {q}"), 4), &[]).await;
+        assert!(o.ok() && o.done, "request {q} failed: {} {}", o.status, o.body);
+        ports.insert(o.engine_port.expect("engine port header"));
+    }
+    assert_eq!(ports.len(), 1, "a shared long prefix must stay on one engine, got {ports:?}");
+
+    // Sixteen unrelated prefixes over new connections (both Envoy workers): the whole pool.
+    let mut spread = HashMap::new();
+    for g in 0..16 {
+        let o = send(&s, &http, chat(&long_prefix(&format!("unrelated-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        *spread.entry(o.engine_port.expect("engine port")).or_insert(0) += 1;
+    }
+    assert_eq!(spread.len(), 4, "unrelated prefixes should use every engine: {spread:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_engine_is_avoided() {
+    // Two running sequences per engine, and slow steps, so a queue builds up for real.
+    let s = attache_stack("saturated", SimOpts { engines: 3, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() });
+    let http = fresh_client();
+    let prefix = long_prefix("hot");
+    let first = send(&s, &http, chat(&prefix, "q0", 2), &[]).await;
+    assert!(first.ok(), "{}", first.body);
+    let hot = first.engine_port.expect("port");
+
+    // Flood the hot engine directly (bypassing Envoy) with long requests.
+    let flood_url = format!("http://127.0.0.1:{hot}/v1/completions");
+    let mut flood = Vec::new();
+    for i in 0..10 {
+        let http = http.clone();
+        let url = flood_url.clone();
+        let body = serde_json::json!({"model": MODEL, "prompt": format!("flood {i}"), "max_tokens": 3000}).to_string();
+        flood.push(tokio::spawn(async move { client::post(&http, &url, body.into_bytes(), &[]).await }));
+    }
+    // Wait until the host reports the queue.
+    let mut waiting = 0.0;
+    for _ in 0..100 {
+        if let Some(b) = http_get_blocking(s.host_admin_port, "/v1/snapshot") {
+            let v: Value = serde_json::from_str(&b).unwrap_or(Value::Null);
+            waiting = v["endpoints"]
+                .as_array()
+                .and_then(|a| a.iter().find(|e| e["address"] == format!("127.0.0.1:{hot}")))
+                .and_then(|e| e["waiting"].as_f64())
+                .unwrap_or(0.0);
+            if waiting >= 5.0 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(waiting >= 5.0, "flood did not build a queue (waiting {waiting})");
+    tokio::time::sleep(Duration::from_millis(300)).await; // let the snapshot reach the filters
+
+    for q in 1..6 {
+        let o = send(&s, &http, chat(&prefix, &format!("q{q}"), 2), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        assert_ne!(o.engine_port, Some(hot), "request {q} went to the saturated engine despite its cached prefix");
+    }
+    for f in flood {
+        f.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_destination_headers_are_ignored() {
+    let s = attache_stack("spoof", small_pool());
+    let http = fresh_client();
+    let prefix = long_prefix("spoof");
+    let first = send(&s, &http, chat(&prefix, "q", 2), &[]).await;
+    let chosen = first.engine_port.expect("port");
+    for other in s.engine_addrs().into_iter().filter(|a| !a.ends_with(&format!(":{chosen}"))) {
+        let o = send(&s, &http, chat(&prefix, "q again", 2), &[("x-gateway-destination-endpoint", &other)]).await;
+        assert!(o.ok(), "{}", o.body);
+        assert_eq!(o.engine_port, Some(chosen), "a client header naming {other} must not steer the request");
+    }
+    let o = send(&s, &http, chat(&prefix, "q3", 2), &[("x-gateway-destination-endpoint", "10.9.9.9:80")]).await;
+    assert_eq!((o.status, o.engine_port), (200, Some(chosen)));
+
+    // A request the scheduler does not schedule (GET /v1/models) still has the header stripped:
+    // override_host then falls back to round-robin instead of obeying the client.
+    let pinned = s.engine_addrs()[0].clone();
+    let mut seen = HashSet::new();
+    for _ in 0..8 {
+        let r =
+            http.get(s.url("/v1/models")).header("x-gateway-destination-endpoint", &pinned).send().await.expect("get");
+        assert_eq!(r.status(), 200);
+        seen.insert(r.headers().get("x-inference-port").and_then(|v| v.to_str().ok()).unwrap_or("").to_string());
+    }
+    assert!(seen.len() > 1, "passthrough requests were pinned by the client header: {seen:?}");
+}
+
+fn assert_json_error(o: &attache_e2e::client::Outcome, status: u16, kind: &str) -> Value {
+    assert_eq!(o.status, status, "body: {}", o.body);
+    assert_eq!(o.header("content-type"), Some("application/json"));
+    let v = o.json();
+    assert_eq!(v["error"]["type"], kind, "body: {}", o.body);
+    assert_eq!(v["error"]["code"], status);
+    assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    assert!(o.header("x-attache-error").is_some(), "missing x-attache-error");
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bodies_get_clear_errors_and_the_proxy_keeps_serving() {
+    let s = attache_stack("badinput", small_pool());
+    let http = fresh_client();
+    let url = s.url("/v1/chat/completions");
+    for body in [&b"{not json"[..], b"hello world", b"[1,2,3]", b"{\"model\": 5}"] {
+        let o = client::post(&http, &url, body.to_vec(), &[]).await;
+        assert_json_error(&o, 400, "BadRequestError");
+    }
+    let empty = client::post(&http, &url, Vec::new(), &[]).await;
+    assert_json_error(&empty, 400, "BadRequestError");
+
+    // Unknown model: 404 in OpenAI's error shape.
+    let o = client::post(&http, &url, client::chat_body("no-such-model", "s", "u", 2), &[]).await;
+    let v = assert_json_error(&o, 404, "NotFoundError");
+    assert_eq!(v["error"]["param"], "model");
+    assert!(v["error"]["message"].as_str().unwrap_or("").contains("no-such-model"));
+
+    // Over the configured limit (4 MiB): 413, with content-length and with a chunked body.
+    let big = serde_json::json!({"model": MODEL, "prompt": "x".repeat(5 << 20)}).to_string().into_bytes();
+    let o = client::post(&http, &s.url("/v1/completions"), big.clone(), &[]).await;
+    assert_json_error(&o, 413, "RequestEntityTooLargeError");
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = big.chunks(256 << 10).map(|c| Ok(c.to_vec())).collect();
+    let r = http
+        .post(s.url("/v1/completions"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(futures::stream::iter(chunks)))
+        .send()
+        .await
+        .expect("chunked post");
+    assert_eq!(r.status(), 413);
+
+    // And the proxy still serves good requests.
+    let ok = send(&s, &http, chat("sys", "still fine?", 3), &[]).await;
+    assert!(ok.ok() && ok.done, "{}", ok.body);
+    let stats = s.envoy_stats();
+    assert!(attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.errors.malformed_body") >= 4, "{stats}");
+    assert_eq!(
+        attache_e2e::stack::stat_value(&stats, "wasm.attache_scheduler.vm_reload"),
+        0,
+        "the filter must never trap"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_streams_pass_through_intact() {
+    let s = attache_stack("sse", small_pool());
+    let http = fresh_client();
+    let o = send(&s, &http, chat("system", "stream please", 12), &[]).await;
+    assert!(o.ok() && o.done, "{}", o.body);
+    assert_eq!(o.header("content-type"), Some("text/event-stream; charset=utf-8"));
+    let events: Vec<Value> = o.events.iter().map(|e| serde_json::from_str(e).expect("every event is JSON")).collect();
+    // role chunk + 12 token chunks + usage chunk, then [DONE].
+    assert_eq!(events.len(), 14, "{:#?}", o.events);
+    assert_eq!(events[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(events[12]["choices"][0]["finish_reason"], "length");
+    assert_eq!(events[13]["choices"], Value::Array(vec![]));
+    assert_eq!(events[13]["usage"]["completion_tokens"], 12);
+    assert_eq!(o.output_tokens, 12);
+    let ids: HashSet<&str> = events.iter().filter_map(|e| e["id"].as_str()).collect();
+    assert_eq!(ids.len(), 1);
+
+    // The same request sent straight to that engine produces the same event shapes.
+    let direct = client::post(
+        &http,
+        &format!("http://127.0.0.1:{}/v1/chat/completions", o.engine_port.expect("port")),
+        chat("system", "stream please", 12),
+        &[],
+    )
+    .await;
+    assert_eq!(direct.events.len(), o.events.len());
+
+    // Completions stream too.
+    let body = serde_json::json!({"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": true}).to_string();
+    let c = client::post(&http, &s.url("/v1/completions"), body.into_bytes(), &[]).await;
+    assert!(c.ok() && c.done);
+    assert_eq!(c.events.len(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_client_streams_through_envoy() {
+    // An independent wire check: the official `openai` client (installed in .venv by xtask).
+    let s = attache_stack("openai", small_pool());
+    let py = s.paths.root.join(".venv/bin/python");
+    let script = r#"
+import json, sys
+from openai import OpenAI
+c = OpenAI(base_url=sys.argv[1], api_key="unused")
+chunks = list(c.chat.completions.create(model="tinyllama", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=6, stream=True, stream_options={"include_usage": True}))
+text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+r = c.completions.create(model="tinyllama", prompt="hello", max_tokens=3)
+try:
+    c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    err = None
+except Exception as e:
+    err = type(e).__name__
+print(json.dumps({"chunks": len(chunks), "text": text, "usage": chunks[-1].usage.completion_tokens,
+                  "completion": r.usage.completion_tokens, "unknown_model": err}))
+"#;
+    let out = std::process::Command::new(py).arg("-c").arg(script).arg(s.url("/v1")).output().expect("python");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["usage"], 6);
+    assert_eq!(v["completion"], 3);
+    assert!(v["text"].as_str().is_some_and(|t| !t.is_empty()));
+    assert_eq!(v["unknown_model"], "NotFoundError");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_host_fails_no_request_and_a_restart_resumes_updates() {
+    let mut s = attache_stack("failstatic", small_pool());
+    let http = fresh_client();
+    let url = s.url("/v1/chat/completions");
+    // A bounded load loop: 4 workers x 60 requests, about 1.5 s, with the host killed early on.
+    let mut load = Vec::new();
+    for w in 0..4 {
+        let http = http.clone();
+        let url = url.clone();
+        load.push(tokio::spawn(async move {
+            let mut results = Vec::new();
+            for i in 0..60 {
+                let body = client::chat_body(MODEL, &format!("worker {w} context"), &format!("turn {i}"), 3);
+                results.push((std::time::Instant::now(), client::post(&http, &url, body, &[]).await));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            results
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.kill_host();
+    let killed_at = std::time::Instant::now();
+    let (mut total, mut after_kill) = (0, 0);
+    for l in load {
+        for (sent, o) in l.await.expect("load task") {
+            total += 1;
+            after_kill += usize::from(sent > killed_at);
+            assert!(
+                o.ok() && o.done,
+                "a request failed while the host was down: {} {:?} {}",
+                o.status,
+                o.error,
+                o.body
+            );
+        }
+    }
+    assert_eq!(total, 240);
+    assert!(after_kill > 100, "only {after_kill} requests were sent after the host died");
+
+    // Restart the host with one engine removed; the filters must pick that up.
+    let updates_before = s.envoy_stat("wasmcustom.attache.snapshot.updates");
+    let addrs = s.engine_addrs();
+    let (removed, kept) = addrs.split_last().expect("engines");
+    s.write_endpoints(kept).expect("endpoints");
+    s.start_host().expect("host restart");
+    s.wait_snapshot(kept.len(), Duration::from_secs(20)).expect("snapshot after restart");
+    assert!(s.envoy_stat("wasmcustom.attache.snapshot.updates") > updates_before);
+    let removed_port: u16 = removed.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    for g in 0..12 {
+        let o = send(&s, &http, chat(&long_prefix(&format!("after-restart-{g}")), "q", 2), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        assert_ne!(o.engine_port, Some(removed_port), "routed to an endpoint the restarted host removed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn original_dst_variant_routes_by_the_same_decisions() {
+    let mut s = Stack::new("origdst").expect("stack");
+    s.start_sim(small_pool()).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::AttacheOriginalDst, &Stack::default_scheduler_config(), 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+    let prefix = long_prefix("odst");
+    let mut ports = HashSet::new();
+    for q in 0..5 {
+        let o = send(&s, &http, chat(&prefix, &format!("q{q}"), 2), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        ports.insert(o.engine_port);
+    }
+    assert_eq!(ports.len(), 1);
+    let o = client::post(&http, &s.url("/v1/completions"), b"{oops".to_vec(), &[]).await;
+    assert_eq!(o.status, 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_are_counted_in_envoy_prometheus_stats() {
+    let s = attache_stack("stats", small_pool());
+    let http = fresh_client();
+    for g in 0..6 {
+        let o = send(&s, &http, chat(&long_prefix(&format!("m{g}")), "q", 2), &[]).await;
+        assert!(o.ok());
+    }
+    let _ = client::post(&http, &s.url("/v1/completions"), b"nope".to_vec(), &[]).await;
+    let prom = http_get_blocking(s.envoy_admin_port, "/stats/prometheus").unwrap_or_default();
+    let scheduled = prom
+        .lines()
+        .find(|l| l.starts_with("attache_requests_scheduled"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert_eq!(scheduled, Some(6), "{prom}");
+    let picks: u64 = prom
+        .lines()
+        .filter(|l| l.starts_with("attache_endpoint_picks{attache_endpoint="))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<u64>().ok()))
+        .sum();
+    assert_eq!(picks, 6, "per-endpoint pick counters with an endpoint label:\n{prom}");
+    assert!(prom.contains("attache_errors_malformed_body"), "{prom}");
+    assert!(prom.contains("attache_scorer_prefix_score_milli_bucket"), "per-scorer histograms");
+}
