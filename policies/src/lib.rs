@@ -20,6 +20,7 @@ pub mod request;
 pub mod rng;
 pub mod scheduler;
 pub mod scorer;
+pub mod tokenizer;
 
 pub use config::SchedulerConfig;
 pub use endpoint::{Endpoint, EndpointMetrics, PoolState, Role};

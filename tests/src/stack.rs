@@ -85,6 +85,8 @@ pub enum EnvoyKind {
     Attache,
     /// Attaché with an ORIGINAL_DST pool.
     AttacheOriginalDst,
+    /// Attaché without the bootstrap singleton: every worker subscribes (Istio's shape).
+    AttachePerWorker,
     /// Plain round-robin, no Attaché.
     RoundRobin,
 }
@@ -257,6 +259,7 @@ impl Stack {
         let file = match kind {
             EnvoyKind::Attache => "attache.yaml",
             EnvoyKind::AttacheOriginalDst => "attache-original-dst.yaml",
+            EnvoyKind::AttachePerWorker => "attache-per-worker.yaml",
             EnvoyKind::RoundRobin => "round-robin.yaml",
         };
         let tpl = std::fs::read_to_string(self.paths.root.join("envoy").join(file))?;
@@ -269,6 +272,8 @@ impl Stack {
         }
         let mut single = scheduler_config.clone();
         single["scheduler"]["max_endpoints"] = serde_json::json!(1);
+        let mut per_worker = scheduler_config.clone();
+        per_worker["subscribe"] = serde_json::json!({"cluster": "attache_host"});
         Ok(tpl
             .replace("{{ADMIN_PORT}}", &self.envoy_admin_port.to_string())
             .replace("{{LISTEN_PORT}}", &self.envoy_port.to_string())
@@ -276,6 +281,7 @@ impl Stack {
             .replace("{{WASM}}", &self.paths.wasm.display().to_string())
             .replace("{{POOL_ENDPOINTS}}\n", &eps)
             .replace("{{SCHEDULER_CONFIG_SINGLE}}", &single.to_string())
+            .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &per_worker.to_string())
             .replace("{{SCHEDULER_CONFIG}}", &scheduler_config.to_string()))
     }
 

@@ -332,3 +332,30 @@ async fn decisions_are_counted_in_envoy_prometheus_stats() {
     assert!(prom.contains("attache_errors_malformed_body"), "{prom}");
     assert!(prom.contains("attache_scorer_prefix_score_milli_bucket"), "per-scorer histograms");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_worker_streams_work_without_the_bootstrap_singleton() {
+    let mut s = Stack::new("perworker").expect("stack");
+    s.start_sim(small_pool()).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::AttachePerWorker, &Stack::default_scheduler_config(), 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    // Envoy's main thread plus its two workers each hold a stream.
+    let streams = s.envoy_stat("cluster.attache_host.upstream_rq_active");
+    assert_eq!(streams, 3, "one snapshot stream per worker plus the main thread");
+    let http = fresh_client();
+    let prefix = long_prefix("per-worker");
+    let mut ports = HashSet::new();
+    for q in 0..6 {
+        let o = send(&s, &http, chat(&prefix, &format!("q{q}"), 2), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        ports.insert(o.engine_port);
+    }
+    assert_eq!(ports.len(), 1);
+    // Fail-static holds in this mode too.
+    s.kill_host();
+    for q in 0..6 {
+        let o = send(&s, &http, chat(&prefix, &format!("after {q}"), 2), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+    }
+}
