@@ -3,6 +3,8 @@
 pub mod admin;
 pub mod config;
 pub mod discovery;
+pub mod kv_events;
+pub mod msgpack;
 pub mod prom;
 pub mod push;
 pub mod scrape;
