@@ -4,6 +4,7 @@ pub mod admin;
 pub mod config;
 pub mod discovery;
 pub mod kv_events;
+pub mod kv_index;
 pub mod msgpack;
 pub mod prom;
 pub mod push;

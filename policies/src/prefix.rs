@@ -81,6 +81,28 @@ pub fn block_hashes(cfg: &PrefixConfig, model: &str, cache_salt: Option<&str>, p
     }
 }
 
+/// Precise block keys: the same xxhash64 chain over token ids (little-endian u32), but only
+/// over *full* blocks of the engine's block size, continuing from `parent` (the previous
+/// block's key, or [`chain_seed`] at the start). The host computes these from `BlockStored`
+/// token ids and the filter from the prompt it tokenizes, so both sides agree whatever hash
+/// the engine itself uses (llm-d's dual-key design).
+pub fn token_block_keys(parent: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
+    let bs = block_size.max(1);
+    let mut prev = parent;
+    let mut buf = Vec::with_capacity(bs * 4);
+    tokens
+        .chunks_exact(bs)
+        .map(|block| {
+            buf.clear();
+            for id in block {
+                buf.extend_from_slice(&id.to_le_bytes());
+            }
+            prev = chain(prev, &buf);
+            prev
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -93,6 +115,19 @@ mod tests {
             index_capacity: 1000,
             shared_slots: 0,
         }
+    }
+
+    #[test]
+    fn token_block_keys_continue_a_chain_and_skip_partial_blocks() {
+        let seed = chain_seed("m", None);
+        let toks: Vec<u32> = (0..10).collect();
+        let all = token_block_keys(seed, &toks, 4);
+        assert_eq!(all.len(), 2, "the partial third block is not hashed");
+        let tail = token_block_keys(all[0], &toks[4..], 4);
+        assert_eq!(tail, all[1..]);
+        // Same chain as the approximate hasher over full token blocks.
+        let cfg = cfg(4, 0);
+        assert_eq!(block_hashes(&cfg, "m", None, &Prompt::Tokens(toks[..8].to_vec())), all);
     }
 
     #[test]
