@@ -1,21 +1,83 @@
-//! The admin HTTP API: health and the current snapshot as JSON.
+//! The admin HTTP API: health, the current snapshot, and the precise KV index.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use attache_policies::{precise, prefix};
 use attache_proto::v1;
 use axum::extract::State;
-use axum::routing::get;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
 use axum::{Json, Router};
+use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
+
+use crate::kv_index::KvIndex;
+use crate::kv_subscribe::KvCounters;
 
 #[derive(Clone)]
 pub struct AdminState {
     pub snapshots: watch::Receiver<Arc<v1::Snapshot>>,
+    pub kv_index: Arc<Mutex<KvIndex>>,
+    pub kv_counters: Arc<KvCounters>,
 }
 
 pub fn router(state: AdminState) -> Router {
-    Router::new().route("/healthz", get(|| async { "ok\n" })).route("/v1/snapshot", get(snapshot)).with_state(state)
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/v1/snapshot", get(snapshot))
+        .route("/v1/kv", get(kv_stats))
+        .route("/v1/kv/match", post(kv_match))
+        .with_state(state)
+}
+
+async fn kv_stats(State(st): State<AdminState>) -> Json<Value> {
+    let ix = st.kv_index.lock().unwrap_or_else(|p| p.into_inner());
+    let entries = ix.entries();
+    Json(json!({
+        "blocks": ix.len(),
+        "entries": entries,
+        "heap_bytes": ix.heap_bytes(),
+        "index": {
+            "stored_blocks": ix.stats.stored_blocks, "removed_blocks": ix.stats.removed_blocks,
+            "evicted_blocks": ix.stats.evicted_blocks, "orphan_events": ix.stats.orphan_events,
+            "malformed_events": ix.stats.malformed_events,
+        },
+        "subscribers": st.kv_counters.json(),
+    }))
+}
+
+#[derive(Deserialize)]
+struct MatchRequest {
+    model: String,
+    token_ids: Vec<u32>,
+    block_size: usize,
+}
+
+/// Which endpoints hold how much of a token sequence, by tier: what the precise scorer sees.
+async fn kv_match(
+    State(st): State<AdminState>,
+    Json(req): Json<MatchRequest>,
+) -> Result<Json<Value>, (StatusCode, String)> {
+    if req.block_size == 0 {
+        return Err((StatusCode::BAD_REQUEST, "block_size must be positive".into()));
+    }
+    let keys = prefix::token_block_keys(prefix::chain_seed(&req.model, None), &req.token_ids, req.block_size);
+    let ix = st.kv_index.lock().unwrap_or_else(|p| p.into_inner());
+    let m = precise::match_prefix(&keys, &precise::TierWeights::default(), |k| ix.holders(k));
+    let mut eps: Vec<Value> = m
+        .iter()
+        .map(|(id, pm)| {
+            let tiers: Vec<u8> = keys
+                .iter()
+                .take(pm.blocks)
+                .map(|k| ix.holders(*k).iter().find(|h| h.0 == *id).map(|h| h.1).unwrap_or(0))
+                .collect();
+            json!({"id": id, "matched_blocks": pm.blocks, "weighted": pm.weighted, "tiers": tiers})
+        })
+        .collect();
+    eps.sort_by_key(|v| v["id"].as_u64());
+    Ok(Json(json!({"blocks": keys.len(), "endpoints": eps})))
 }
 
 async fn snapshot(State(st): State<AdminState>) -> Json<Value> {
@@ -29,6 +91,7 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
         "host_epoch": s.host_epoch,
         "generated_unix_ms": s.generated_unix_ms,
         "endpoints": s.endpoints.iter().map(|e| json!({
+            "id": e.id,
             "address": e.address,
             "models": e.models,
             "role": e.role,

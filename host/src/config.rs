@@ -29,6 +29,11 @@ pub struct HostConfig {
     pub publish_interval_ms: u64,
     /// Heartbeat interval on the snapshot stream.
     pub heartbeat_ms: u64,
+    /// Bind a collector SUB socket here for engines that connect their KV-event publisher
+    /// (vLLM's `tcp://host:port` form), e.g. `tcp://0.0.0.0:5557`.
+    pub kv_events_bind: Option<String>,
+    /// Most blocks the precise index holds (CLOCK eviction beyond).
+    pub kv_index_capacity: usize,
 }
 
 impl Default for HostConfig {
@@ -42,6 +47,8 @@ impl Default for HostConfig {
             unready_after_ms: 2_000,
             publish_interval_ms: 50,
             heartbeat_ms: 1_000,
+            kv_events_bind: None,
+            kv_index_capacity: 1_000_000,
         }
     }
 }

@@ -7,7 +7,12 @@
 //!     role: both            # both | prefill | decode (llm-d.ai/role)
 //!     engine: vllm          # vllm | sglang (llm-d.ai/engine-type)
 //!     metrics_path: /metrics
+//!     kv_events:            # optional: follow the engine's KV events
+//!       publisher: tcp://127.0.0.1:5557   # the engine's PUB socket (it binds `tcp://*:5557`)
+//!       replay: tcp://127.0.0.1:5558      # its replay ROUTER
 //! ```
+//! Engines that *connect* to the host's collector (`kv_events_bind` in the host config) give
+//! only `replay` (or nothing); their messages are matched by topic `kv@<address>@<model>`.
 
 use std::path::Path;
 
@@ -24,6 +29,20 @@ pub struct StaticEndpoint {
     pub engine: String,
     #[serde(default = "default_metrics_path")]
     pub metrics_path: String,
+    #[serde(default)]
+    pub kv_events: Option<KvEventsSpec>,
+}
+
+/// Where an engine's KV events can be read.
+#[derive(Debug, Clone, PartialEq, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct KvEventsSpec {
+    /// The engine's PUB endpoint, when the engine binds.
+    #[serde(default)]
+    pub publisher: Option<String>,
+    /// The engine's replay ROUTER endpoint.
+    #[serde(default)]
+    pub replay: Option<String>,
 }
 
 fn default_role() -> String {

@@ -16,10 +16,7 @@ use hashbrown::HashMap;
 
 use crate::kv_events::{KvEvent, Medium};
 
-/// Tier bit masks of a holder.
-pub const GPU: u8 = 1;
-pub const CPU: u8 = 2;
-pub const DISK: u8 = 4;
+pub use attache_policies::precise::{CPU, DISK, GPU};
 
 pub fn tier_bit(m: Medium) -> u8 {
     match m {

@@ -5,6 +5,7 @@ pub mod config;
 pub mod discovery;
 pub mod kv_events;
 pub mod kv_index;
+pub mod kv_subscribe;
 pub mod msgpack;
 pub mod prom;
 pub mod push;

@@ -1,11 +1,13 @@
 //! `attache`: the Attaché host service and CLI.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use attache_host::discovery::StaticEndpoints;
+use attache_host::kv_index::KvIndex;
+use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
 use attache_host::state::PoolState;
 use attache_host::{admin, push, scrape, HostConfig};
 use clap::{Parser, Subcommand};
@@ -66,6 +68,35 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Apply a discovery result: scrapers, pool state, and KV-event subscribers.
+async fn apply_discovery(
+    eps: StaticEndpoints,
+    scrapers: &mut scrape::Scrapers,
+    kv: &mut KvSubscribers,
+    state: &Arc<RwLock<PoolState>>,
+    collector: bool,
+) {
+    scrapers.apply(eps.endpoints.clone()).await;
+    let mut st = state.write().await;
+    let sources = eps
+        .endpoints
+        .iter()
+        .filter(|e| e.kv_events.is_some() || collector)
+        .map(|e| {
+            let spec = e.kv_events.clone().unwrap_or_default();
+            EngineSource {
+                endpoint_id: st.id_of(&e.address),
+                address: e.address.clone(),
+                model: e.models.first().cloned().unwrap_or_default(),
+                publisher: spec.publisher,
+                replay: spec.replay,
+            }
+        })
+        .collect();
+    drop(st);
+    kv.apply(sources);
+}
+
 async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
     let state = Arc::new(RwLock::new(PoolState::default()));
@@ -93,10 +124,19 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         .with_context(|| format!("binding {}", cfg.admin_listen))?;
     info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
 
+    // The precise index, fed by the engines' KV events.
+    let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
+    let mut kv = KvSubscribers::new(kv_index.clone());
+    let collector = cfg.kv_events_bind.is_some();
+    if let Some(b) = &cfg.kv_events_bind {
+        kv.bind_collector(b).with_context(|| format!("binding the KV-event collector on {b}"))?;
+    }
+    let kv_counters = kv.counters.clone();
+
     // Discovery: apply the file now and re-read it when it changes.
     let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout());
     info!(endpoints = initial.endpoints.len(), "discovery: static file loaded");
-    scrapers.apply(initial.endpoints).await;
+    apply_discovery(initial, &mut scrapers, &mut kv, &state, collector).await;
     if let Some(path) = cfg.endpoints_file.clone() {
         tokio::spawn(async move {
             let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
@@ -110,7 +150,7 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
                 match StaticEndpoints::load(&path) {
                     Ok(eps) => {
                         info!(endpoints = eps.endpoints.len(), "discovery: static file reloaded");
-                        scrapers.apply(eps.endpoints).await;
+                        apply_discovery(eps, &mut scrapers, &mut kv, &state, collector).await;
                     }
                     Err(e) => warn!(error = %e, "discovery: keeping the previous endpoints"),
                 }
@@ -118,7 +158,7 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         });
     }
 
-    let admin = axum::serve(admin_listener, admin::router(admin::AdminState { snapshots: rx }));
+    let admin = axum::serve(admin_listener, admin::router(admin::AdminState { snapshots: rx, kv_index, kv_counters }));
     let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
     tokio::select! {
         r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }

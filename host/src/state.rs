@@ -24,11 +24,28 @@ pub struct PoolState {
     pub endpoints: BTreeMap<String, EndpointState>,
     /// Bumped on every change; the publisher compares it to decide whether to publish.
     pub generation: u64,
+    /// Stable small ids per address, used by the precise index and its deltas.
+    ids: BTreeMap<String, u16>,
+    next_id: u16,
 }
 
 impl PoolState {
+    /// The stable id of `address`, assigned on first sight.
+    pub fn id_of(&mut self, address: &str) -> u16 {
+        if let Some(id) = self.ids.get(address) {
+            return *id;
+        }
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+        self.ids.insert(address.to_owned(), id);
+        id
+    }
+
     /// Replace the endpoint set, keeping metrics of endpoints that stay.
     pub fn set_endpoints(&mut self, specs: Vec<StaticEndpoint>) {
+        for s in &specs {
+            self.id_of(&s.address);
+        }
         let mut next = BTreeMap::new();
         for spec in specs {
             let prev = self.endpoints.remove(&spec.address);
@@ -88,6 +105,7 @@ impl PoolState {
                 let fresh = age.is_some_and(|a| a <= unready_after);
                 let m = e.metrics.clone().unwrap_or_default();
                 v1::Endpoint {
+                    id: u32::from(self.ids.get(&e.spec.address).copied().unwrap_or(u16::MAX)),
                     address: e.spec.address.clone(),
                     models: e.spec.models.clone(),
                     role: e.spec.role.clone(),
@@ -123,6 +141,7 @@ mod tests {
             role: "both".into(),
             engine: "vllm".into(),
             metrics_path: "/metrics".into(),
+            kv_events: None,
         }
     }
 

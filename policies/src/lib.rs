@@ -15,6 +15,7 @@ pub mod error;
 pub mod filter;
 pub mod index;
 pub mod picker;
+pub mod precise;
 pub mod prefix;
 pub mod request;
 pub mod rng;

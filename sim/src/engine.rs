@@ -84,6 +84,8 @@ pub struct EngineState {
     pub stats: Stats,
     next_id: u64,
     seed: Digest32,
+    /// Where the engine's KV events go (one batch per step), if publishing is on.
+    pub kv_events: Option<std::sync::mpsc::Sender<Vec<crate::kv::KvEvent>>>,
 }
 
 impl EngineState {
@@ -118,6 +120,7 @@ impl Engine {
                 stats: Stats::new(),
                 next_id: 0,
                 seed: block_hash::none_hash(None),
+                kv_events: None,
                 cfg,
             })),
             wake: Arc::new(Notify::new()),
@@ -126,6 +129,18 @@ impl Engine {
 
     pub fn lock(&self) -> MutexGuard<'_, EngineState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Publish this engine's KV events to `tx`, one batch per step.
+    pub fn set_kv_events(&self, tx: std::sync::mpsc::Sender<Vec<crate::kv::KvEvent>>) {
+        self.lock().kv_events = Some(tx);
+    }
+
+    /// Reset the prefix cache (vLLM's `/reset_prefix_cache`), emitting AllBlocksCleared.
+    pub fn reset_prefix_cache(&self) {
+        let mut st = self.lock();
+        st.pool.clear_cache();
+        flush_events(&mut st);
     }
 
     pub fn config(&self) -> EngineConfig {
@@ -352,14 +367,28 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
     s.digests.extend(new_digests);
     let pairs: Vec<(BlockId, u64)> =
         (0..full).filter_map(|b| Some((*s.blocks.get(b)?, block_hash::event_id(s.digests.get(b)?)))).collect();
-    let mut stored = Vec::new();
-    for (id, h) in pairs {
+    // Publish newly cached blocks as contiguous runs, each with its parent's id, as vLLM does.
+    let mut run: Option<(usize, Vec<u64>)> = None;
+    let mut runs = Vec::new();
+    for (b, (id, h)) in pairs.into_iter().enumerate() {
         if st.pool.store(id, h) {
-            stored.push(h);
+            match &mut run {
+                Some((_, hs)) => hs.push(h),
+                None => run = Some((b, vec![h])),
+            }
+        } else if let Some(r) = run.take() {
+            runs.push(r);
         }
     }
-    if !stored.is_empty() {
-        st.pool.events.push(crate::kv::KvEvent::Stored(stored));
+    runs.extend(run);
+    if runs.is_empty() {
+        return;
+    }
+    let toks: Vec<u32> = st.running[idx].tokens().collect();
+    for (start, hashes) in runs {
+        let parent = start.checked_sub(1).and_then(|p| st.running[idx].digests.get(p)).map(block_hash::event_id);
+        let tokens = toks.get(start * bs..(start + hashes.len()) * bs).unwrap_or(&[]).to_vec();
+        st.pool.events.push(crate::kv::KvEvent::Stored { hashes, parent, tokens, block_size: bs as u32 });
     }
 }
 
@@ -386,6 +415,17 @@ fn emit_token(st: &mut EngineState, idx: usize, now: Instant) -> bool {
     let last = s.output.len() >= s.max_tokens;
     let _ = s.tx.send(TokenEvent::Token(tok, last));
     last
+}
+
+/// Hand the step's KV events to the publisher, if one is attached.
+fn flush_events(st: &mut EngineState) {
+    if st.pool.events.is_empty() {
+        return;
+    }
+    let events = std::mem::take(&mut st.pool.events);
+    if let Some(tx) = &st.kv_events {
+        let _ = tx.send(events);
+    }
 }
 
 fn apply_step(st: &mut EngineState, planned: &[Planned]) {
@@ -425,6 +465,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
             finish(st, s, "length");
         }
     }
+    flush_events(st);
 }
 
 #[cfg(test)]

@@ -15,11 +15,15 @@ struct Block {
     refs: u32,
 }
 
-/// Events the pool reports, for KV-event publishing.
+/// Events the pool reports, published as vLLM KV events.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
-    Stored(Vec<u64>),
+    /// Newly cached full blocks of one request: a contiguous run of the chain.
+    Stored { hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, block_size: u32 },
+    /// Cached blocks evicted for reuse.
     Removed(Vec<u64>),
+    /// The prefix cache was reset.
+    Cleared,
 }
 
 pub struct BlockPool {
@@ -133,6 +137,7 @@ impl BlockPool {
             }
         }
         self.cached.retain(|_, id| self.blocks[*id as usize].hash.is_some());
+        self.events.push(KvEvent::Cleared);
     }
 }
 

@@ -6,6 +6,7 @@ pub mod block_hash;
 pub mod config;
 pub mod engine;
 pub mod kv;
+pub mod kv_publish;
 pub mod latency;
 pub mod metrics;
 pub mod tokenizer;

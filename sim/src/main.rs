@@ -4,6 +4,7 @@ use clap::Parser;
 use tracing::info;
 
 use attache_sim::api::{self, AppState};
+use attache_sim::kv_publish::{self, Encoding, PublisherConfig};
 use attache_sim::{Engine, EngineConfig};
 
 #[derive(Parser, Debug)]
@@ -39,6 +40,17 @@ struct Args {
     /// Disable prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Publish KV events: engine i binds its PUB socket on port BASE+2i and its replay ROUTER
+    /// on BASE+2i+1 (vLLM's `tcp://*:port` form).
+    #[arg(long)]
+    kv_events_port_base: Option<u16>,
+    /// Publish KV events by connecting every engine's PUB socket to this collector instead
+    /// (vLLM's `tcp://host:port` form); the replay sockets still bind on the port base.
+    #[arg(long)]
+    kv_events_connect: Option<String>,
+    /// KV-event encoding: `map` (vLLM >= 0.26) or `array` (older).
+    #[arg(long, default_value = "map")]
+    kv_encoding: String,
 }
 
 #[tokio::main]
@@ -61,6 +73,20 @@ async fn main() -> anyhow::Result<()> {
             enable_prefix_caching: !a.no_prefix_caching,
         };
         let engine = Engine::new(cfg);
+        let base = a.kv_events_port_base.map(|b| b + 2 * i);
+        let endpoint = a.kv_events_connect.clone().or_else(|| base.map(|b| format!("tcp://*:{b}")));
+        if let Some(endpoint) = endpoint {
+            let pc = PublisherConfig {
+                endpoint,
+                replay_endpoint: base.map(|b| format!("tcp://*:{}", b + 1)),
+                topic: format!("kv@{}:{port}@{}", a.host, a.model),
+                encoding: if a.kv_encoding == "array" { Encoding::Array } else { Encoding::Map },
+                buffer_steps: 10_000,
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            engine.set_kv_events(tx);
+            kv_publish::spawn(pc, rx)?;
+        }
         tokio::spawn(engine.clone().run());
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
         let app = api::router(AppState { engine, name: format!("sim-{port}"), port });

