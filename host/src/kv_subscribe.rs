@@ -191,15 +191,15 @@ impl Worker {
     fn handle(&self, frames: &[Vec<u8>], src: &EngineSource) {
         self.counters.messages.fetch_add(1, Ordering::Relaxed);
         let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-        let (seq, batch) =
-            match kv_events::split_frames(&refs).and_then(|m| Ok((m.seq, kv_events::decode_batch(m.payload)?))) {
-                Ok(x) => x,
-                Err(e) => {
-                    self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    debug!(engine = %src.address, error = %e, "kv events: undecodable message skipped");
-                    return;
-                }
-            };
+        let msg = match kv_events::split_frames(&refs) {
+            Ok(m) => m,
+            Err(e) => {
+                self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                debug!(engine = %src.address, error = %e, "kv events: malformed message skipped");
+                return;
+            }
+        };
+        let seq = msg.seq;
         let last = self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last;
         match last {
             Some(l) if seq == l => return, // duplicate
@@ -215,8 +215,15 @@ impl Worker {
             None if seq > 0 => self.replay(src, 0, seq), // catch up on what the engine already holds
             _ => {}
         }
-        self.apply(src, &batch);
+        // The sequence advances even if the payload is garbage: replaying it would not help.
         self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last = Some(seq);
+        match kv_events::decode_batch(msg.payload) {
+            Ok(batch) => self.apply(src, &batch),
+            Err(e) => {
+                self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                debug!(engine = %src.address, seq, error = %e, "kv events: undecodable payload skipped");
+            }
+        }
     }
 
     fn apply(&self, src: &EngineSource, batch: &EventBatch) {

@@ -1,0 +1,117 @@
+//! Wire tests of the host's KV-event subscriber against an independent publisher written with
+//! pyzmq and msgpack (the Python libraries, not Attaché's encoder), over real ZMQ sockets on
+//! loopback. Needs `.venv` with pyzmq and msgpack: `cargo xtask test` installs them.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use attache_host::kv_index::{KvIndex, GPU};
+use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
+use attache_policies::prefix;
+
+fn python() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
+    assert!(p.exists(), "{} missing: run `cargo xtask test`, which installs pyzmq and msgpack", p.display());
+    p
+}
+
+fn port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+}
+
+fn publisher(args: &[&str]) -> serde_json::Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/pyzmq_publisher.py");
+    let out = Command::new(python()).arg(script).args(args).output().expect("python");
+    assert!(out.status.success(), "publisher failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("publisher output")
+}
+
+fn keys(tokens: std::ops::Range<u32>) -> Vec<u64> {
+    prefix::token_block_keys(prefix::chain_seed("tinyllama", None), &tokens.collect::<Vec<_>>(), 16)
+}
+
+fn run_bind_scenario(encoding: &str) {
+    let (pub_port, replay_port) = (port(), port());
+    let index = Arc::new(Mutex::new(KvIndex::new(10_000)));
+    let mut subs = KvSubscribers::new(index.clone());
+    subs.apply(vec![EngineSource {
+        endpoint_id: 3,
+        address: "127.0.0.1:1".into(),
+        model: "tinyllama".into(),
+        publisher: Some(format!("tcp://127.0.0.1:{pub_port}")),
+        replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
+    }]);
+    let out = publisher(&["bind", encoding, &pub_port.to_string(), &replay_port.to_string()]);
+    assert_eq!(out["replays_served"], 1, "exactly one gap (seq 5) should be replayed");
+    let c = &subs.counters;
+    assert_eq!(c.decode_errors.load(Ordering::Relaxed), 3, "truncated payload, absurd length, wrong frame count");
+    assert_eq!(c.skipped_events.load(Ordering::Relaxed), 1, "the unknown event type");
+    assert_eq!(c.gaps.load(Ordering::Relaxed), 1);
+    assert_eq!(c.replayed_batches.load(Ordering::Relaxed), 1);
+
+    let mut ix = index.lock().unwrap();
+    // Chain 0..64: uint64 hashes, then an int64 parent/child, then a bytes hash.
+    let k = keys(0..64);
+    assert_eq!(ix.tiers(k[0], 3), GPU);
+    assert_eq!(ix.tiers(k[1], 3), 0, "seq 6 removed the block with hash 2^63+7");
+    assert_eq!(ix.tiers(k[2], 3), GPU, "int64 hash, parent resolved by uint64 hash");
+    assert_eq!(ix.tiers(k[3], 3), GPU, "bytes hash, parent given as int64");
+    // The replayed batch.
+    assert_eq!(ix.tiers(keys(500..516)[0], 3), GPU);
+    assert_eq!(ix.stats.orphan_events, 0);
+}
+
+#[test]
+fn pyzmq_publisher_map_encoding_with_garbage_gap_and_replay() {
+    run_bind_scenario("map");
+}
+
+#[test]
+fn pyzmq_publisher_array_encoding_with_garbage_gap_and_replay() {
+    run_bind_scenario("array");
+}
+
+#[test]
+fn collector_mode_engines_connect_and_topics_name_them() {
+    let p = port();
+    let index = Arc::new(Mutex::new(KvIndex::new(1000)));
+    let mut subs = KvSubscribers::new(index.clone());
+    let endpoint = format!("tcp://127.0.0.1:{p}");
+    subs.bind_collector(&endpoint).unwrap();
+    subs.apply(vec![EngineSource {
+        endpoint_id: 7,
+        address: "127.0.0.1:8000".into(),
+        model: "tinyllama".into(),
+        publisher: None,
+        replay: None,
+    }]);
+    publisher(&["collector", &endpoint, "kv@127.0.0.1:8000@tinyllama"]);
+    let k = keys(0..32);
+    let mut ix = index.lock().unwrap();
+    assert_eq!(ix.tiers(k[0], 7), GPU);
+    assert_eq!(ix.tiers(k[1], 7), GPU);
+    assert_eq!(subs.counters.unknown_topics.load(Ordering::Relaxed), 1, "the message from an unknown engine");
+}
+
+#[test]
+fn a_sequence_that_goes_back_is_a_restart_and_clears_the_engine() {
+    let p = port();
+    let index = Arc::new(Mutex::new(KvIndex::new(1000)));
+    let mut subs = KvSubscribers::new(index.clone());
+    subs.apply(vec![EngineSource {
+        endpoint_id: 1,
+        address: "127.0.0.1:1".into(),
+        model: "tinyllama".into(),
+        publisher: Some(format!("tcp://127.0.0.1:{p}")),
+        replay: None,
+    }]);
+    publisher(&["restart", &p.to_string()]);
+    assert_eq!(subs.counters.restarts.load(Ordering::Relaxed), 1);
+    let mut ix = index.lock().unwrap();
+    assert_eq!(ix.tiers(keys(0..16)[0], 1), 0, "entries from before the restart are gone");
+    assert_eq!(ix.tiers(keys(100..116)[0], 1), 0);
+    assert_eq!(ix.tiers(keys(200..216)[0], 1), GPU);
+}
