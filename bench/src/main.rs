@@ -1,7 +1,11 @@
 //! `attache-bench`: the demo and the side-by-side benchmarks.
 
+mod kv_ingest;
 mod run;
 mod workload;
+
+#[global_allocator]
+static ALLOC: kv_ingest::Counting = kv_ingest::Counting;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -22,6 +26,11 @@ struct Cli {
 enum Cmd {
     /// Shared-prefix chat through Envoy: plain round-robin, then Attaché, on 4 simulated engines.
     Demo(DemoArgs),
+    /// Host KV-event ingest rate on one core, and index bytes per entry.
+    KvIngest {
+        #[arg(long, default_value = "bench/results/kv-ingest.json")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Parser, Debug, Clone)]
@@ -131,5 +140,6 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo(a).await,
+        Cmd::KvIngest { out } => kv_ingest::run(&out),
     }
 }
