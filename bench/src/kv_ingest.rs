@@ -46,7 +46,8 @@ fn payloads(batches: usize, blocks: usize, keep: usize, encoding: Encoding) -> (
     for b in 0..batches {
         let hashes: Vec<u64> = (0..blocks as u64).map(|i| next_hash + i).collect();
         next_hash += blocks as u64;
-        let tokens: Vec<u32> = (0..(blocks * 16) as u32).map(|t| t.wrapping_mul(2_654_435_761).wrapping_add(b as u32) % 32_000).collect();
+        let tokens: Vec<u32> =
+            (0..(blocks * 16) as u32).map(|t| t.wrapping_mul(2_654_435_761).wrapping_add(b as u32) % 32_000).collect();
         let mut events = vec![KvEvent::Stored { hashes: hashes.clone(), parent: None, tokens, block_size: 16 }];
         live_hashes.extend(hashes);
         if live_hashes.len() > keep {
@@ -75,27 +76,34 @@ pub fn run(out_path: &std::path::Path) -> anyhow::Result<()> {
         }
         let secs = start.elapsed().as_secs_f64();
         let name = if enc == Encoding::Map { "map" } else { "array" };
-        println!("ingest ({name} encoding): {events} block events in {secs:.3} s = {:.0} block events/s on one core", events as f64 / secs);
+        println!(
+            "ingest ({name} encoding): {events} block events in {secs:.3} s = {:.0} block events/s on one core",
+            events as f64 / secs
+        );
         rows.push(json!({"encoding": name, "block_events": events, "seconds": secs, "block_events_per_s": (events as f64 / secs).round()}));
     }
 
     // Memory: 1,000,000 (block, endpoint) entries, 8 endpoints each holding its own chains.
     let before = live();
-    let mut ix = KvIndex::new(2_000_000);
+    let mut ix = KvIndex::new(1_000_000);
     let per_ep = 125_000usize;
     for ep in 0..8u16 {
         let mut parent: Option<u64> = None;
         for i in 0..per_ep / 16 {
             let hashes: Vec<u64> = (0..16u64).map(|j| (u64::from(ep) << 48) | ((i as u64) << 8) | j).collect();
             let tokens: Vec<u32> = (0..256u32).map(|t| t ^ (i as u32) << 8 ^ u32::from(ep) << 24).collect();
-            ix.apply(ep, "tinyllama", &attache_host::kv_events::KvEvent::BlockStored {
-                block_hashes: hashes.clone(),
-                parent_block_hash: parent,
-                token_ids: tokens,
-                block_size: 16,
-                lora_name: None,
-                medium: attache_host::kv_events::Medium::Gpu,
-            });
+            ix.apply(
+                ep,
+                "tinyllama",
+                &attache_host::kv_events::KvEvent::BlockStored {
+                    block_hashes: hashes.clone(),
+                    parent_block_hash: parent,
+                    token_ids: tokens,
+                    block_size: 16,
+                    lora_name: None,
+                    medium: attache_host::kv_events::Medium::Gpu,
+                },
+            );
             parent = hashes.last().copied();
             if i % 64 == 63 {
                 parent = None; // start a new chain now and then

@@ -4,17 +4,19 @@
 //! `token_ids` of each `BlockStored`, so the index works whatever hash the engine uses. Per
 //! endpoint, an engine-hash → key map resolves parents and removals (llm-d's dual keys).
 //!
-//! Memory is bounded: at most `capacity` blocks. A full index evicts with CLOCK (a
-//! second-chance approximation of LRU: a lookup or store sets a block's reference bit, and the
-//! hand evicts the first block whose bit is clear). Layout per block: a 24-byte slot (key, up
-//! to four holders inline, flags) and a hash-map entry of key → slot; holders beyond four go to
-//! an overflow map. Every change is also queued as a [`Delta`] for the filters, so pushing an
-//! update costs what changed, not the index size.
+//! Memory is bounded and allocated up front from `capacity`: two open-addressing tables at most
+//! 80% full, one of 24-byte block slots (key, up to four holders inline, flags) and one of
+//! 24-byte engine-hash entries, so about 60 bytes per (block, endpoint) entry; holders beyond
+//! four per block go to a small overflow map. A full table evicts about 1% of the blocks with
+//! CLOCK (a second-chance approximation of LRU: a lookup or store sets a block's reference bit,
+//! the hand evicts blocks whose bit is clear). Every change is also queued as a [`Delta`] for
+//! the filters, so pushing an update costs what changed, not the index size.
 
 use attache_policies::prefix;
 use hashbrown::HashMap;
 
 use crate::kv_events::{KvEvent, Medium};
+use crate::open_table::{Entry, OpenTable};
 
 pub use attache_policies::precise::{CPU, DISK, GPU};
 
@@ -36,15 +38,53 @@ pub struct Delta {
 }
 
 const INLINE: usize = 4;
+const REFERENCED: u8 = 1;
+const OVERFLOW: u8 = 2;
 
+/// One block: 24 bytes.
 #[derive(Clone, Copy, Default)]
 struct Slot {
     key: u64,
-    /// (endpoint, tier mask); `len` of them are used.
-    holders: [(u16, u8); INLINE],
+    eps: [u16; INLINE],
+    tiers: [u8; INLINE],
     len: u8,
-    referenced: bool,
-    overflow: bool,
+    flags: u8,
+}
+
+impl Entry for Slot {
+    fn key(&self) -> u64 {
+        self.key
+    }
+}
+
+/// Engine hash of one holder → our key: 24 bytes.
+#[derive(Clone, Copy, Default)]
+struct EngineEntry {
+    /// (endpoint, engine hash) mixed into one non-zero key.
+    key: u64,
+    our_key: u64,
+    endpoint: u16,
+}
+
+impl Entry for EngineEntry {
+    fn key(&self) -> u64 {
+        self.key
+    }
+}
+
+/// The key 0 marks empty slots; map it elsewhere.
+fn nz(k: u64) -> u64 {
+    if k == 0 {
+        0x9E37_79B9_7F4A_7C15
+    } else {
+        k
+    }
+}
+
+/// (endpoint, engine hash) → table key. Bijective in the hash for a fixed endpoint; two
+/// endpoints collide only with probability ~2^-64 per pair of blocks.
+fn engine_key(endpoint: u16, hash: u64) -> u64 {
+    nz(hash ^ (u64::from(endpoint) + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93))
 }
 
 /// Counters about what the index has seen.
@@ -59,50 +99,40 @@ pub struct IndexStats {
     pub malformed_events: u64,
 }
 
-#[derive(Default)]
-struct EngineMap {
-    /// Engine's block hash → our key.
-    keys: HashMap<u64, u64>,
-}
-
 pub struct KvIndex {
-    slots: Vec<Slot>,
-    by_key: HashMap<u64, u32>,
+    blocks: OpenTable<Slot>,
+    engines: OpenTable<EngineEntry>,
     overflow: HashMap<u64, Vec<(u16, u8)>>,
-    free: Vec<u32>,
     hand: usize,
-    capacity: usize,
-    engines: HashMap<u16, EngineMap>,
     deltas: Vec<Delta>,
     pub stats: IndexStats,
 }
 
 impl KvIndex {
+    /// An index of at most `capacity` blocks and `capacity` (block, endpoint) entries. Both
+    /// tables are allocated up front: about 60 bytes per entry of capacity.
     pub fn new(capacity: usize) -> Self {
         Self {
-            slots: Vec::new(),
-            by_key: HashMap::new(),
+            blocks: OpenTable::with_capacity(capacity),
+            engines: OpenTable::with_capacity(capacity),
             overflow: HashMap::new(),
-            free: Vec::new(),
             hand: 0,
-            capacity: capacity.max(1),
-            engines: HashMap::new(),
             deltas: Vec::new(),
             stats: IndexStats::default(),
         }
     }
 
     pub fn len(&self) -> usize {
-        self.by_key.len()
+        self.blocks.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_key.is_empty()
+        self.blocks.is_empty()
     }
 
     /// (block, endpoint) pairs held.
     pub fn entries(&self) -> usize {
-        self.slots.iter().filter(|s| s.len > 0).map(|s| usize::from(s.len)).sum::<usize>()
+        self.blocks.occupied_from(0).map(|i| usize::from(self.blocks.get(i).len)).sum::<usize>()
             + self.overflow.values().map(Vec::len).sum::<usize>()
     }
 
@@ -111,143 +141,193 @@ impl KvIndex {
         std::mem::take(&mut self.deltas)
     }
 
-    fn slot_for(&mut self, key: u64) -> u32 {
-        if let Some(&i) = self.by_key.get(&key) {
-            return i;
-        }
-        if self.by_key.len() >= self.capacity {
-            self.evict_one();
-        }
-        let slot = Slot { key, referenced: true, ..Slot::default() };
-        let i = match self.free.pop() {
-            Some(i) => {
-                self.slots[i as usize] = slot;
-                i
-            }
-            None => {
-                self.slots.push(slot);
-                (self.slots.len() - 1) as u32
-            }
-        };
-        self.by_key.insert(key, i);
-        i
-    }
-
-    fn evict_one(&mut self) {
-        let n = self.slots.len();
-        for _ in 0..2 * n + 1 {
-            let i = self.hand % n.max(1);
+    /// Evict about 1% of the blocks (CLOCK: a block whose reference bit is set gets a second
+    /// chance), then drop engine-map entries that no longer point at a held block.
+    fn make_room(&mut self) {
+        let want = self.blocks.len() / 100 + 1;
+        let n = self.blocks.slot_count();
+        let mut evicted = 0;
+        let mut visited = 0;
+        while evicted < want && visited < 2 * n && !self.blocks.is_empty() {
+            let i = self.hand % n;
             self.hand = i + 1;
-            let s = &mut self.slots[i];
-            if s.len == 0 && !s.overflow {
-                continue; // free slot
-            }
-            if s.referenced {
-                s.referenced = false;
+            visited += 1;
+            let s = *self.blocks.get(i);
+            if s.key == 0 {
                 continue;
             }
-            let key = s.key;
-            self.drop_block(key);
+            if s.flags & REFERENCED != 0 {
+                self.blocks.get_mut(i).flags &= !REFERENCED;
+                continue;
+            }
+            self.drop_block_at(i);
             self.stats.evicted_blocks += 1;
-            return;
+            evicted += 1;
+            // Backward-shift deletion may have moved an unvisited slot into i.
+            self.hand = i;
+        }
+        self.sweep_engine_map();
+    }
+
+    fn drop_block_at(&mut self, i: usize) {
+        let s = *self.blocks.get(i);
+        for j in 0..usize::from(s.len) {
+            self.deltas.push(Delta { key: s.key, endpoint: s.eps[j], tiers: 0 });
+        }
+        if s.flags & OVERFLOW != 0 {
+            for (ep, _) in self.overflow.remove(&s.key).unwrap_or_default() {
+                self.deltas.push(Delta { key: s.key, endpoint: ep, tiers: 0 });
+            }
+        }
+        self.blocks.remove_at(i);
+    }
+
+    /// Remove engine-map entries whose block is gone or no longer held by that endpoint.
+    fn sweep_engine_map(&mut self) {
+        let stale: Vec<u64> = self
+            .engines
+            .occupied_from(0)
+            .filter(|&i| {
+                let e = self.engines.get(i);
+                self.holder_tiers(e.our_key, e.endpoint) == 0
+            })
+            .map(|i| self.engines.get(i).key)
+            .collect();
+        for k in stale {
+            if let Some(i) = self.engines.find(k) {
+                self.engines.remove_at(i);
+            }
         }
     }
 
-    fn drop_block(&mut self, key: u64) {
-        let Some(i) = self.by_key.remove(&key) else { return };
-        let s = self.slots[i as usize];
-        for &(ep, _) in &s.holders[..usize::from(s.len)] {
-            self.deltas.push(Delta { key, endpoint: ep, tiers: 0 });
+    fn holder_tiers(&self, key: u64, endpoint: u16) -> u8 {
+        let Some(i) = self.blocks.find(nz(key)) else { return 0 };
+        let s = self.blocks.get(i);
+        if let Some(j) = s.eps[..usize::from(s.len)].iter().position(|e| *e == endpoint) {
+            return s.tiers[j];
         }
-        if s.overflow {
-            for (ep, _) in self.overflow.remove(&key).unwrap_or_default() {
-                self.deltas.push(Delta { key, endpoint: ep, tiers: 0 });
-            }
-        }
-        self.slots[i as usize] = Slot::default();
-        self.free.push(i);
+        self.overflow.get(&nz(key)).and_then(|v| v.iter().find(|h| h.0 == endpoint)).map(|h| h.1).unwrap_or(0)
     }
 
     /// Set `endpoint`'s tier mask for `key` (0 removes it), queueing a delta on change.
     fn set(&mut self, key: u64, endpoint: u16, tiers: u8) {
-        if tiers == 0 && !self.by_key.contains_key(&key) {
-            return;
-        }
-        let i = self.slot_for(key) as usize;
-        let s = &mut self.slots[i];
-        s.referenced = true;
+        let key = nz(key);
+        let i = match self.blocks.find(key) {
+            Some(i) => i,
+            None if tiers == 0 => return,
+            None => {
+                if self.blocks.is_full() {
+                    self.make_room();
+                }
+                match self.blocks.insert(Slot { key, flags: REFERENCED, ..Slot::default() }) {
+                    Some(i) => i,
+                    None => return,
+                }
+            }
+        };
+        let s = self.blocks.get_mut(i);
+        s.flags |= REFERENCED;
         let n = usize::from(s.len);
-        let changed = if let Some(pos) = s.holders[..n].iter().position(|h| h.0 == endpoint) {
-            let old = s.holders[pos].1;
+        let old;
+        if let Some(j) = s.eps[..n].iter().position(|e| *e == endpoint) {
+            old = s.tiers[j];
             if tiers == 0 {
-                s.holders.copy_within(pos + 1..n, pos);
+                s.eps.copy_within(j + 1..n, j);
+                s.tiers.copy_within(j + 1..n, j);
                 s.len -= 1;
             } else {
-                s.holders[pos].1 = tiers;
+                s.tiers[j] = tiers;
             }
-            old != tiers
-        } else if s.overflow && self.overflow.get(&key).is_some_and(|v| v.iter().any(|h| h.0 == endpoint)) {
+        } else if s.flags & OVERFLOW != 0 && self.overflow.get(&key).is_some_and(|v| v.iter().any(|h| h.0 == endpoint))
+        {
             let v = self.overflow.entry(key).or_default();
-            let pos = v.iter().position(|h| h.0 == endpoint).unwrap_or(0);
-            let old = v[pos].1;
+            let j = v.iter().position(|h| h.0 == endpoint).unwrap_or(0);
+            old = v[j].1;
             if tiers == 0 {
-                v.swap_remove(pos);
+                v.swap_remove(j);
             } else {
-                v[pos].1 = tiers;
+                v[j].1 = tiers;
             }
-            old != tiers
-        } else if tiers == 0 {
-            false
-        } else if n < INLINE {
-            s.holders[n] = (endpoint, tiers);
-            s.len += 1;
-            true
         } else {
-            s.overflow = true;
-            self.overflow.entry(key).or_default().push((endpoint, tiers));
-            true
-        };
-        if changed {
+            old = 0;
+            if tiers != 0 {
+                if n < INLINE {
+                    s.eps[n] = endpoint;
+                    s.tiers[n] = tiers;
+                    s.len += 1;
+                } else {
+                    s.flags |= OVERFLOW;
+                    self.overflow.entry(key).or_default().push((endpoint, tiers));
+                }
+            }
+        }
+        if old != tiers {
             self.deltas.push(Delta { key, endpoint, tiers });
         }
-        let s = self.slots[i];
-        let empty_overflow = !s.overflow || self.overflow.get(&key).is_none_or(Vec::is_empty);
-        if s.len == 0 && empty_overflow {
+        let s = *self.blocks.get(i);
+        let overflow_empty = self.overflow.get(&key).is_none_or(Vec::is_empty);
+        if s.len == 0 && overflow_empty {
             self.overflow.remove(&key);
-            self.by_key.remove(&key);
-            self.slots[i] = Slot::default();
-            self.free.push(i as u32);
+            self.blocks.remove_at(i);
         }
     }
 
     /// Tier mask of `endpoint` for `key` (0 if not held). Marks the block as recently used.
     pub fn tiers(&mut self, key: u64, endpoint: u16) -> u8 {
-        let Some(&i) = self.by_key.get(&key) else { return 0 };
-        let s = &mut self.slots[i as usize];
-        s.referenced = true;
-        if let Some(h) = s.holders[..usize::from(s.len)].iter().find(|h| h.0 == endpoint) {
-            return h.1;
+        if let Some(i) = self.blocks.find(nz(key)) {
+            self.blocks.get_mut(i).flags |= REFERENCED;
         }
-        self.overflow.get(&key).and_then(|v| v.iter().find(|h| h.0 == endpoint)).map(|h| h.1).unwrap_or(0)
+        self.holder_tiers(key, endpoint)
     }
 
     /// Every (endpoint, tiers) holding `key`.
     pub fn holders(&self, key: u64) -> Vec<(u16, u8)> {
-        let Some(&i) = self.by_key.get(&key) else { return Vec::new() };
-        let s = &self.slots[i as usize];
-        let mut v = s.holders[..usize::from(s.len)].to_vec();
+        let key = nz(key);
+        let Some(i) = self.blocks.find(key) else { return Vec::new() };
+        let s = self.blocks.get(i);
+        let mut v: Vec<(u16, u8)> = (0..usize::from(s.len)).map(|j| (s.eps[j], s.tiers[j])).collect();
         if let Some(o) = self.overflow.get(&key) {
             v.extend_from_slice(o);
         }
         v
     }
 
+    fn resolve(&mut self, endpoint: u16, engine_hash: u64) -> Option<u64> {
+        let i = self.engines.find(engine_key(endpoint, engine_hash))?;
+        let e = *self.engines.get(i);
+        if self.holder_tiers(e.our_key, endpoint) == 0 {
+            self.engines.remove_at(i); // stale: the block was evicted
+            return None;
+        }
+        Some(e.our_key)
+    }
+
+    fn remember(&mut self, endpoint: u16, engine_hash: u64, our_key: u64) {
+        let k = engine_key(endpoint, engine_hash);
+        if let Some(i) = self.engines.find(k) {
+            self.engines.get_mut(i).our_key = our_key;
+            return;
+        }
+        if self.engines.is_full() {
+            self.make_room();
+        }
+        let _ = self.engines.insert(EngineEntry { key: k, our_key, endpoint });
+    }
+
     /// Forget everything `endpoint` holds (engine restart, AllBlocksCleared, endpoint gone).
     pub fn clear_endpoint(&mut self, endpoint: u16) {
-        if let Some(em) = self.engines.remove(&endpoint) {
-            for key in em.keys.into_values() {
-                self.set(key, endpoint, 0);
+        let mine: Vec<(u64, u64)> = self
+            .engines
+            .occupied_from(0)
+            .map(|i| *self.engines.get(i))
+            .filter(|e| e.endpoint == endpoint)
+            .map(|e| (e.key, e.our_key))
+            .collect();
+        for (k, our) in mine {
+            if let Some(i) = self.engines.find(k) {
+                self.engines.remove_at(i);
             }
+            self.set(our, endpoint, 0);
         }
     }
 
@@ -263,8 +343,8 @@ impl KvIndex {
                 }
                 let parent = match parent_block_hash {
                     None => prefix::chain_seed(lora_name.as_deref().unwrap_or(model), None),
-                    Some(h) => match self.engines.get(&endpoint).and_then(|e| e.keys.get(h)) {
-                        Some(k) => *k,
+                    Some(h) => match self.resolve(endpoint, *h) {
+                        Some(k) => k,
                         None => {
                             self.stats.orphan_events += 1;
                             return;
@@ -274,21 +354,21 @@ impl KvIndex {
                 let keys = prefix::token_block_keys(parent, token_ids, bs);
                 let bit = tier_bit(*medium);
                 for (eh, key) in block_hashes.iter().zip(keys) {
-                    self.engines.entry(endpoint).or_default().keys.insert(*eh, key);
-                    let t = self.tiers(key, endpoint) | bit;
+                    let t = self.holder_tiers(key, endpoint) | bit;
                     self.set(key, endpoint, t);
+                    self.remember(endpoint, *eh, nz(key));
                     self.stats.stored_blocks += 1;
                 }
             }
             KvEvent::BlockRemoved { block_hashes, medium } => {
                 let bit = tier_bit(*medium);
                 for eh in block_hashes {
-                    let Some(key) = self.engines.get(&endpoint).and_then(|e| e.keys.get(eh)).copied() else { continue };
-                    let t = self.tiers(key, endpoint) & !bit;
+                    let Some(key) = self.resolve(endpoint, *eh) else { continue };
+                    let t = self.holder_tiers(key, endpoint) & !bit;
                     self.set(key, endpoint, t);
                     if t == 0 {
-                        if let Some(e) = self.engines.get_mut(&endpoint) {
-                            e.keys.remove(eh);
+                        if let Some(i) = self.engines.find(engine_key(endpoint, *eh)) {
+                            self.engines.remove_at(i);
                         }
                     }
                     self.stats.removed_blocks += 1;
@@ -298,14 +378,11 @@ impl KvIndex {
         }
     }
 
-    /// Approximate heap bytes used (from capacities): for the bytes-per-entry figure.
+    /// Heap bytes of the tables (allocated up front from the capacity) and the overflow map.
     pub fn heap_bytes(&self) -> usize {
-        let map = |cap: usize, entry: usize| cap * (entry + 1);
-        self.slots.capacity() * std::mem::size_of::<Slot>()
-            + map(self.by_key.capacity(), 12)
-            + self.free.capacity() * 4
-            + self.overflow.values().map(|v| v.capacity() * 3 + 32).sum::<usize>()
-            + self.engines.values().map(|e| map(e.keys.capacity(), 16)).sum::<usize>()
+        self.blocks.heap_bytes()
+            + self.engines.heap_bytes()
+            + self.overflow.values().map(|v| v.capacity() * 3 + 48).sum::<usize>()
     }
 }
 

@@ -7,6 +7,7 @@ pub mod kv_events;
 pub mod kv_index;
 pub mod kv_subscribe;
 pub mod msgpack;
+pub mod open_table;
 pub mod prom;
 pub mod push;
 pub mod scrape;
