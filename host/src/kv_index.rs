@@ -105,6 +105,8 @@ pub struct KvIndex {
     overflow: HashMap<u64, Vec<(u16, u8)>>,
     hand: usize,
     deltas: Vec<Delta>,
+    /// Incremented each time deltas are taken.
+    delta_seq: u64,
     pub stats: IndexStats,
 }
 
@@ -118,6 +120,7 @@ impl KvIndex {
             overflow: HashMap::new(),
             hand: 0,
             deltas: Vec::new(),
+            delta_seq: 0,
             stats: IndexStats::default(),
         }
     }
@@ -136,9 +139,39 @@ impl KvIndex {
             + self.overflow.values().map(Vec::len).sum::<usize>()
     }
 
-    /// Take the changes made since the last call.
+    /// Take the changes made since the last call, and the sequence number they bring a
+    /// subscriber to.
     pub fn take_deltas(&mut self) -> Vec<Delta> {
+        self.delta_seq += 1;
         std::mem::take(&mut self.deltas)
+    }
+
+    pub fn has_deltas(&self) -> bool {
+        !self.deltas.is_empty()
+    }
+
+    /// The sequence of the last [`take_deltas`](Self::take_deltas).
+    pub fn delta_seq(&self) -> u64 {
+        self.delta_seq
+    }
+
+    /// Every entry, as deltas (a full resend), with the sequence it corresponds to. Changes not
+    /// yet taken are included, so a subscriber must skip live deltas with seq <= the one
+    /// returned, and may see a few changes twice (applying a delta is idempotent).
+    pub fn dump(&self) -> (Vec<Delta>, u64) {
+        let mut out = Vec::with_capacity(self.blocks.len());
+        for i in self.blocks.occupied_from(0) {
+            let s = self.blocks.get(i);
+            for j in 0..usize::from(s.len) {
+                out.push(Delta { key: s.key, endpoint: s.eps[j], tiers: s.tiers[j] });
+            }
+            if s.flags & OVERFLOW != 0 {
+                for (ep, t) in self.overflow.get(&s.key).into_iter().flatten() {
+                    out.push(Delta { key: s.key, endpoint: *ep, tiers: *t });
+                }
+            }
+        }
+        (out, self.delta_seq)
     }
 
     /// Evict about 1% of the blocks (CLOCK: a block whose reference bit is set gets a second

@@ -114,9 +114,14 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         cfg.publish_interval(),
         std::time::Duration::from_millis(cfg.unready_after_ms),
     );
+    let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
-        .add_service(push::Snapshots::new(rx.clone(), cfg.heartbeat()).into_server());
+        .add_service(
+            push::Snapshots::new(rx.clone(), cfg.heartbeat())
+                .with_index(push::IndexFeed::spawn(kv_index.clone(), std::time::Duration::from_millis(10)))
+                .into_server(),
+        );
     let grpc_listener =
         tokio::net::TcpListener::bind(cfg.grpc_listen).await.with_context(|| format!("binding {}", cfg.grpc_listen))?;
     let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
@@ -125,7 +130,6 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
 
     // The precise index, fed by the engines' KV events.
-    let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
     let mut kv = KvSubscribers::new(kv_index.clone());
     let collector = cfg.kv_events_bind.is_some();
     if let Some(b) = &cfg.kv_events_bind {

@@ -12,11 +12,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use attache_proto::v1::snapshot_service_server::{SnapshotService, SnapshotServiceServer};
 use attache_proto::v1::{self, update};
 use futures::Stream;
-use tokio::sync::{mpsc, watch, RwLock};
+use tokio::sync::{broadcast, mpsc, watch, RwLock};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info};
 
+use crate::kv_index::{Delta, KvIndex};
 use crate::state::PoolState;
 
 fn now_ns() -> u64 {
@@ -65,15 +66,80 @@ pub fn spawn_publisher(
     rx
 }
 
+/// Index entries per message of a full resend (about 13 bytes each on the wire).
+const DUMP_CHUNK: usize = 65_536;
+
+/// The precise index as a stream: live deltas on a broadcast channel, and full resends.
+#[derive(Clone)]
+pub struct IndexFeed {
+    index: Arc<std::sync::Mutex<KvIndex>>,
+    tx: broadcast::Sender<Arc<v1::IndexDelta>>,
+}
+
+fn to_message(deltas: &[Delta], seq: u64, reset: bool) -> v1::IndexDelta {
+    v1::IndexDelta {
+        reset,
+        keys: deltas.iter().map(|d| d.key).collect(),
+        endpoints: deltas.iter().map(|d| u32::from(d.endpoint)).collect(),
+        tiers: deltas.iter().map(|d| u32::from(d.tiers)).collect(),
+        seq,
+    }
+}
+
+impl IndexFeed {
+    /// Take the index's changes every `interval` and broadcast them.
+    pub fn spawn(index: Arc<std::sync::Mutex<KvIndex>>, interval: Duration) -> Self {
+        let (tx, _) = broadcast::channel(1024);
+        let feed = Self { index, tx };
+        let f = feed.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let msg = {
+                    let mut ix = f.index.lock().unwrap_or_else(|p| p.into_inner());
+                    if !ix.has_deltas() {
+                        continue;
+                    }
+                    let d = ix.take_deltas();
+                    to_message(&d, ix.delta_seq(), false)
+                };
+                // No subscriber is fine: each new one starts from a full resend.
+                let _ = f.tx.send(Arc::new(msg));
+            }
+        });
+        feed
+    }
+
+    /// A full resend, in chunks, and the sequence it brings a subscriber to.
+    fn dump(&self) -> (Vec<v1::IndexDelta>, u64) {
+        let (all, seq) = self.index.lock().unwrap_or_else(|p| p.into_inner()).dump();
+        let mut msgs: Vec<v1::IndexDelta> =
+            all.chunks(DUMP_CHUNK).enumerate().map(|(i, c)| to_message(c, seq, i == 0)).collect();
+        if msgs.is_empty() {
+            msgs.push(to_message(&[], seq, true));
+        }
+        (msgs, seq)
+    }
+}
+
 /// The tonic service.
 pub struct Snapshots {
     rx: watch::Receiver<Arc<v1::Snapshot>>,
     heartbeat: Duration,
+    index: Option<IndexFeed>,
 }
 
 impl Snapshots {
     pub fn new(rx: watch::Receiver<Arc<v1::Snapshot>>, heartbeat: Duration) -> Self {
-        Self { rx, heartbeat }
+        Self { rx, heartbeat, index: None }
+    }
+
+    /// Also stream the precise index.
+    pub fn with_index(mut self, feed: IndexFeed) -> Self {
+        self.index = Some(feed);
+        self
     }
 
     pub fn into_server(self) -> SnapshotServiceServer<Self> {
@@ -92,11 +158,27 @@ impl SnapshotService for Snapshots {
         info!(%node, "subscriber connected");
         let mut rx = self.rx.clone();
         let heartbeat = self.heartbeat;
-        let (tx, out) = mpsc::channel(2);
+        let feed = self.index.clone();
+        let (tx, out) = mpsc::channel(4);
         tokio::spawn(async move {
+            let index_msg =
+                |d: v1::IndexDelta| v1::Update { kind: Some(update::Kind::Index(d)), sent_unix_ns: now_ns() };
+            // Subscribe to live index deltas before taking the full resend, so nothing falls
+            // between the two; deltas already covered by the resend are skipped by seq.
+            let mut idx_rx = feed.as_ref().map(|f| f.tx.subscribe());
             let first = rx.borrow_and_update().clone();
             if tx.send(Ok(full(&first))).await.is_err() {
                 return;
+            }
+            let mut idx_seq = 0;
+            if let Some(f) = &feed {
+                let (msgs, seq) = f.dump();
+                idx_seq = seq;
+                for m in msgs {
+                    if tx.send(Ok(index_msg(m))).await.is_err() {
+                        return;
+                    }
+                }
             }
             let mut hb = tokio::time::interval(heartbeat);
             hb.tick().await;
@@ -106,6 +188,28 @@ impl SnapshotService for Snapshots {
                         if changed.is_err() { break; }
                         let s = rx.borrow_and_update().clone();
                         if tx.send(Ok(full(&s))).await.is_err() { break; }
+                    }
+                    d = async { match idx_rx.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => {
+                        match d {
+                            Ok(d) if d.seq > idx_seq => {
+                                idx_seq = d.seq;
+                                if tx.send(Ok(index_msg((*d).clone()))).await.is_err() { break; }
+                            }
+                            Ok(_) => {}
+                            Err(broadcast::error::RecvError::Lagged(n)) => {
+                                // Too slow for the live deltas: start over with a full resend.
+                                info!(%node, lagged = n, "index subscriber lagged; resending the index");
+                                let Some(f) = &feed else { break };
+                                let (msgs, seq) = f.dump();
+                                idx_seq = seq;
+                                let mut ok = true;
+                                for m in msgs {
+                                    if tx.send(Ok(index_msg(m))).await.is_err() { ok = false; break; }
+                                }
+                                if !ok { break; }
+                            }
+                            Err(broadcast::error::RecvError::Closed) => break,
+                        }
                     }
                     _ = hb.tick() => {
                         let version = rx.borrow().version;
