@@ -81,6 +81,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         num_gpu_blocks: blocks_per_engine,
         max_num_seqs: 32,
         time_scale: a.time_scale,
+        kv_events: false,
     };
     println!(
         "demo: {} requests ({} groups x {}), {}-token shared prefixes, {} engines x {} KV blocks of {} tokens, concurrency {}, time scale {}",

@@ -13,11 +13,13 @@ pub struct ScorerWeights {
     pub kv_cache: f64,
     /// `no-hit-lru`: spreads cold prefixes over the pool (weight 1, llm-d's default weight).
     pub no_hit_lru: f64,
+    /// Precise prefix affinity, from the engines' KV events (used when `precise.enabled`).
+    pub precise_prefix: f64,
 }
 
 impl Default for ScorerWeights {
     fn default() -> Self {
-        Self { prefix: 3.0, queue: 2.0, kv_cache: 2.0, no_hit_lru: 1.0 }
+        Self { prefix: 3.0, queue: 2.0, kv_cache: 2.0, no_hit_lru: 1.0, precise_prefix: 3.0 }
     }
 }
 
@@ -70,6 +72,25 @@ impl Default for SaturationConfig {
     }
 }
 
+/// Precise prefix routing from the engines' KV events.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreciseConfig {
+    pub enabled: bool,
+    /// Block weights by tier.
+    pub tier_weights: crate::precise::TierWeights,
+    /// Hashing stops after this many prompt tokens.
+    pub max_tokens: usize,
+    /// Slots of the index table in shared data (the filter's copy of the host's index).
+    pub slots: u64,
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        Self { enabled: false, tier_weights: crate::precise::TierWeights::default(), max_tokens: 8192, slots: 262_144 }
+    }
+}
+
 /// The full scheduler configuration.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -77,6 +98,7 @@ pub struct SchedulerConfig {
     pub weights: ScorerWeights,
     pub prefix: PrefixConfig,
     pub saturation: SaturationConfig,
+    pub precise: PreciseConfig,
     /// How many endpoints the picker returns: the primary plus fallbacks for
     /// `x-gateway-destination-endpoint`.
     pub max_endpoints: usize,
@@ -90,6 +112,7 @@ impl Default for SchedulerConfig {
             weights: ScorerWeights::default(),
             prefix: PrefixConfig::default(),
             saturation: SaturationConfig::default(),
+            precise: PreciseConfig::default(),
             max_endpoints: 3,
             max_body_bytes: 4 * 1024 * 1024,
         }

@@ -40,6 +40,8 @@ pub struct EndpointMetrics {
 /// One model-server endpoint.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Endpoint {
+    /// The host's stable id for this endpoint (the precise index refers to it).
+    pub id: u32,
     /// `ip:port`, exactly as it goes into `x-gateway-destination-endpoint`.
     pub address: String,
     /// Served model names (base model and loaded adapters).
@@ -49,6 +51,8 @@ pub struct Endpoint {
     pub ready: bool,
     /// `None` when the engine has never been scraped successfully.
     pub metrics: Option<EndpointMetrics>,
+    /// Tokens per KV block (from `vllm:cache_config_info`), 0 if unknown.
+    pub block_size: u32,
 }
 
 impl Endpoint {

@@ -44,6 +44,7 @@ mod tests {
             role: Role::Both,
             ready: true,
             metrics: Some(EndpointMetrics { waiting, running: 0.0, kv_usage: kv, age_ms: age }),
+            ..Default::default()
         }
     }
 

@@ -88,6 +88,34 @@ pub fn score(m: Option<&PreciseMatch>, total_blocks: usize) -> f64 {
     }
 }
 
+/// Precise scores for every endpoint with a known block size: the request's token ids are
+/// cut into that size's block keys (`keys_for(block_size)`), matched against the index, and
+/// scored. Returns endpoint id → (score, matched blocks).
+pub fn scores(
+    endpoints: &[crate::Endpoint],
+    weights: &TierWeights,
+    mut keys_for: impl FnMut(usize) -> Vec<u64>,
+    mut holders: impl FnMut(u64) -> Vec<(u16, u8)>,
+) -> HashMap<u32, (f64, usize)> {
+    let mut sizes: Vec<u32> = endpoints.iter().map(|e| e.block_size).filter(|b| *b > 0).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut out = HashMap::new();
+    for bs in sizes {
+        let keys = keys_for(bs as usize);
+        if keys.is_empty() {
+            continue;
+        }
+        let m = match_prefix(&keys, weights, &mut holders);
+        for e in endpoints.iter().filter(|e| e.block_size == bs) {
+            if let Some(pm) = u16::try_from(e.id).ok().and_then(|id| m.get(&id)) {
+                out.insert(e.id, (score(Some(pm), keys.len()), pm.blocks));
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

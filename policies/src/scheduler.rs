@@ -20,6 +20,9 @@ pub struct SchedulingInput<'a> {
     /// Prefix matches learned elsewhere (other Envoy workers, see
     /// [`crate::index::shared_matches`]): endpoint → leading blocks held.
     pub extra_matches: Option<&'a HashMap<String, usize>>,
+    /// Precise prefix scores from the engines' KV events ([`crate::precise::scores`]):
+    /// endpoint id → (score, matched blocks).
+    pub precise: Option<&'a HashMap<u32, (f64, usize)>>,
 }
 
 /// One scored candidate, for the decision log and metrics.
@@ -30,6 +33,7 @@ pub struct ScoredEndpoint {
     pub queue: f64,
     pub kv_cache: f64,
     pub no_hit_lru: f64,
+    pub precise: f64,
     pub total: f64,
     pub matched_blocks: usize,
 }
@@ -117,7 +121,9 @@ impl Scheduler {
                 local.max(extra)
             })
             .collect();
-        let cold = matched.iter().all(|&m| m == 0);
+        let s_precise: Vec<f64> =
+            chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).map(|p| p.0).unwrap_or(0.0)).collect();
+        let cold = matched.iter().all(|&m| m == 0) && s_precise.iter().all(|&p| p <= 0.0);
         let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
         let sat = &self.config.saturation;
         let w = &self.config.weights;
@@ -132,6 +138,7 @@ impl Scheduler {
                     + w.queue * at(&s_queue, i)
                     + w.kv_cache * at(&s_kv, i)
                     + w.no_hit_lru * at(&s_lru, i)
+                    + w.precise_prefix * at(&s_precise, i)
             })
             .collect();
         let order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
@@ -144,6 +151,7 @@ impl Scheduler {
                     queue: *s_queue.get(i)?,
                     kv_cache: *s_kv.get(i)?,
                     no_hit_lru: *s_lru.get(i)?,
+                    precise: *s_precise.get(i)?,
                     total: *totals.get(i)?,
                     matched_blocks: *matched.get(i)?,
                 })
@@ -190,6 +198,7 @@ mod tests {
                     role: Role::Both,
                     ready: true,
                     metrics: Some(EndpointMetrics::default()),
+                    ..Default::default()
                 })
                 .collect(),
         }
@@ -200,7 +209,14 @@ mod tests {
         let inflight = HashMap::new();
         let d = s
             .schedule(
-                &SchedulingInput { model: "m", block_hashes: &hashes, inflight: &inflight, seed, extra_matches: None },
+                &SchedulingInput {
+                    model: "m",
+                    block_hashes: &hashes,
+                    inflight: &inflight,
+                    seed,
+                    extra_matches: None,
+                    precise: None,
+                },
                 pool,
                 ix,
             )
@@ -276,6 +292,7 @@ mod tests {
                 inflight: &inflight,
                 seed,
                 extra_matches: Some(&extra),
+                precise: None,
             };
             let d = s.schedule(&input, &p, &mut fresh).unwrap();
             assert_eq!(d.endpoints[0], target);
@@ -284,19 +301,55 @@ mod tests {
     }
 
     #[test]
+    fn precise_matches_route_to_the_holder_even_with_no_routing_history() {
+        let s = Scheduler::default();
+        let mut p = pool(4);
+        for (i, e) in p.endpoints.iter_mut().enumerate() {
+            e.id = i as u32 + 10;
+        }
+        let precise: HashMap<u32, (f64, usize)> = [(12, (0.9, 30))].into_iter().collect();
+        let inflight = HashMap::new();
+        let mut st = s.new_state();
+        let input = SchedulingInput {
+            model: "m",
+            block_hashes: &[1, 2, 3],
+            inflight: &inflight,
+            seed: 5,
+            extra_matches: None,
+            precise: Some(&precise),
+        };
+        let d = s.schedule(&input, &p, &mut st).unwrap();
+        assert_eq!(d.endpoints[0], p.endpoints[2].address);
+        assert!(!d.cold);
+        assert!((d.scores[0].precise - 0.9).abs() < 1e-9);
+    }
+
+    #[test]
     fn errors_and_fallbacks() {
         let s = Scheduler::default();
         let mut ix = s.new_state();
         let inflight = HashMap::new();
-        let input =
-            SchedulingInput { model: "m", block_hashes: &[], inflight: &inflight, seed: 0, extra_matches: None };
+        let input = SchedulingInput {
+            model: "m",
+            block_hashes: &[],
+            inflight: &inflight,
+            seed: 0,
+            extra_matches: None,
+            precise: None,
+        };
         assert_eq!(s.schedule(&input, &PoolState::default(), &mut ix), Err(ScheduleError::NoEndpoints));
         let bad = SchedulingInput { model: "zzz", ..input };
         assert_eq!(s.schedule(&bad, &pool(2), &mut ix), Err(ScheduleError::UnknownModel("zzz".into())));
         let mut p = pool(2);
         p.endpoints.iter_mut().for_each(|e| e.ready = false);
-        let input =
-            SchedulingInput { model: "m", block_hashes: &[], inflight: &inflight, seed: 0, extra_matches: None };
+        let input = SchedulingInput {
+            model: "m",
+            block_hashes: &[],
+            inflight: &inflight,
+            seed: 0,
+            extra_matches: None,
+            precise: None,
+        };
         assert_eq!(s.schedule(&input, &p, &mut ix), Err(ScheduleError::NoEndpoints));
         let d = s.schedule(&input, &pool(5), &mut ix).unwrap();
         assert_eq!(d.endpoints.len(), 3);

@@ -63,6 +63,8 @@ pub struct SimOpts {
     pub num_gpu_blocks: usize,
     pub max_num_seqs: usize,
     pub time_scale: f64,
+    /// Publish KV events (and have the host follow them).
+    pub kv_events: bool,
 }
 
 impl Default for SimOpts {
@@ -74,6 +76,7 @@ impl Default for SimOpts {
             num_gpu_blocks: 4096,
             max_num_seqs: 32,
             time_scale: 0.2,
+            kv_events: false,
         }
     }
 }
@@ -100,6 +103,8 @@ pub struct Stack {
     pub envoy: Option<Proc>,
     pub sim_opts: SimOpts,
     pub sim_base_port: u16,
+    /// First KV-event port: engine i publishes on base+2i, replays on base+2i+1.
+    pub kv_base_port: u16,
     pub host_grpc_port: u16,
     pub host_admin_port: u16,
     pub envoy_port: u16,
@@ -138,6 +143,7 @@ impl Stack {
             envoy: None,
             sim_opts: SimOpts::default(),
             sim_base_port: 0,
+            kv_base_port: 0,
             host_grpc_port: free_port(),
             host_admin_port: free_port(),
             envoy_port: free_port(),
@@ -172,10 +178,16 @@ impl Stack {
             self.sim_base_port = free_port_range(opts.engines);
         }
         self.sim_opts = opts.clone();
+        let mut cmd = Command::new(&self.paths.sim_bin);
+        if opts.kv_events {
+            if self.kv_base_port == 0 {
+                self.kv_base_port = free_port_range(2 * opts.engines);
+            }
+            cmd.arg("--kv-events-port-base").arg(self.kv_base_port.to_string());
+        }
         let p = self.spawn(
             "sim",
-            Command::new(&self.paths.sim_bin)
-                .arg("--engines")
+            cmd.arg("--engines")
                 .arg(opts.engines.to_string())
                 .arg("--base-port")
                 .arg(self.sim_base_port.to_string())
@@ -207,6 +219,15 @@ impl Stack {
                 "  - address: {a}\n    models: [{}]\n    role: both\n    engine: vllm\n",
                 self.sim_opts.model
             ));
+            if self.sim_opts.kv_events {
+                // Engine i of the simulator publishes on kv_base_port + 2i.
+                let i = self.engine_addrs().iter().position(|x| x == a).unwrap_or(0) as u16;
+                let p = self.kv_base_port + 2 * i;
+                y.push_str(&format!(
+                    "    kv_events: {{publisher: \"tcp://127.0.0.1:{p}\", replay: \"tcp://127.0.0.1:{}\"}}\n",
+                    p + 1
+                ));
+            }
         }
         let tmp = self.endpoints_file.with_extension("tmp");
         std::fs::write(&tmp, y)?;
@@ -346,10 +367,11 @@ impl Stack {
                     let ready =
                         v["endpoints"].as_array().map(|a| a.iter().filter(|e| e["ready"] == true).count()).unwrap_or(0);
                     let version = v["version"].as_u64().unwrap_or(0);
-                    if ready == want_ready
-                        && version > 0
-                        && self.envoy_stat("wasmcustom.attache.snapshot.version") >= version
-                    {
+                    let epoch = v["host_epoch"].as_u64().unwrap_or(0);
+                    let stats = self.envoy_stats();
+                    let seen_epoch = stat_value(&stats, "wasmcustom.attache.snapshot.host_epoch");
+                    let seen_version = stat_value(&stats, "wasmcustom.attache.snapshot.version");
+                    if ready == want_ready && version > 0 && seen_epoch == epoch && seen_version >= version {
                         return Ok(version);
                     }
                 }

@@ -278,7 +278,12 @@ async fn killing_the_host_fails_no_request_and_a_restart_resumes_updates() {
     s.write_endpoints(kept).expect("endpoints");
     s.start_host().expect("host restart");
     s.wait_snapshot(kept.len(), Duration::from_secs(20)).expect("snapshot after restart");
-    assert!(s.envoy_stat("wasmcustom.attache.snapshot.updates") > updates_before);
+    let updates_after = s.envoy_stat("wasmcustom.attache.snapshot.updates");
+    assert!(
+        updates_after > updates_before,
+        "snapshot updates {updates_before} -> {updates_after}:\n{}",
+        s.envoy_stats().lines().filter(|l| l.contains("attache")).collect::<Vec<_>>().join("\n")
+    );
     let removed_port: u16 = removed.rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
     for g in 0..12 {
         let o = send(&s, &http, chat(&long_prefix(&format!("after-restart-{g}")), "q", 2), &[]).await;

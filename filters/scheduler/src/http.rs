@@ -4,12 +4,15 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use attache_policies::index;
+use attache_policies::precise;
+use attache_policies::request::Prompt;
 use attache_policies::request::{self, Api};
 use attache_policies::{prefix, ErrorResponse, RequestError, SchedulingInput};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
 use crate::host;
+use crate::kv_table;
 use crate::root::Worker;
 use crate::snapshot::SharedAffinity;
 
@@ -59,12 +62,30 @@ impl SchedulerHttp {
         let seed = hashes.first().copied().unwrap_or(u64::from(self.id));
         let slots = w.config.scheduler.prefix.shared_slots;
         let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes));
+        let pc = &w.config.scheduler.precise;
+        let precise_scores = match (&req.prompt, pc.enabled) {
+            // Token-id prompts are hashed as given (vLLM adds no BOS to them). Text prompts need
+            // the model's tokenizer in the filter, which is not wired in yet.
+            (Prompt::Tokens(ids), true) => {
+                let ids = ids.get(..ids.len().min(pc.max_tokens)).unwrap_or(ids);
+                let seed = prefix::chain_seed(&req.model, None);
+                let reader = kv_table::Reader::new(pc.slots);
+                Some(precise::scores(
+                    &w.cache.pool.endpoints,
+                    &pc.tier_weights,
+                    |bs| prefix::token_block_keys(seed, ids, bs),
+                    |k| reader.holders(k),
+                ))
+            }
+            _ => None,
+        };
         let input = SchedulingInput {
             model: &req.model,
             block_hashes: &hashes,
             inflight: &w.inflight,
             seed,
             extra_matches: shared.as_ref(),
+            precise: precise_scores.as_ref(),
         };
         let decision = match w.scheduler.schedule(&input, &w.cache.pool, &mut w.state) {
             Ok(d) => d,
@@ -88,6 +109,9 @@ impl SchedulerHttp {
             index::shared_record(&mut SharedAffinity, slots, &hashes, primary);
         }
         if let Some(best) = decision.scores.first() {
+            if precise_scores.is_some() {
+                w.metrics.precise_score(best.precise);
+            }
             w.metrics.scheduled(
                 &best.address,
                 best.prefix,

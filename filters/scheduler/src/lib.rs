@@ -13,6 +13,7 @@
 pub mod config;
 pub mod host;
 pub mod http;
+pub mod kv_table;
 pub mod metrics;
 pub mod root;
 pub mod snapshot;

@@ -21,6 +21,9 @@ pub struct Metrics {
     snapshot_version: Option<u32>,
     snapshot_epoch: Option<u32>,
     snapshot_updates: Option<u32>,
+    index_entries: Option<u32>,
+    index_seq: Option<u32>,
+    score_precise: Option<u32>,
 }
 
 fn define(t: MetricType, name: &str) -> Option<u32> {
@@ -50,6 +53,9 @@ impl Metrics {
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
             snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
+            index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
+            index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
+            score_precise: define(MetricType::Histogram, "attache.scorer.precise.score_milli"),
             ..Default::default()
         }
     }
@@ -74,6 +80,20 @@ impl Metrics {
         }
         inc(self.prefix_blocks_matched, matched as i64);
         inc(self.prefix_blocks_total, total as i64);
+    }
+
+    /// An index delta from the host was applied.
+    pub fn index_delta(&mut self, entries: usize, seq: u64) {
+        inc(self.index_entries, entries as i64);
+        if let Some(id) = self.index_seq {
+            let _ = hostcalls::record_metric(id, seq);
+        }
+    }
+
+    pub fn precise_score(&mut self, v: f64) {
+        if let Some(m) = self.score_precise {
+            let _ = hostcalls::record_metric(m, (v * 1000.0).round().clamp(0.0, 1000.0) as u64);
+        }
     }
 
     pub fn passthrough(&mut self) {

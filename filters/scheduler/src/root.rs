@@ -6,6 +6,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use attache_policies::{Scheduler, SchedulerState};
+use attache_proto::v1;
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -14,6 +15,7 @@ use proxy_wasm::types::{ContextType, LogLevel};
 use crate::config::{FilterConfig, Role, SubscribeConfig};
 use crate::host;
 use crate::http::SchedulerHttp;
+use crate::kv_table;
 use crate::metrics::Metrics;
 use crate::snapshot::{self, SnapshotCache, Subscriber};
 
@@ -69,15 +71,31 @@ impl Context for AttacheRoot {
         let Some(sub) = self.subscriber.as_mut() else {
             return;
         };
-        if let Some(s) = sub.on_message(token_id, message_size, now) {
-            if !snapshot::publish(&s) {
-                host::log(LogLevel::Error, "attache: could not write snapshot to shared data");
-            }
-            if let Some(w) = &self.worker {
-                if let Ok(mut w) = w.try_borrow_mut() {
-                    w.metrics.snapshot(s.host_epoch, s.version);
+        match sub.on_message(token_id, message_size, now) {
+            Some(v1::update::Kind::Full(s)) => {
+                if !snapshot::publish(&s) {
+                    host::log(LogLevel::Error, "attache: could not write snapshot to shared data");
+                }
+                if let Some(w) = &self.worker {
+                    if let Ok(mut w) = w.try_borrow_mut() {
+                        w.metrics.snapshot(s.host_epoch, s.version);
+                    }
                 }
             }
+            Some(v1::update::Kind::Index(d)) => {
+                let slots = self
+                    .worker
+                    .as_ref()
+                    .and_then(|w| w.try_borrow().ok().map(|w| w.config.scheduler.precise.slots))
+                    .unwrap_or(262_144);
+                kv_table::apply(&d, slots);
+                if let Some(w) = &self.worker {
+                    if let Ok(mut w) = w.try_borrow_mut() {
+                        w.metrics.index_delta(d.keys.len(), d.seq);
+                    }
+                }
+            }
+            _ => {}
         }
     }
 

@@ -28,6 +28,8 @@ pub fn to_pool(s: &v1::Snapshot) -> PoolState {
             .endpoints
             .iter()
             .map(|e| Endpoint {
+                id: e.id,
+                block_size: e.block_size,
                 address: e.address.clone(),
                 models: e.models.clone(),
                 role: Role::from_label(&e.role),
@@ -160,8 +162,8 @@ impl Subscriber {
         }
     }
 
-    /// Handle one stream message; returns a full snapshot if it carried one.
-    pub fn on_message(&mut self, token: u32, size: usize, now_ms: u64) -> Option<v1::Snapshot> {
+    /// Handle one stream message; returns what it carried (heartbeats are consumed here).
+    pub fn on_message(&mut self, token: u32, size: usize, now_ms: u64) -> Option<v1::update::Kind> {
         if self.token != Some(token) {
             return None;
         }
@@ -171,8 +173,8 @@ impl Subscriber {
             Ok(u) => {
                 self.received += 1;
                 match u.kind {
-                    Some(v1::update::Kind::Full(s)) => Some(s),
-                    _ => None,
+                    Some(v1::update::Kind::Heartbeat(_)) | None => None,
+                    k => k,
                 }
             }
             Err(e) => {

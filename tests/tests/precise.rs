@@ -1,0 +1,79 @@
+//! End-to-end precise prefix routing: simulated engines publish KV events over ZMQ, the host
+//! indexes them and streams the index to the filters, and the filter in the real Envoy 1.40
+//! routes a request to the engine that actually holds its prefix, with no routing history.
+
+mod common;
+
+use std::time::Duration;
+
+use attache_e2e::client;
+use attache_e2e::stack::http_get_blocking;
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
+use common::*;
+use serde_json::{json, Value};
+
+fn precise_config() -> Value {
+    json!({"role": "scheduler", "scheduler": {"precise": {"enabled": true}}})
+}
+
+/// Wait until the host's index says some endpoint holds `blocks` blocks of `tokens`.
+async fn wait_indexed(s: &Stack, tokens: &[u32], blocks: u64) {
+    let url = format!("http://127.0.0.1:{}/v1/kv/match", s.host_admin_port);
+    let body = json!({"model": MODEL, "token_ids": tokens, "block_size": 16}).to_string();
+    for _ in 0..100 {
+        let o = client::post(&s.http, &url, body.clone().into_bytes(), &[]).await;
+        let v = o.json();
+        if v["endpoints"].as_array().is_some_and(|a| a.iter().any(|e| e["matched_blocks"].as_u64() >= Some(blocks))) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the host never indexed the blocks");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_go_to_the_engine_that_holds_their_blocks() {
+    let mut s = Stack::new("precise").expect("stack");
+    s.start_sim(SimOpts { engines: 4, time_scale: 0.05, kv_events: true, ..SimOpts::default() }).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &precise_config(), 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+    let engines = s.engine_addrs();
+
+    // Three long token prompts, each cached directly on a different engine (bypassing Envoy, so
+    // Attaché's approximate index has never seen them).
+    let prompts: Vec<(Vec<u32>, usize)> =
+        (0..3u32).map(|g| ((0..640u32).map(|t| 1000 + g * 10_000 + t).collect(), (g as usize + 1) % 4)).collect();
+    for (tokens, engine) in &prompts {
+        let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 1}).to_string();
+        let o =
+            client::post(&http, &format!("http://{}/v1/completions", engines[*engine]), body.into_bytes(), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        wait_indexed(&s, tokens, 40).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await; // index deltas reach the filters
+
+    for (tokens, engine) in &prompts {
+        let want: u16 = engines[*engine].rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+        for variant in 0..3u32 {
+            // The cached prompt plus a different suffix each time.
+            let mut t = tokens.clone();
+            t.extend((0..20).map(|i| 50_000 + variant * 100 + i));
+            let body = json!({"model": MODEL, "prompt": t, "max_tokens": 2}).to_string();
+            let o = client::post(&http, &s.url("/v1/completions"), body.into_bytes(), &[]).await;
+            assert!(o.ok(), "{}", o.body);
+            assert_eq!(o.engine_port, Some(want), "prefix cached on :{want} was routed elsewhere");
+            // The engine confirms it reused the cache.
+            assert!(o.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(600), "{}", o.body);
+        }
+    }
+    let stats = s.envoy_stats();
+    assert!(
+        attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.precise.index_entries_applied") >= 120,
+        "{stats}"
+    );
+    let kv = http_get_blocking(s.host_admin_port, "/v1/kv").unwrap_or_default();
+    let kv: Value = serde_json::from_str(&kv).unwrap_or(Value::Null);
+    assert_eq!(kv["subscribers"]["decode_errors"], 0, "{kv}");
+}
