@@ -83,11 +83,38 @@ pub struct PreciseConfig {
     pub max_tokens: usize,
     /// Slots of the index table in shared data (the filter's copy of the host's index).
     pub slots: u64,
+    /// The served model's `tokenizer.json`, as text, to tokenize text prompts exactly as the
+    /// engine does. Without it, only token-id prompts are routed precisely.
+    pub tokenizer_json: Option<String>,
+    /// Texts with the ids the engine gives them (e.g. from its `/tokenize`), checked when the
+    /// filter starts; on a mismatch the tokenizer is not used, and a metric says so.
+    pub tokenizer_check: Vec<TokenizerCheck>,
+}
+
+/// One expected tokenization.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerCheck {
+    pub text: String,
+    #[serde(default = "default_true")]
+    pub add_special_tokens: bool,
+    pub ids: Vec<u32>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for PreciseConfig {
     fn default() -> Self {
-        Self { enabled: false, tier_weights: crate::precise::TierWeights::default(), max_tokens: 8192, slots: 262_144 }
+        Self {
+            enabled: false,
+            tier_weights: crate::precise::TierWeights::default(),
+            max_tokens: 8192,
+            slots: 262_144,
+            tokenizer_json: None,
+            tokenizer_check: Vec::new(),
+        }
     }
 }
 

@@ -25,6 +25,8 @@ pub struct AppState {
     pub engine: Engine,
     pub name: String,
     pub port: u16,
+    /// The model's real tokenizer, if given; else the byte-level fallback.
+    pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<attache_policies::tokenizer::Tokenizer>>>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -127,9 +129,14 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
             &format!("The model `{}` does not exist.", req.model),
         );
     }
-    let prompt = match &req.prompt {
-        Prompt::Text(t) => tokenizer::encode(t, true),
-        Prompt::Tokens(t) => t.clone(),
+    let prompt = match (&req.prompt, &st.tokenizer) {
+        // Completions text through the real tokenizer, with BOS, as vLLM does. (Chat prompts
+        // would need the model's chat template; they use the fallback.)
+        (Prompt::Text(t), Some(tk)) if api == Api::Completions => {
+            tk.lock().unwrap_or_else(|p| p.into_inner()).encode(t, true, 0)
+        }
+        (Prompt::Text(t), _) => tokenizer::encode(t, true),
+        (Prompt::Tokens(t), _) => t.clone(),
     };
     let max_tokens = req.max_tokens.unwrap_or(16) as usize;
     if prompt.len() + max_tokens > cfg.max_model_len {

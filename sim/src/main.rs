@@ -51,6 +51,9 @@ struct Args {
     /// KV-event encoding: `map` (vLLM >= 0.26) or `array` (older).
     #[arg(long, default_value = "map")]
     kv_encoding: String,
+    /// The model's `tokenizer.json` (byte-level BPE); text completions are tokenized with it.
+    #[arg(long)]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -59,6 +62,14 @@ async fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let a = Args::parse();
+    let tokenizer = match &a.tokenizer {
+        Some(p) => {
+            let text = std::fs::read(p).map_err(|e| anyhow::anyhow!("reading {}: {e}", p.display()))?;
+            let t = attache_policies::tokenizer::Tokenizer::from_json(&text)?;
+            Some(std::sync::Arc::new(std::sync::Mutex::new(t)))
+        }
+        None => None,
+    };
     let mut servers = Vec::new();
     for i in 0..a.engines {
         let port = a.base_port + i;
@@ -89,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::spawn(engine.clone().run());
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
-        let app = api::router(AppState { engine, name: format!("sim-{port}"), port });
+        let app = api::router(AppState { engine, name: format!("sim-{port}"), port, tokenizer: tokenizer.clone() });
         info!(port, "engine listening");
         servers.push(tokio::spawn(async move { axum::serve(listener, app).await }));
     }

@@ -65,6 +65,8 @@ pub struct SimOpts {
     pub time_scale: f64,
     /// Publish KV events (and have the host follow them).
     pub kv_events: bool,
+    /// The model's `tokenizer.json` for the simulator (else its byte-level fallback).
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl Default for SimOpts {
@@ -77,6 +79,7 @@ impl Default for SimOpts {
             max_num_seqs: 32,
             time_scale: 0.2,
             kv_events: false,
+            tokenizer: None,
         }
     }
 }
@@ -184,6 +187,9 @@ impl Stack {
                 self.kv_base_port = free_port_range(2 * opts.engines);
             }
             cmd.arg("--kv-events-port-base").arg(self.kv_base_port.to_string());
+        }
+        if let Some(t) = &opts.tokenizer {
+            cmd.arg("--tokenizer").arg(t);
         }
         let p = self.spawn(
             "sim",
@@ -301,9 +307,10 @@ impl Stack {
             .replace("{{HOST_GRPC_PORT}}", &self.host_grpc_port.to_string())
             .replace("{{WASM}}", &self.paths.wasm.display().to_string())
             .replace("{{POOL_ENDPOINTS}}\n", &eps)
-            .replace("{{SCHEDULER_CONFIG_SINGLE}}", &single.to_string())
-            .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &per_worker.to_string())
-            .replace("{{SCHEDULER_CONFIG}}", &scheduler_config.to_string()))
+            // The JSON sits in a single-quoted YAML scalar, where a quote is written twice.
+            .replace("{{SCHEDULER_CONFIG_SINGLE}}", &single.to_string().replace('\'', "''"))
+            .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &per_worker.to_string().replace('\'', "''"))
+            .replace("{{SCHEDULER_CONFIG}}", &scheduler_config.to_string().replace('\'', "''")))
     }
 
     /// Start Envoy (or restart it) with `kind`, and wait until it is ready.

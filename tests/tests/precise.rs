@@ -77,3 +77,89 @@ async fn requests_go_to_the_engine_that_holds_their_blocks() {
     let kv: Value = serde_json::from_str(&kv).unwrap_or(Value::Null);
     assert_eq!(kv["subscribers"]["decode_errors"], 0, "{kv}");
 }
+
+fn reference(path: &str) -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/vllm").join(path)
+}
+
+/// Filter configuration with the reference model's tokenizer and one start-up check taken
+/// from the real vLLM's `/tokenize` capture (or a wrong one, to see it refused).
+fn tokenizer_config(correct_check: bool) -> Value {
+    let json = std::fs::read_to_string(reference("model/tokenizer.json")).expect("reference tokenizer");
+    let caps: Value =
+        serde_json::from_str(&std::fs::read_to_string(reference("http/prompts-tokenized.json")).unwrap()).unwrap();
+    let cap = &caps["shared_0"];
+    let mut ids = cap["tokenize_response"]["tokens"].clone();
+    if !correct_check {
+        ids[3] = json!(7);
+    }
+    json!({"role": "scheduler", "scheduler": {"precise": {
+        "enabled": true,
+        "tokenizer_json": json,
+        "tokenizer_check": [{"text": cap["prompt"], "ids": ids}],
+    }}})
+}
+
+async fn text_stack(name: &str, correct_check: bool) -> Stack {
+    let mut s = Stack::new(name).expect("stack");
+    let opts = SimOpts {
+        engines: 4,
+        time_scale: 0.05,
+        kv_events: true,
+        tokenizer: Some(reference("model/tokenizer.json")),
+        ..SimOpts::default()
+    };
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &tokenizer_config(correct_check), 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    s
+}
+
+fn text_prompt(g: usize) -> String {
+    format!("Document {g}. ")
+        + &"The scheduler routes each request to the engine that already holds its prefix. ".repeat(30)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_prompts_are_tokenized_in_the_filter_like_the_engine_does() {
+    let s = text_stack("precise-text", true).await;
+    let http = fresh_client();
+    let engines = s.engine_addrs();
+    let json = std::fs::read_to_string(reference("model/tokenizer.json")).unwrap();
+    let mut tk = attache_policies::tokenizer::Tokenizer::from_json(json.as_bytes()).unwrap();
+    for g in 0..3 {
+        let text = text_prompt(g);
+        let body = json!({"model": MODEL, "prompt": text, "max_tokens": 1}).to_string();
+        let o = client::post(&http, &format!("http://{}/v1/completions", engines[g + 1]), body.into_bytes(), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        let ids = tk.encode(&text, true, 0);
+        wait_indexed(&s, &ids, (ids.len() / 16) as u64).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for g in 0..3 {
+        let want: u16 = engines[g + 1].rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+        for q in 0..2 {
+            let body = json!({"model": MODEL, "prompt": format!("{} Question {q}?", text_prompt(g)), "max_tokens": 2});
+            let o = client::post(&http, &s.url("/v1/completions"), body.to_string().into_bytes(), &[]).await;
+            assert!(o.ok(), "{}", o.body);
+            assert_eq!(o.engine_port, Some(want), "text prompt {g} cached on :{want} was routed elsewhere");
+        }
+    }
+    assert_eq!(s.envoy_stat("wasmcustom.attache.precise.tokenizer_unusable"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_that_disagrees_with_the_engine_is_not_used() {
+    let s = text_stack("precise-badtok", false).await;
+    assert!(s.envoy_stat("wasmcustom.attache.precise.tokenizer_unusable") >= 1, "the failed check must be counted");
+    // Requests are still served (routed without precise scores for text).
+    let o = client::post(
+        &fresh_client(),
+        &s.url("/v1/completions"),
+        json!({"model": MODEL, "prompt": text_prompt(9), "max_tokens": 2}).to_string().into_bytes(),
+        &[],
+    )
+    .await;
+    assert!(o.ok(), "{}", o.body);
+}

@@ -63,22 +63,26 @@ impl SchedulerHttp {
         let slots = w.config.scheduler.prefix.shared_slots;
         let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes));
         let pc = &w.config.scheduler.precise;
-        let precise_scores = match (&req.prompt, pc.enabled) {
-            // Token-id prompts are hashed as given (vLLM adds no BOS to them). Text prompts need
-            // the model's tokenizer in the filter, which is not wired in yet.
-            (Prompt::Tokens(ids), true) => {
-                let ids = ids.get(..ids.len().min(pc.max_tokens)).unwrap_or(ids);
-                let seed = prefix::chain_seed(&req.model, None);
-                let reader = kv_table::Reader::new(pc.slots);
-                Some(precise::scores(
-                    &w.cache.pool.endpoints,
-                    &pc.tier_weights,
-                    |bs| prefix::token_block_keys(seed, ids, bs),
-                    |k| reader.holders(k),
-                ))
+        // Token ids as the engine sees them: token-id prompts as given (vLLM adds no BOS);
+        // text completions through the model's tokenizer (with BOS, as vLLM does). Chat and
+        // Responses prompts need the model's chat template, not rendered here yet.
+        let ids: Option<Vec<u32>> = match (&req.prompt, pc.enabled) {
+            (Prompt::Tokens(ids), true) => Some(ids.get(..ids.len().min(pc.max_tokens)).unwrap_or(ids).to_vec()),
+            (Prompt::Text(text), true) if api == Api::Completions => {
+                w.tokenizer.as_mut().map(|t| t.encode(text, true, pc.max_tokens))
             }
             _ => None,
         };
+        let precise_scores = ids.map(|ids| {
+            let seed = prefix::chain_seed(&req.model, None);
+            let reader = kv_table::Reader::new(pc.slots);
+            precise::scores(
+                &w.cache.pool.endpoints,
+                &pc.tier_weights,
+                |bs| prefix::token_block_keys(seed, &ids, bs),
+                |k| reader.holders(k),
+            )
+        });
         let input = SchedulingInput {
             model: &req.model,
             block_hashes: &hashes,

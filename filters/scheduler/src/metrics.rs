@@ -22,6 +22,7 @@ pub struct Metrics {
     snapshot_epoch: Option<u32>,
     snapshot_updates: Option<u32>,
     index_entries: Option<u32>,
+    tokenizer_mismatch: Option<u32>,
     index_seq: Option<u32>,
     score_precise: Option<u32>,
 }
@@ -54,6 +55,7 @@ impl Metrics {
             snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
+            tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
             score_precise: define(MetricType::Histogram, "attache.scorer.precise.score_milli"),
             ..Default::default()
@@ -88,6 +90,11 @@ impl Metrics {
         if let Some(id) = self.index_seq {
             let _ = hostcalls::record_metric(id, seq);
         }
+    }
+
+    /// The configured tokenizer failed to load or gave other ids than the engine.
+    pub fn tokenizer_mismatch(&mut self) {
+        inc(self.tokenizer_mismatch, 1);
     }
 
     pub fn precise_score(&mut self, v: f64) {

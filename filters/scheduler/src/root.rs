@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
+use attache_policies::tokenizer::Tokenizer;
 use attache_policies::{Scheduler, SchedulerState};
 use attache_proto::v1;
 use hashbrown::HashMap;
@@ -28,16 +29,44 @@ pub struct Worker {
     /// Requests this worker has dispatched and not yet finished, per endpoint.
     pub inflight: HashMap<String, u32>,
     pub metrics: Metrics,
+    /// The model's tokenizer, for precise routing of text prompts (None if not configured or
+    /// if it failed its start-up check).
+    pub tokenizer: Option<Tokenizer>,
 }
 
 impl Worker {
     fn new(config: FilterConfig) -> Self {
+        let mut metrics = Metrics::define();
+        let pc = &config.scheduler.precise;
+        let tokenizer = match (&pc.tokenizer_json, pc.enabled) {
+            (Some(json), true) => match Tokenizer::load_checked(json, &pc.tokenizer_check) {
+                Ok((t, 0)) => Some(t),
+                Ok((_, failed)) => {
+                    host::log(
+                        LogLevel::Error,
+                        &format!("attache: tokenizer gives other ids than the engine on {failed} check(s); text prompts will not be routed precisely"),
+                    );
+                    metrics.tokenizer_mismatch();
+                    None
+                }
+                Err(e) => {
+                    host::log(
+                        LogLevel::Error,
+                        &format!("attache: tokenizer not usable ({e}); text prompts will not be routed precisely"),
+                    );
+                    metrics.tokenizer_mismatch();
+                    None
+                }
+            },
+            _ => None,
+        };
         Self {
+            tokenizer,
             scheduler: Scheduler::new(config.scheduler.clone()),
             state: SchedulerState::new(&config.scheduler),
             cache: SnapshotCache::default(),
             inflight: HashMap::new(),
-            metrics: Metrics::define(),
+            metrics,
             config,
         }
     }
