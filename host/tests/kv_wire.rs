@@ -18,8 +18,18 @@ fn python() -> PathBuf {
     p
 }
 
+/// A free port below the kernel's ephemeral range (so no outgoing connection can take it
+/// before the publisher binds it), never the same twice in this process.
 fn port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(0)
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let _ = NEXT.compare_exchange(0, 15_000 + (std::process::id() % 4_000) as u16, Ordering::SeqCst, Ordering::SeqCst);
+    loop {
+        let p = NEXT.fetch_add(1, Ordering::SeqCst);
+        if TcpListener::bind(("127.0.0.1", p)).is_ok() {
+            return p;
+        }
+    }
 }
 
 fn publisher(args: &[&str]) -> serde_json::Value {
