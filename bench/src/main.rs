@@ -82,7 +82,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         max_num_seqs: 32,
         time_scale: a.time_scale,
         kv_events: false,
-        tokenizer: None,
+        ..SimOpts::default()
     };
     println!(
         "demo: {} requests ({} groups x {}), {}-token shared prefixes, {} engines x {} KV blocks of {} tokens, concurrency {}, time scale {}",

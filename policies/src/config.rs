@@ -89,13 +89,26 @@ pub struct PreciseConfig {
     /// Texts with the ids the engine gives them (e.g. from its `/tokenize`), checked when the
     /// filter starts; on a mismatch the tokenizer is not used, and a metric says so.
     pub tokenizer_check: Vec<TokenizerCheck>,
+    /// The served model's chat template (Jinja, as in `tokenizer_config.json`), to render chat
+    /// and Responses prompts exactly as the engine does before tokenizing them. Without it,
+    /// those requests are routed by the approximate scorer only.
+    pub chat_template: Option<String>,
+    /// `bos_token` / `eos_token` as the template sees them (from `tokenizer_config.json`).
+    pub bos_token: String,
+    pub eos_token: String,
 }
 
 /// One expected tokenization.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TokenizerCheck {
+    /// A text prompt (completions), or
+    #[serde(default)]
     pub text: String,
+    /// a chat conversation, rendered with `chat_template` and tokenized without added special
+    /// tokens, as vLLM does for chat requests.
+    #[serde(default)]
+    pub messages: Option<Vec<crate::chat_template::ChatMessage>>,
     #[serde(default = "default_true")]
     pub add_special_tokens: bool,
     pub ids: Vec<u32>,
@@ -114,6 +127,9 @@ impl Default for PreciseConfig {
             slots: 262_144,
             tokenizer_json: None,
             tokenizer_check: Vec::new(),
+            chat_template: None,
+            bos_token: String::new(),
+            eos_token: String::new(),
         }
     }
 }

@@ -9,6 +9,7 @@
 //! and a [`picker`] chooses the primary endpoint plus fallbacks. [`scheduler::Scheduler`] wires
 //! the pipeline together.
 
+pub mod chat_template;
 pub mod config;
 pub mod endpoint;
 pub mod error;
@@ -17,6 +18,7 @@ pub mod index;
 pub mod picker;
 pub mod precise;
 pub mod prefix;
+pub mod prompt_tokens;
 pub mod request;
 pub mod rng;
 pub mod scheduler;

@@ -6,6 +6,7 @@
 
 use serde::Deserialize;
 
+use crate::chat_template::ChatMessage;
 use crate::error::RequestError;
 
 /// Which OpenAI API the request targets, chosen by path suffix as llm-d's parser does.
@@ -76,6 +77,9 @@ pub struct InferenceRequest {
     pub user: Option<String>,
     /// `/v1/responses` continuation.
     pub previous_response_id: Option<String>,
+    /// Chat and Responses requests: the conversation, for rendering with the model's chat
+    /// template. Empty for completions.
+    pub messages: Vec<ChatMessage>,
 }
 
 #[derive(Deserialize)]
@@ -165,21 +169,31 @@ fn content_text(c: &Content, out: &mut String) {
     }
 }
 
-/// Render messages the way the reference chat template does (`role: content\n` per message,
-/// then `assistant:`), so that shared conversation prefixes give shared text prefixes.
-fn render_messages(system: Option<&str>, messages: &[Message]) -> String {
-    let mut out = String::new();
+/// Flatten chat messages (with an optional leading system instruction) to role + text.
+fn chat_messages(system: Option<&str>, messages: &[Message]) -> Vec<ChatMessage> {
+    let mut out = Vec::with_capacity(messages.len() + 1);
     if let Some(s) = system {
-        out.push_str("system: ");
-        out.push_str(s);
-        out.push('\n');
+        out.push(ChatMessage { role: "system".into(), content: s.to_string() });
     }
     for m in messages {
-        out.push_str(m.role.as_deref().unwrap_or("user"));
-        out.push_str(": ");
+        let mut content = String::new();
         if let Some(c) = m.content.as_ref().or(m.output.as_ref()) {
-            content_text(c, &mut out);
+            content_text(c, &mut content);
         }
+        out.push(ChatMessage { role: m.role.clone().unwrap_or_else(|| "user".into()), content });
+    }
+    out
+}
+
+/// Render messages the way the reference chat template does (`role: content\n` per message,
+/// then `assistant:`), so that shared conversation prefixes give shared text prefixes. Precise
+/// routing renders the model's own template instead ([`crate::chat_template`]).
+fn render_messages(messages: &[ChatMessage]) -> String {
+    let mut out = String::new();
+    for m in messages {
+        out.push_str(&m.role);
+        out.push_str(": ");
+        out.push_str(&m.content);
         out.push('\n');
     }
     out.push_str("assistant:");
@@ -236,20 +250,25 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
             }
         },
         Api::ChatCompletions => match b.messages {
-            Some(ms) if !ms.is_empty() => (Prompt::Text(render_messages(None, &ms)), 1),
+            Some(ref ms) if !ms.is_empty() => (Prompt::Text(String::new()), 1),
             _ => return Err(RequestError::MissingField("messages")),
         },
         Api::Responses => match b.input {
-            Some(InputField::Text(t)) => {
-                let ms = [Message { role: Some("user".into()), content: Some(Content::Text(t)), output: None }];
-                (Prompt::Text(render_messages(b.instructions.as_deref(), &ms)), 1)
-            }
-            Some(InputField::Items(items)) if !items.is_empty() => {
-                (Prompt::Text(render_messages(b.instructions.as_deref(), &items)), 1)
-            }
+            Some(InputField::Text(_)) => (Prompt::Text(String::new()), 1),
+            Some(InputField::Items(ref items)) if !items.is_empty() => (Prompt::Text(String::new()), 1),
             _ => return Err(RequestError::MissingField("input")),
         },
     };
+    let messages = match (api, &b.messages, &b.input) {
+        (Api::ChatCompletions, Some(ms), _) => chat_messages(None, ms),
+        (Api::Responses, _, Some(InputField::Text(t))) => {
+            let ms = [Message { role: Some("user".into()), content: Some(Content::Text(t.clone())), output: None }];
+            chat_messages(b.instructions.as_deref(), &ms)
+        }
+        (Api::Responses, _, Some(InputField::Items(items))) => chat_messages(b.instructions.as_deref(), items),
+        _ => Vec::new(),
+    };
+    let prompt = if messages.is_empty() { prompt } else { Prompt::Text(render_messages(&messages)) };
     Ok(InferenceRequest {
         api,
         model,
@@ -261,6 +280,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         priority: b.priority,
         user: b.user,
         previous_response_id: b.previous_response_id,
+        messages,
     })
 }
 

@@ -246,14 +246,6 @@ impl Tokenizer {
         Ok(Self { byte_ids, merges, added, prefix_ids, cache: HashMap::new(), cache_limit: 1 << 16 })
     }
 
-    /// Load and verify against expected tokenizations. Returns the tokenizer and the number of
-    /// checks that failed (a non-zero count means the ids would not match the engine's).
-    pub fn load_checked(json: &str, checks: &[crate::config::TokenizerCheck]) -> Result<(Self, usize), TokenizerError> {
-        let mut t = Self::from_json(json.as_bytes())?;
-        let failed = checks.iter().filter(|c| t.encode(&c.text, c.add_special_tokens, 0) != c.ids).count();
-        Ok((t, failed))
-    }
-
     /// Ids the post-processor adds in front (BOS), as vLLM's `/tokenize` and completions do.
     pub fn prefix_ids(&self) -> &[u32] {
         &self.prefix_ids

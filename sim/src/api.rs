@@ -3,6 +3,8 @@
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use attache_policies::chat_template::ChatMessage;
+use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api, Prompt};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
@@ -25,8 +27,8 @@ pub struct AppState {
     pub engine: Engine,
     pub name: String,
     pub port: u16,
-    /// The model's real tokenizer, if given; else the byte-level fallback.
-    pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<attache_policies::tokenizer::Tokenizer>>>,
+    /// The model's real tokenizer (and chat template), if given; else the byte-level fallback.
+    pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<PromptTokenizer>>>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -35,6 +37,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics_handler))
         .with_state(state)
@@ -105,6 +108,58 @@ async fn models(State(st): State<AppState>) -> Response {
     )
 }
 
+#[derive(Deserialize)]
+struct TokenizeBody {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<ChatMessage>>,
+    add_special_tokens: Option<bool>,
+    add_generation_prompt: Option<bool>,
+}
+
+/// vLLM's `/tokenize`: a text prompt (BOS added by default) or chat messages (rendered with the
+/// chat template, no special tokens added by default).
+async fn tokenize(State(st): State<AppState>, body: Bytes) -> Response {
+    let b: TokenizeBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &format!("invalid JSON: {e}")),
+    };
+    let cfg = st.engine.config();
+    if let Some(m) = b.model.as_deref().filter(|m| *m != cfg.model) {
+        return error(
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            Some("model"),
+            &format!("The model `{m}` does not exist."),
+        );
+    }
+    let ids = match (&b.prompt, &b.messages, &st.tokenizer) {
+        (Some(p), None, Some(tk)) => {
+            tk.lock().unwrap_or_else(|e| e.into_inner()).text(p, b.add_special_tokens.unwrap_or(true), 0)
+        }
+        (Some(p), None, None) => tokenizer::encode(p, b.add_special_tokens.unwrap_or(true)),
+        (None, Some(ms), Some(tk)) => {
+            match tk.lock().unwrap_or_else(|e| e.into_inner()).conversation(
+                ms,
+                b.add_generation_prompt.unwrap_or(true),
+                0,
+            ) {
+                Ok(ids) => ids,
+                Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
+            }
+        }
+        (None, Some(_), None) => {
+            return error(StatusCode::BAD_REQUEST, "BadRequestError", None, "this engine has no chat template")
+        }
+        _ => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, "give either `prompt` or `messages`"),
+    };
+    let body = json!({"count": ids.len(), "max_model_len": cfg.max_model_len, "tokens": ids, "token_strs": null});
+    with_engine_headers(
+        (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
+        &st,
+    )
+}
+
 async fn metrics_handler(State(st): State<AppState>) -> Response {
     let text = {
         let s = st.engine.lock();
@@ -129,14 +184,16 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
             &format!("The model `{}` does not exist.", req.model),
         );
     }
-    let prompt = match (&req.prompt, &st.tokenizer) {
-        // Completions text through the real tokenizer, with BOS, as vLLM does. (Chat prompts
-        // would need the model's chat template; they use the fallback.)
-        (Prompt::Text(t), Some(tk)) if api == Api::Completions => {
-            tk.lock().unwrap_or_else(|p| p.into_inner()).encode(t, true, 0)
-        }
-        (Prompt::Text(t), _) => tokenizer::encode(t, true),
-        (Prompt::Tokens(t), _) => t.clone(),
+    let prompt = match &st.tokenizer {
+        // The engine's ids: the same rules the filter uses (policies::prompt_tokens).
+        Some(tk) => match tk.lock().unwrap_or_else(|p| p.into_inner()).request(&req, 0) {
+            Ok(ids) => ids,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
+        },
+        None => match &req.prompt {
+            Prompt::Text(t) => tokenizer::encode(t, true),
+            Prompt::Tokens(t) => t.clone(),
+        },
     };
     let max_tokens = req.max_tokens.unwrap_or(16) as usize;
     if prompt.len() + max_tokens > cfg.max_model_len {

@@ -51,9 +51,18 @@ struct Args {
     /// KV-event encoding: `map` (vLLM >= 0.26) or `array` (older).
     #[arg(long, default_value = "map")]
     kv_encoding: String,
-    /// The model's `tokenizer.json` (byte-level BPE); text completions are tokenized with it.
+    /// The model's `tokenizer.json` (byte-level BPE); prompts are tokenized with it.
     #[arg(long)]
     tokenizer: Option<std::path::PathBuf>,
+    /// The model's chat template (Jinja); chat and Responses prompts are rendered with it before
+    /// tokenizing, as vLLM does. Needs `--tokenizer`.
+    #[arg(long, requires = "tokenizer")]
+    chat_template: Option<std::path::PathBuf>,
+    /// `bos_token` / `eos_token` as the chat template sees them.
+    #[arg(long, default_value = "<s>")]
+    bos_token: String,
+    #[arg(long, default_value = "</s>")]
+    eos_token: String,
 }
 
 #[tokio::main]
@@ -64,9 +73,19 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let tokenizer = match &a.tokenizer {
         Some(p) => {
-            let text = std::fs::read(p).map_err(|e| anyhow::anyhow!("reading {}: {e}", p.display()))?;
-            let t = attache_policies::tokenizer::Tokenizer::from_json(&text)?;
-            Some(std::sync::Arc::new(std::sync::Mutex::new(t)))
+            let read = |p: &std::path::Path| {
+                std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("reading {}: {e}", p.display()))
+            };
+            let t = attache_policies::tokenizer::Tokenizer::from_json(read(p)?.as_bytes())?;
+            let template = match &a.chat_template {
+                Some(c) => {
+                    Some(attache_policies::chat_template::ChatTemplate::new(&read(c)?, &a.bos_token, &a.eos_token)?)
+                }
+                None => None,
+            };
+            Some(std::sync::Arc::new(std::sync::Mutex::new(attache_policies::prompt_tokens::PromptTokenizer::new(
+                t, template,
+            ))))
         }
         None => None,
     };

@@ -93,6 +93,8 @@ pub struct SimOpts {
     pub kv_events: bool,
     /// The model's `tokenizer.json` for the simulator (else its byte-level fallback).
     pub tokenizer: Option<PathBuf>,
+    /// The model's chat template for the simulator (needs `tokenizer`).
+    pub chat_template: Option<PathBuf>,
 }
 
 impl Default for SimOpts {
@@ -106,6 +108,7 @@ impl Default for SimOpts {
             time_scale: 0.2,
             kv_events: false,
             tokenizer: None,
+            chat_template: None,
         }
     }
 }
@@ -216,6 +219,9 @@ impl Stack {
         }
         if let Some(t) = &opts.tokenizer {
             cmd.arg("--tokenizer").arg(t);
+        }
+        if let Some(t) = &opts.chat_template {
+            cmd.arg("--chat-template").arg(t);
         }
         let p = self.spawn(
             "sim",

@@ -93,10 +93,18 @@ fn tokenizer_config(correct_check: bool) -> Value {
     if !correct_check {
         ids[3] = json!(7);
     }
+    let chat: Value =
+        serde_json::from_str(&std::fs::read_to_string(reference("http/chat-prompt-tokenized.json")).unwrap()).unwrap();
     json!({"role": "scheduler", "scheduler": {"precise": {
         "enabled": true,
         "tokenizer_json": json,
-        "tokenizer_check": [{"text": cap["prompt"], "ids": ids}],
+        "chat_template": std::fs::read_to_string(reference("model/chat_template.jinja")).unwrap(),
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "tokenizer_check": [
+            {"text": cap["prompt"], "ids": ids},
+            {"messages": chat["messages"], "ids": chat["tokenize_response"]["tokens"]},
+        ],
     }}})
 }
 
@@ -107,6 +115,7 @@ async fn text_stack(name: &str, correct_check: bool) -> Stack {
         time_scale: 0.05,
         kv_events: true,
         tokenizer: Some(reference("model/tokenizer.json")),
+        chat_template: Some(reference("model/chat_template.jinja")),
         ..SimOpts::default()
     };
     s.start_sim(opts).expect("sim");
@@ -162,4 +171,55 @@ async fn a_tokenizer_that_disagrees_with_the_engine_is_not_used() {
     )
     .await;
     assert!(o.ok(), "{}", o.body);
+}
+
+/// Chat requests: the filter renders the model's chat template and tokenizes the result as vLLM
+/// does, so a conversation whose rendered prefix an engine holds goes to that engine. The
+/// simulator's `/tokenize` of the captured chat messages equals the real vLLM's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prompts_are_rendered_with_the_chat_template_like_the_engine_does() {
+    let s = text_stack("precise-chat", true).await;
+    let http = fresh_client();
+    let engines = s.engine_addrs();
+
+    let cap: Value =
+        serde_json::from_str(&std::fs::read_to_string(reference("http/chat-prompt-tokenized.json")).unwrap()).unwrap();
+    let body = json!({"model": MODEL, "messages": cap["messages"]}).to_string();
+    let o = client::post(&http, &format!("http://{}/tokenize", engines[0]), body.into_bytes(), &[]).await;
+    assert!(o.ok(), "{}", o.body);
+    assert_eq!(o.json()["tokens"], cap["tokenize_response"]["tokens"], "simulator /tokenize differs from vLLM's");
+
+    let conversation = |g: usize, q: &str| {
+        json!([
+            {"role": "system", "content": text_prompt(g)},
+            {"role": "user", "content": q},
+        ])
+    };
+    for g in 0..3 {
+        let body = json!({"model": MODEL, "messages": conversation(g, "First?"), "max_tokens": 1}).to_string();
+        let url = format!("http://{}/v1/chat/completions", engines[g + 1]);
+        let o = client::post(&http, &url, body.into_bytes(), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        let tok = json!({"model": MODEL, "messages": conversation(g, "First?")}).to_string();
+        let ids = client::post(&http, &format!("http://{}/tokenize", engines[0]), tok.into_bytes(), &[]).await.json()
+            ["tokens"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64().map(|x| x as u32)).collect::<Vec<_>>())
+            .unwrap_or_default();
+        assert!(ids.len() > 300, "rendered conversation too short: {}", ids.len());
+        wait_indexed(&s, &ids, (ids.len() / 16) as u64).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for g in 0..3 {
+        let want: u16 = engines[g + 1].rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+        for q in ["Second?", "And a third, longer question?"] {
+            let body = json!({"model": MODEL, "messages": conversation(g, q), "max_tokens": 2}).to_string();
+            let o = client::post(&http, &s.url("/v1/chat/completions"), body.into_bytes(), &[]).await;
+            assert!(o.ok(), "{}", o.body);
+            assert_eq!(o.engine_port, Some(want), "conversation {g} cached on :{want} was routed elsewhere");
+            assert!(o.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(300), "{}", o.body);
+        }
+    }
+    assert_eq!(s.envoy_stat("wasmcustom.attache.precise.tokenizer_unusable"), 0);
+    assert_eq!(s.envoy_stat("wasmcustom.attache.precise.prompt_untokenized"), 0);
 }

@@ -63,15 +63,25 @@ impl SchedulerHttp {
         let slots = w.config.scheduler.prefix.shared_slots;
         let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes));
         let pc = &w.config.scheduler.precise;
-        // Token ids as the engine sees them: token-id prompts as given (vLLM adds no BOS);
-        // text completions through the model's tokenizer (with BOS, as vLLM does). Chat and
-        // Responses prompts need the model's chat template, not rendered here yet.
-        let ids: Option<Vec<u32>> = match (&req.prompt, pc.enabled) {
-            (Prompt::Tokens(ids), true) => Some(ids.get(..ids.len().min(pc.max_tokens)).unwrap_or(ids).to_vec()),
-            (Prompt::Text(text), true) if api == Api::Completions => {
-                w.tokenizer.as_mut().map(|t| t.encode(text, true, pc.max_tokens))
+        // Token ids as the engine computes them (policies::prompt_tokens): token-id prompts as
+        // given, text completions with BOS, conversations rendered with the model's chat template.
+        let ids: Option<Vec<u32>> = match (pc.enabled, &req.prompt, w.tokenizer.as_mut()) {
+            (false, _, _) => None,
+            (true, Prompt::Tokens(ids), _) if req.messages.is_empty() => {
+                Some(ids.get(..ids.len().min(pc.max_tokens)).unwrap_or(ids).to_vec())
             }
-            _ => None,
+            (true, _, Some(t)) => match t.request(&req, pc.max_tokens) {
+                Ok(ids) => Some(ids),
+                Err(e) => {
+                    host::log(LogLevel::Debug, &format!("attache[{}]: no precise scores: {e}", self.id));
+                    w.metrics.prompt_untokenized();
+                    None
+                }
+            },
+            (true, _, None) => {
+                w.metrics.prompt_untokenized();
+                None
+            }
         };
         let precise_scores = ids.map(|ids| {
             let seed = prefix::chain_seed(&req.model, None);

@@ -23,6 +23,7 @@ pub struct Metrics {
     snapshot_updates: Option<u32>,
     index_entries: Option<u32>,
     tokenizer_mismatch: Option<u32>,
+    prompt_untokenized: Option<u32>,
     index_seq: Option<u32>,
     score_precise: Option<u32>,
 }
@@ -56,6 +57,7 @@ impl Metrics {
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
+            prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
             score_precise: define(MetricType::Histogram, "attache.scorer.precise.score_milli"),
             ..Default::default()
@@ -95,6 +97,12 @@ impl Metrics {
     /// The configured tokenizer failed to load or gave other ids than the engine.
     pub fn tokenizer_mismatch(&mut self) {
         inc(self.tokenizer_mismatch, 1);
+    }
+
+    /// A prompt precise routing could not tokenize (no tokenizer or template, or the template
+    /// failed); the request was routed without precise scores.
+    pub fn prompt_untokenized(&mut self) {
+        inc(self.prompt_untokenized, 1);
     }
 
     pub fn precise_score(&mut self, v: f64) {

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use attache_policies::tokenizer::Tokenizer;
+use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::{Scheduler, SchedulerState};
 use attache_proto::v1;
 use hashbrown::HashMap;
@@ -29,9 +29,9 @@ pub struct Worker {
     /// Requests this worker has dispatched and not yet finished, per endpoint.
     pub inflight: HashMap<String, u32>,
     pub metrics: Metrics,
-    /// The model's tokenizer, for precise routing of text prompts (None if not configured or
-    /// if it failed its start-up check).
-    pub tokenizer: Option<Tokenizer>,
+    /// The model's tokenizer and chat template, for precise routing of text and chat prompts
+    /// (None if not configured or if it failed its start-up check).
+    pub tokenizer: Option<PromptTokenizer>,
 }
 
 impl Worker {
@@ -39,25 +39,27 @@ impl Worker {
         let mut metrics = Metrics::define();
         let pc = &config.scheduler.precise;
         let tokenizer = match (&pc.tokenizer_json, pc.enabled) {
-            (Some(json), true) => match Tokenizer::load_checked(json, &pc.tokenizer_check) {
-                Ok((t, 0)) => Some(t),
-                Ok((_, failed)) => {
-                    host::log(
+            (Some(_), true) => {
+                match PromptTokenizer::load_checked(pc) {
+                    Ok((t, 0)) => Some(t),
+                    Ok((_, failed)) => {
+                        host::log(
                         LogLevel::Error,
-                        &format!("attache: tokenizer gives other ids than the engine on {failed} check(s); text prompts will not be routed precisely"),
+                        &format!("attache: tokenizer gives other ids than the engine on {failed} check(s); text and chat prompts will not be routed precisely"),
                     );
-                    metrics.tokenizer_mismatch();
-                    None
-                }
-                Err(e) => {
-                    host::log(
+                        metrics.tokenizer_mismatch();
+                        None
+                    }
+                    Err(e) => {
+                        host::log(
                         LogLevel::Error,
-                        &format!("attache: tokenizer not usable ({e}); text prompts will not be routed precisely"),
+                        &format!("attache: tokenizer not usable ({e}); text and chat prompts will not be routed precisely"),
                     );
-                    metrics.tokenizer_mismatch();
-                    None
+                        metrics.tokenizer_mismatch();
+                        None
+                    }
                 }
-            },
+            }
             _ => None,
         };
         Self {

@@ -1,0 +1,184 @@
+//! The token ids an engine computes for a request's prompt: one place for the rules, used by the
+//! filter (to compute the engines' block keys) and by the simulator (to be the engine).
+//!
+//! vLLM's rules: token-id completions are used as given; text completions are tokenized with the
+//! post-processor's special tokens (BOS); chat and Responses conversations are rendered with the
+//! model's chat template and the result is tokenized *without* added special tokens (the template
+//! writes them itself).
+
+use crate::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
+use crate::config::{PreciseConfig, TokenizerCheck};
+use crate::request::{InferenceRequest, Prompt};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Why a request's prompt could not be turned into the engine's ids.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptTokensError {
+    #[error("no chat template is configured, so conversations cannot be tokenized as the engine does")]
+    NoChatTemplate,
+    #[error(transparent)]
+    Template(#[from] ChatTemplateError),
+}
+
+/// Why the configured tokenizer or template cannot be used at all.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptTokenizerLoadError {
+    #[error("precise routing has no tokenizer_json")]
+    NoTokenizer,
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Template(#[from] ChatTemplateError),
+}
+
+/// A model's tokenizer plus, optionally, its chat template.
+pub struct PromptTokenizer {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for PromptTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptTokenizer").field("chat_template", &self.template.is_some()).finish_non_exhaustive()
+    }
+}
+
+impl PromptTokenizer {
+    pub fn new(tokenizer: Tokenizer, template: Option<ChatTemplate>) -> Self {
+        Self { tokenizer, template }
+    }
+
+    /// Build from the precise-routing configuration and run its `tokenizer_check`s. Returns the
+    /// tokenizer and how many checks gave other ids than expected (non-zero: do not trust it).
+    pub fn load_checked(cfg: &PreciseConfig) -> Result<(Self, usize), PromptTokenizerLoadError> {
+        let json = cfg.tokenizer_json.as_deref().ok_or(PromptTokenizerLoadError::NoTokenizer)?;
+        let tokenizer = Tokenizer::from_json(json.as_bytes())?;
+        let template = match &cfg.chat_template {
+            Some(src) => Some(ChatTemplate::new(src, &cfg.bos_token, &cfg.eos_token)?),
+            None => None,
+        };
+        let mut me = Self::new(tokenizer, template);
+        let failed = cfg.tokenizer_check.iter().filter(|c| !me.check(c)).count();
+        Ok((me, failed))
+    }
+
+    fn check(&mut self, c: &TokenizerCheck) -> bool {
+        let got = match &c.messages {
+            Some(ms) => self.conversation(ms, true, 0).ok(),
+            None => Some(self.tokenizer.encode(&c.text, c.add_special_tokens, 0)),
+        };
+        got.as_deref() == Some(c.ids.as_slice())
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokenize text as `/tokenize` and completions do (`add_special_tokens` adds BOS).
+    pub fn text(&mut self, text: &str, add_special_tokens: bool, max_tokens: usize) -> Vec<u32> {
+        self.tokenizer.encode(text, add_special_tokens, max_tokens)
+    }
+
+    /// Render a conversation with the chat template and tokenize it without special tokens.
+    pub fn conversation(
+        &mut self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>, PromptTokensError> {
+        let template = self.template.as_ref().ok_or(PromptTokensError::NoChatTemplate)?;
+        let rendered = template.render(messages, add_generation_prompt)?;
+        Ok(self.tokenizer.encode(&rendered, false, max_tokens))
+    }
+
+    /// The first `max_tokens` (0 = all) ids the engine computes for `req`'s (first) prompt.
+    pub fn request(&mut self, req: &InferenceRequest, max_tokens: usize) -> Result<Vec<u32>, PromptTokensError> {
+        if !req.messages.is_empty() {
+            return self.conversation(&req.messages, true, max_tokens);
+        }
+        Ok(match &req.prompt {
+            Prompt::Tokens(ids) => {
+                let n = if max_tokens == 0 { ids.len() } else { ids.len().min(max_tokens) };
+                ids.get(..n).unwrap_or(ids).to_vec()
+            }
+            Prompt::Text(text) => self.tokenizer.encode(text, true, max_tokens),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{parse, Api};
+    use serde::Deserialize;
+
+    fn reference(file: &str) -> String {
+        let p = format!("{}/../../shared/reference/vllm/{file}", env!("CARGO_MANIFEST_DIR"));
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
+    }
+
+    fn reference_config() -> PreciseConfig {
+        PreciseConfig {
+            enabled: true,
+            tokenizer_json: Some(reference("model/tokenizer.json")),
+            chat_template: Some(reference("model/chat_template.jinja")),
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+            ..PreciseConfig::default()
+        }
+    }
+
+    #[derive(Deserialize)]
+    struct ChatCapture {
+        messages: Vec<ChatMessage>,
+        tokenize_response: TokenizeResponse,
+    }
+    #[derive(Deserialize)]
+    struct TokenizeResponse {
+        tokens: Vec<u32>,
+    }
+
+    /// The captured `/tokenize` of the chat messages from the real vLLM 0.32: rendering the
+    /// model's template and tokenizing gives the very same ids, through the request path.
+    #[test]
+    fn chat_request_ids_equal_real_vllm() {
+        let cap: ChatCapture = serde_json::from_str(&reference("http/chat-prompt-tokenized.json")).unwrap();
+        let (mut pt, failed) = PromptTokenizer::load_checked(&reference_config()).unwrap();
+        assert_eq!(failed, 0);
+        let body = serde_json::json!({"model": "tinyllama", "messages": cap.messages}).to_string();
+        let req = parse(Api::ChatCompletions, body.as_bytes()).unwrap();
+        assert_eq!(pt.request(&req, 0).unwrap(), cap.tokenize_response.tokens);
+        // The cap keeps exactly the leading ids.
+        assert_eq!(pt.request(&req, 40).unwrap(), cap.tokenize_response.tokens[..40]);
+        // Responses: instructions become the system message, the input the user message.
+        let body = serde_json::json!({"model": "tinyllama", "instructions": cap.messages[0].content,
+            "input": cap.messages[1].content})
+        .to_string();
+        let req = parse(Api::Responses, body.as_bytes()).unwrap();
+        assert_eq!(pt.request(&req, 0).unwrap(), cap.tokenize_response.tokens);
+    }
+
+    #[test]
+    fn checks_detect_a_wrong_template() {
+        let cap: ChatCapture = serde_json::from_str(&reference("http/chat-prompt-tokenized.json")).unwrap();
+        let check = TokenizerCheck {
+            text: String::new(),
+            messages: Some(cap.messages.clone()),
+            add_special_tokens: false,
+            ids: cap.tokenize_response.tokens.clone(),
+        };
+        let mut cfg = reference_config();
+        cfg.tokenizer_check = vec![check.clone()];
+        assert_eq!(PromptTokenizer::load_checked(&cfg).unwrap().1, 0);
+        // A template that differs by one space renders other ids: the check says so.
+        cfg.chat_template =
+            Some("{% for m in messages %}<s>{{ m['role'] }}:  {{ m['content'] }}\n{% endfor %}assistant:".into());
+        assert_eq!(PromptTokenizer::load_checked(&cfg).unwrap().1, 1);
+        // No template: conversations are refused with a clear error, text still works.
+        cfg.chat_template = None;
+        let (mut pt, failed) = PromptTokenizer::load_checked(&cfg).unwrap();
+        assert_eq!(failed, 1);
+        assert!(matches!(pt.conversation(&cap.messages, true, 0), Err(PromptTokensError::NoChatTemplate)));
+        assert_eq!(pt.text("a", true, 0)[0], 0);
+    }
+}
