@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use attache_host::kv_events;
 use attache_host::kv_index::KvIndex;
-use attache_sim::kv::KvEvent;
+use attache_sim::kv::{KvEvent, Medium};
 use attache_sim::kv_publish::{encode_batch, Encoding};
 use serde_json::json;
 
@@ -48,12 +48,13 @@ fn payloads(batches: usize, blocks: usize, keep: usize, encoding: Encoding) -> (
         next_hash += blocks as u64;
         let tokens: Vec<u32> =
             (0..(blocks * 16) as u32).map(|t| t.wrapping_mul(2_654_435_761).wrapping_add(b as u32) % 32_000).collect();
-        let mut events = vec![KvEvent::Stored { hashes: hashes.clone(), parent: None, tokens, block_size: 16 }];
+        let mut events =
+            vec![KvEvent::Stored { hashes: hashes.clone(), parent: None, tokens, block_size: 16, medium: Medium::Gpu }];
         live_hashes.extend(hashes);
         if live_hashes.len() > keep {
             let gone: Vec<u64> = (0..blocks).filter_map(|_| live_hashes.pop_front()).collect();
             events_total += gone.len();
-            events.push(KvEvent::Removed(gone));
+            events.push(KvEvent::Removed { hashes: gone, medium: Medium::Gpu });
         }
         events_total += blocks;
         out.push(encode_batch(b as f64, &events, encoding));

@@ -65,6 +65,8 @@ async fn kv_match(
     let keys = prefix::token_block_keys(prefix::chain_seed(&req.model, None), &req.token_ids, req.block_size);
     let ix = st.kv_index.lock().unwrap_or_else(|p| p.into_inner());
     let m = precise::match_prefix(&keys, &precise::TierWeights::default(), |k| ix.holders(k));
+    let snap = st.snapshots.borrow().clone();
+    let address = |id: u16| snap.endpoints.iter().find(|e| e.id == u32::from(id)).map(|e| e.address.clone());
     let mut eps: Vec<Value> = m
         .iter()
         .map(|(id, pm)| {
@@ -73,7 +75,7 @@ async fn kv_match(
                 .take(pm.blocks)
                 .map(|k| ix.holders(*k).iter().find(|h| h.0 == *id).map(|h| h.1).unwrap_or(0))
                 .collect();
-            json!({"id": id, "matched_blocks": pm.blocks, "weighted": pm.weighted, "tiers": tiers})
+            json!({"id": id, "address": address(*id), "matched_blocks": pm.blocks, "weighted": pm.weighted, "tiers": tiers})
         })
         .collect();
     eps.sort_by_key(|v| v["id"].as_u64());

@@ -20,6 +20,11 @@ pub struct EngineConfig {
     pub time_scale: f64,
     /// Enable prefix caching.
     pub enable_prefix_caching: bool,
+    /// CPU-offload tier in blocks (0 = none): GPU blocks evicted from the prefix cache move
+    /// there, and a later hit reloads them instead of recomputing.
+    pub num_cpu_blocks: usize,
+    /// Cost of reloading a token's KV from the CPU tier, as a fraction of prefilling it.
+    pub cpu_reload_cost: f64,
 }
 
 impl Default for EngineConfig {
@@ -33,6 +38,8 @@ impl Default for EngineConfig {
             max_model_len: 131_072,
             time_scale: 1.0,
             enable_prefix_caching: true,
+            num_cpu_blocks: 0,
+            cpu_reload_cost: 0.2,
         }
     }
 }

@@ -105,13 +105,22 @@ pub struct Engine {
 }
 
 enum Planned {
-    Prefill { id: u64, tokens: usize },
-    Decode { id: u64 },
+    Prefill {
+        id: u64,
+        tokens: usize,
+    },
+    Decode {
+        id: u64,
+    },
+    /// KV loaded back from the CPU tier for a newly admitted request.
+    Reload {
+        tokens: usize,
+    },
 }
 
 impl Engine {
     pub fn new(cfg: EngineConfig) -> Self {
-        let pool = BlockPool::new(cfg.num_gpu_blocks);
+        let pool = BlockPool::with_cpu_tier(cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.block_size);
         Self {
             state: Arc::new(Mutex::new(EngineState {
                 pool,
@@ -185,6 +194,8 @@ impl Engine {
                     match x {
                         Planned::Prefill { tokens, .. } => p += tokens,
                         Planned::Decode { .. } => d += 1,
+                        // Loading KV from the CPU tier costs a fraction of recomputing it.
+                        Planned::Reload { tokens } => p += (*tokens as f64 * st.cfg.cpu_reload_cost).ceil() as usize,
                     }
                 }
                 let ms = latency::step_ms(p, d, st.pool.usage()) * st.cfg.time_scale;
@@ -316,9 +327,11 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
             if st.cfg.enable_prefix_caching { block_hash::chain(&st.seed, &seq.prefill, bs) } else { Vec::new() };
         let ids: Vec<u64> = digests.iter().map(block_hash::event_id).collect();
         // vLLM always recomputes at least the last prompt token.
-        let hit = st.pool.longest_cached(&ids).min(len.saturating_sub(1) / bs);
+        let hit = st.pool.lookup(&ids).blocks.min(len.saturating_sub(1) / bs);
         let total_blocks = len.div_ceil(bs).max(1);
-        let hit_blocks = st.pool.acquire_cached(&ids[..hit]);
+        // GPU hits are referenced; CPU-tier hits are reloaded into fresh GPU blocks.
+        let (hit_blocks, reloaded) = st.pool.acquire_prefix(&ids[..hit]);
+        let hit = hit_blocks.len();
         let Some(fresh) = st.pool.allocate(total_blocks - hit) else {
             st.pool.release(&hit_blocks);
             break;
@@ -340,6 +353,13 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         seq.num_computed = hit * bs;
         let n = (len - seq.num_computed).min(budget);
         budget -= n;
+        if st.pool.cpu_len() > 0 || reloaded > 0 {
+            st.stats.external_queries += (len - hit * bs + reloaded * bs) as u64;
+        }
+        if reloaded > 0 {
+            st.stats.external_hits += (reloaded * bs) as u64;
+            planned.push(Planned::Reload { tokens: reloaded * bs });
+        }
         planned.push(Planned::Prefill { id: seq.id, tokens: n });
         st.running.push(seq);
     }
@@ -367,11 +387,15 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
     s.digests.extend(new_digests);
     let pairs: Vec<(BlockId, u64)> =
         (0..full).filter_map(|b| Some((*s.blocks.get(b)?, block_hash::event_id(s.digests.get(b)?)))).collect();
+    let toks: Vec<u32> = s.tokens().collect();
+    let parents: Vec<Option<u64>> =
+        (0..full).map(|b| b.checked_sub(1).and_then(|p| s.digests.get(p)).map(block_hash::event_id)).collect();
     // Publish newly cached blocks as contiguous runs, each with its parent's id, as vLLM does.
     let mut run: Option<(usize, Vec<u64>)> = None;
     let mut runs = Vec::new();
     for (b, (id, h)) in pairs.into_iter().enumerate() {
-        if st.pool.store(id, h) {
+        let block_tokens = toks.get(b * bs..(b + 1) * bs).unwrap_or(&[]).to_vec();
+        if st.pool.store(id, h, parents.get(b).copied().flatten(), block_tokens) {
             match &mut run {
                 Some((_, hs)) => hs.push(h),
                 None => run = Some((b, vec![h])),
@@ -384,11 +408,16 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
     if runs.is_empty() {
         return;
     }
-    let toks: Vec<u32> = st.running[idx].tokens().collect();
     for (start, hashes) in runs {
         let parent = start.checked_sub(1).and_then(|p| st.running[idx].digests.get(p)).map(block_hash::event_id);
         let tokens = toks.get(start * bs..(start + hashes.len()) * bs).unwrap_or(&[]).to_vec();
-        st.pool.events.push(crate::kv::KvEvent::Stored { hashes, parent, tokens, block_size: bs as u32 });
+        st.pool.events.push(crate::kv::KvEvent::Stored {
+            hashes,
+            parent,
+            tokens,
+            block_size: bs as u32,
+            medium: crate::kv::Medium::Gpu,
+        });
     }
 }
 
@@ -434,6 +463,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
     for p in planned {
         let id = match p {
             Planned::Prefill { id, .. } | Planned::Decode { id } => *id,
+            Planned::Reload { .. } => continue,
         };
         let Some(idx) = st.running.iter().position(|s| s.id == id) else {
             continue;
@@ -454,6 +484,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
                 store_full_blocks(st, idx);
                 f
             }
+            Planned::Reload { .. } => false,
         };
         if finished {
             done.push(id);

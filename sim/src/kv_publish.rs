@@ -10,6 +10,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tracing::{info, warn};
 
 use crate::kv::KvEvent;
+#[cfg(test)]
+use crate::kv::Medium;
 
 /// Event encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +101,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], encoding: Encoding) -> Vec<u8> 
     array(&mut out, events.len());
     for e in events {
         match (e, encoding) {
-            (KvEvent::Stored { hashes, parent, tokens, block_size }, Encoding::Map) => {
+            (KvEvent::Stored { hashes, parent, tokens, block_size, medium }, Encoding::Map) => {
                 map(&mut out, 11);
                 string(&mut out, "type");
                 string(&mut out, "BlockStored");
@@ -114,7 +116,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], encoding: Encoding) -> Vec<u8> 
                 string(&mut out, "lora_id");
                 nil(&mut out);
                 string(&mut out, "medium");
-                string(&mut out, "GPU");
+                string(&mut out, medium.as_str());
                 string(&mut out, "lora_name");
                 nil(&mut out);
                 string(&mut out, "extra_keys");
@@ -125,7 +127,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], encoding: Encoding) -> Vec<u8> 
                 string(&mut out, "kv_cache_spec_kind");
                 string(&mut out, "full_attention");
             }
-            (KvEvent::Stored { hashes, parent, tokens, block_size }, Encoding::Array) => {
+            (KvEvent::Stored { hashes, parent, tokens, block_size, medium }, Encoding::Array) => {
                 array(&mut out, 12);
                 string(&mut out, "BlockStored");
                 uints(&mut out, hashes.iter().copied());
@@ -133,7 +135,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], encoding: Encoding) -> Vec<u8> 
                 uints(&mut out, tokens.iter().map(|t| u64::from(*t)));
                 uint(&mut out, u64::from(*block_size));
                 nil(&mut out); // lora_id
-                string(&mut out, "GPU");
+                string(&mut out, medium.as_str());
                 nil(&mut out); // lora_name
                 array(&mut out, hashes.len());
                 (0..hashes.len()).for_each(|_| nil(&mut out));
@@ -141,22 +143,22 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], encoding: Encoding) -> Vec<u8> 
                 string(&mut out, "full_attention");
                 nil(&mut out); // kv_cache_spec_sliding_window
             }
-            (KvEvent::Removed(hashes), Encoding::Map) => {
+            (KvEvent::Removed { hashes, medium }, Encoding::Map) => {
                 map(&mut out, 4);
                 string(&mut out, "type");
                 string(&mut out, "BlockRemoved");
                 string(&mut out, "block_hashes");
                 uints(&mut out, hashes.iter().copied());
                 string(&mut out, "medium");
-                string(&mut out, "GPU");
+                string(&mut out, medium.as_str());
                 string(&mut out, "group_idx");
                 uint(&mut out, 0);
             }
-            (KvEvent::Removed(hashes), Encoding::Array) => {
+            (KvEvent::Removed { hashes, medium }, Encoding::Array) => {
                 array(&mut out, 4);
                 string(&mut out, "BlockRemoved");
                 uints(&mut out, hashes.iter().copied());
-                string(&mut out, "GPU");
+                string(&mut out, medium.as_str());
                 uint(&mut out, 0);
             }
             (KvEvent::Cleared, Encoding::Map) => {
@@ -179,7 +181,9 @@ pub fn split_removed(events: Vec<KvEvent>) -> Vec<KvEvent> {
     let mut out = Vec::with_capacity(events.len());
     for e in events {
         match e {
-            KvEvent::Removed(hs) => out.extend(hs.into_iter().map(|h| KvEvent::Removed(vec![h]))),
+            KvEvent::Removed { hashes, medium } => {
+                out.extend(hashes.into_iter().map(|h| KvEvent::Removed { hashes: vec![h], medium }))
+            }
             e => out.push(e),
         }
     }
@@ -321,10 +325,12 @@ mod tests {
                             parent: e["parent_block_hash"].as_u64(),
                             tokens: e["token_ids"].as_array().unwrap().iter().map(|t| u(t) as u32).collect(),
                             block_size: u(&e["block_size"]) as u32,
+                            medium: Medium::Gpu,
                         },
-                        "BlockRemoved" => {
-                            KvEvent::Removed(e["block_hashes"].as_array().unwrap().iter().map(u).collect())
-                        }
+                        "BlockRemoved" => KvEvent::Removed {
+                            hashes: e["block_hashes"].as_array().unwrap().iter().map(u).collect(),
+                            medium: Medium::Gpu,
+                        },
                         _ => KvEvent::Cleared,
                     }
                 })
@@ -342,8 +348,14 @@ mod tests {
         let want = hex("93cb3ff8000000000000939cab426c6f636b53746f72656491cfb0147556276afc9cc0940001020304c0a3475055c091c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cfb0147556276afc9ca34750550091b0416c6c426c6f636b73436c656172656400");
         let h = 12687895063098490012;
         let events = [
-            KvEvent::Stored { hashes: vec![h], parent: None, tokens: vec![0, 1, 2, 3], block_size: 4 },
-            KvEvent::Removed(vec![h]),
+            KvEvent::Stored {
+                hashes: vec![h],
+                parent: None,
+                tokens: vec![0, 1, 2, 3],
+                block_size: 4,
+                medium: Medium::Gpu,
+            },
+            KvEvent::Removed { hashes: vec![h], medium: Medium::Gpu },
             KvEvent::Cleared,
         ];
         assert_eq!(encode_batch(1.5, &events, Encoding::Array), want);

@@ -37,6 +37,13 @@ struct Args {
     /// Multiplies every simulated step time.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// CPU-offload tier per engine, in blocks (0 = none). Evicted GPU blocks move there and are
+    /// announced with `medium: "CPU"`.
+    #[arg(long, default_value_t = 0)]
+    num_cpu_blocks: usize,
+    /// Cost of reloading a token from the CPU tier, as a fraction of prefilling it.
+    #[arg(long, default_value_t = 0.2)]
+    cpu_reload_cost: f64,
     /// Disable prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -101,6 +108,8 @@ async fn main() -> anyhow::Result<()> {
             max_model_len: a.max_model_len.min(a.block_size * a.num_gpu_blocks),
             time_scale: a.time_scale,
             enable_prefix_caching: !a.no_prefix_caching,
+            num_cpu_blocks: a.num_cpu_blocks,
+            cpu_reload_cost: a.cpu_reload_cost,
         };
         let engine = Engine::new(cfg);
         let base = a.kv_events_port_base.map(|b| b + 2 * i);

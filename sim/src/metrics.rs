@@ -48,6 +48,9 @@ pub struct Stats {
     pub created: f64,
     pub prefix_queries: u64,
     pub prefix_hits: u64,
+    /// Tokens reloaded from the CPU-offload tier (vLLM counts connector hits as external).
+    pub external_hits: u64,
+    pub external_queries: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
@@ -75,6 +78,8 @@ impl Stats {
             created: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0),
             prefix_queries: 0,
             prefix_hits: 0,
+            external_hits: 0,
+            external_queries: 0,
             prompt_tokens: 0,
             generation_tokens: 0,
             preemptions: 0,
@@ -175,8 +180,8 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
         s.prefix_queries,
     );
     w.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits);
-    w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", 0);
-    w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", 0);
+    w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", s.external_queries);
+    w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", s.external_hits);
     w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions);
     w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens);
     w.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", s.prefix_hits);

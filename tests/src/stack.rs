@@ -95,6 +95,8 @@ pub struct SimOpts {
     pub tokenizer: Option<PathBuf>,
     /// The model's chat template for the simulator (needs `tokenizer`).
     pub chat_template: Option<PathBuf>,
+    /// CPU-offload tier per engine, in blocks (0 = none).
+    pub num_cpu_blocks: usize,
 }
 
 impl Default for SimOpts {
@@ -109,6 +111,7 @@ impl Default for SimOpts {
             kv_events: false,
             tokenizer: None,
             chat_template: None,
+            num_cpu_blocks: 0,
         }
     }
 }
@@ -143,6 +146,19 @@ pub struct Stack {
     pub envoy_admin_port: u16,
     pub endpoints_file: PathBuf,
     pub http: reqwest::Client,
+    /// Engines not run by this stack (a live vLLM), listed after the simulated ones.
+    pub external: Vec<ExternalEngine>,
+    /// Processes started next to the stack (killed with it).
+    pub extra_procs: Vec<Proc>,
+}
+
+/// An engine this stack does not start, and where its KV events are published.
+#[derive(Debug, Clone)]
+pub struct ExternalEngine {
+    pub address: String,
+    /// ZMQ endpoint the engine's PUB binds (the host connects to it) and its replay ROUTER.
+    pub kv_publisher: Option<String>,
+    pub kv_replay: Option<String>,
 }
 
 fn wait_until<F: FnMut() -> bool>(timeout: Duration, mut f: F) -> bool {
@@ -181,10 +197,13 @@ impl Stack {
             envoy_port: free_port(),
             envoy_admin_port: free_port(),
             http: reqwest::Client::builder().pool_max_idle_per_host(64).build()?,
+            external: Vec::new(),
+            extra_procs: Vec::new(),
         })
     }
 
-    fn spawn(&self, name: &str, cmd: &mut Command) -> anyhow::Result<Proc> {
+    /// Start a process whose output goes to `<workdir>/<name>.log`.
+    pub fn spawn(&self, name: &str, cmd: &mut Command) -> anyhow::Result<Proc> {
         let log = self.workdir.join(format!("{name}.log"));
         let f = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
         let child = cmd
@@ -196,9 +215,13 @@ impl Stack {
         Ok(Proc { name: name.into(), child, log })
     }
 
-    /// Engine addresses (`127.0.0.1:port`).
+    /// Engine addresses (`127.0.0.1:port`): the simulated ones, then any external ones.
     pub fn engine_addrs(&self) -> Vec<String> {
-        (0..self.sim_opts.engines).map(|i| format!("127.0.0.1:{}", self.sim_base_port + i)).collect()
+        let sims = if self.sim_base_port == 0 { 0 } else { self.sim_opts.engines };
+        (0..sims)
+            .map(|i| format!("127.0.0.1:{}", self.sim_base_port + i))
+            .chain(self.external.iter().map(|e| e.address.clone()))
+            .collect()
     }
 
     /// Start (or restart, with cold caches) the simulated engines.
@@ -238,7 +261,9 @@ impl Stack {
                 .arg("--max-num-seqs")
                 .arg(opts.max_num_seqs.to_string())
                 .arg("--time-scale")
-                .arg(opts.time_scale.to_string()),
+                .arg(opts.time_scale.to_string())
+                .arg("--num-cpu-blocks")
+                .arg(opts.num_cpu_blocks.to_string()),
         )?;
         self.sim = Some(p);
         let ports: Vec<u16> = (0..opts.engines).map(|i| self.sim_base_port + i).collect();
@@ -257,7 +282,15 @@ impl Stack {
                 "  - address: {a}\n    models: [{}]\n    role: both\n    engine: vllm\n",
                 self.sim_opts.model
             ));
-            if self.sim_opts.kv_events {
+            if let Some(e) = self.external.iter().find(|e| &e.address == a) {
+                if let Some(p) = &e.kv_publisher {
+                    y.push_str(&format!("    kv_events: {{publisher: \"{p}\""));
+                    if let Some(r) = &e.kv_replay {
+                        y.push_str(&format!(", replay: \"{r}\""));
+                    }
+                    y.push_str("}\n");
+                }
+            } else if self.sim_opts.kv_events {
                 // Engine i of the simulator publishes on kv_base_port + 2i.
                 let i = self.engine_addrs().iter().position(|x| x == a).unwrap_or(0) as u16;
                 let p = self.kv_base_port + 2 * i;

