@@ -2,6 +2,7 @@
 
 mod kv_ingest;
 mod run;
+mod shared_prefix;
 mod workload;
 
 #[global_allocator]
@@ -26,6 +27,8 @@ struct Cli {
 enum Cmd {
     /// Shared-prefix chat through Envoy: plain round-robin, then Attaché, on 4 simulated engines.
     Demo(DemoArgs),
+    /// llm-d's shared-prefix workload on 8 engines: round-robin vs approximate vs precise.
+    SharedPrefix(shared_prefix::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -143,5 +146,6 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo(a).await,
         Cmd::KvIngest { out } => kv_ingest::run(&out),
+        Cmd::SharedPrefix(a) => shared_prefix::run(a).await,
     }
 }

@@ -107,6 +107,8 @@ pub struct KvIndex {
     deltas: Vec<Delta>,
     /// Incremented each time deltas are taken.
     delta_seq: u64,
+    /// Oldest engine timestamp (µs) behind the pending deltas, 0 if none.
+    pending_event_us: u64,
     pub stats: IndexStats,
 }
 
@@ -121,6 +123,7 @@ impl KvIndex {
             hand: 0,
             deltas: Vec::new(),
             delta_seq: 0,
+            pending_event_us: 0,
             stats: IndexStats::default(),
         }
     }
@@ -141,6 +144,19 @@ impl KvIndex {
 
     /// Take the changes made since the last call, and the sequence number they bring a
     /// subscriber to.
+    /// Note the engine timestamp of the batch just applied: the oldest one behind the pending
+    /// deltas is sent with them, for the propagation figure.
+    pub fn note_event_time(&mut self, unix_us: u64) {
+        if self.has_deltas() && unix_us > 0 && (self.pending_event_us == 0 || unix_us < self.pending_event_us) {
+            self.pending_event_us = unix_us;
+        }
+    }
+
+    /// The oldest event time behind the deltas taken last (0 if unknown); resets it.
+    pub fn take_event_time(&mut self) -> u64 {
+        std::mem::take(&mut self.pending_event_us)
+    }
+
     pub fn take_deltas(&mut self) -> Vec<Delta> {
         self.delta_seq += 1;
         std::mem::take(&mut self.deltas)

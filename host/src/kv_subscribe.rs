@@ -28,8 +28,6 @@ pub struct KvCounters {
     pub replayed_batches: AtomicU64,
     pub restarts: AtomicU64,
     pub unknown_topics: AtomicU64,
-    /// Event ts → applied, summed (µs) and counted, for the propagation figure.
-    pub apply_lag_us_sum: AtomicU64,
 }
 
 impl KvCounters {
@@ -65,6 +63,8 @@ struct SeqState {
 /// Shared state of all subscribers.
 pub struct KvSubscribers {
     pub index: Arc<Mutex<KvIndex>>,
+    /// Woken after every applied batch, so index deltas go out without waiting for a tick.
+    changed: Arc<tokio::sync::Notify>,
     pub counters: Arc<KvCounters>,
     ctx: zmq::Context,
     /// Engines by address, for the collector's topic lookup.
@@ -74,9 +74,10 @@ pub struct KvSubscribers {
 }
 
 impl KvSubscribers {
-    pub fn new(index: Arc<Mutex<KvIndex>>) -> Self {
+    pub fn new(index: Arc<Mutex<KvIndex>>, changed: Arc<tokio::sync::Notify>) -> Self {
         Self {
             index,
+            changed,
             counters: Arc::new(KvCounters::default()),
             ctx: zmq::Context::new(),
             sources: Arc::default(),
@@ -122,6 +123,7 @@ impl KvSubscribers {
         Worker {
             ctx: self.ctx.clone(),
             index: self.index.clone(),
+            changed: self.changed.clone(),
             counters: self.counters.clone(),
             sources: self.sources.clone(),
             seqs: self.seqs.clone(),
@@ -164,6 +166,7 @@ impl KvSubscribers {
 struct Worker {
     ctx: zmq::Context,
     index: Arc<Mutex<KvIndex>>,
+    changed: Arc<tokio::sync::Notify>,
     counters: Arc<KvCounters>,
     sources: Arc<RwLock<HashMap<String, EngineSource>>>,
     seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
@@ -233,6 +236,11 @@ impl Worker {
         for e in &batch.events {
             ix.apply(src.endpoint_id, &src.model, e);
         }
+        if batch.ts.is_finite() && batch.ts > 0.0 {
+            ix.note_event_time((batch.ts * 1e6) as u64);
+        }
+        drop(ix);
+        self.changed.notify_one();
     }
 
     /// Fetch batches `from..until` from the engine's replay socket and apply them in order.

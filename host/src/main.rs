@@ -115,11 +115,17 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         std::time::Duration::from_millis(cfg.unready_after_ms),
     );
     let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
+    let kv_changed = Arc::new(tokio::sync::Notify::new());
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
         .add_service(
             push::Snapshots::new(rx.clone(), cfg.heartbeat())
-                .with_index(push::IndexFeed::spawn(kv_index.clone(), std::time::Duration::from_millis(10)))
+                .with_index(push::IndexFeed::spawn(
+                    kv_index.clone(),
+                    kv_changed.clone(),
+                    std::time::Duration::from_millis(100),
+                    std::time::Duration::from_millis(2),
+                ))
                 .into_server(),
         );
     let grpc_listener =
@@ -130,7 +136,7 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
 
     // The precise index, fed by the engines' KV events.
-    let mut kv = KvSubscribers::new(kv_index.clone());
+    let mut kv = KvSubscribers::new(kv_index.clone(), kv_changed.clone());
     let collector = cfg.kv_events_bind.is_some();
     if let Some(b) = &cfg.kv_events_bind {
         kv.bind_collector(b).with_context(|| format!("binding the KV-event collector on {b}"))?;

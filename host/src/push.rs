@@ -76,34 +76,42 @@ pub struct IndexFeed {
     tx: broadcast::Sender<Arc<v1::IndexDelta>>,
 }
 
-fn to_message(deltas: &[Delta], seq: u64, reset: bool) -> v1::IndexDelta {
+fn to_message(deltas: &[Delta], seq: u64, reset: bool, oldest_event_unix_us: u64) -> v1::IndexDelta {
     v1::IndexDelta {
         reset,
         keys: deltas.iter().map(|d| d.key).collect(),
         endpoints: deltas.iter().map(|d| u32::from(d.endpoint)).collect(),
         tiers: deltas.iter().map(|d| u32::from(d.tiers)).collect(),
         seq,
+        oldest_event_unix_us,
     }
 }
 
 impl IndexFeed {
     /// Take the index's changes every `interval` and broadcast them.
-    pub fn spawn(index: Arc<std::sync::Mutex<KvIndex>>, interval: Duration) -> Self {
+    /// Sends as soon as `changed` is notified (after a `coalesce` pause that batches a burst),
+    /// and at least every `interval`.
+    pub fn spawn(
+        index: Arc<std::sync::Mutex<KvIndex>>,
+        changed: Arc<tokio::sync::Notify>,
+        interval: Duration,
+        coalesce: Duration,
+    ) -> Self {
         let (tx, _) = broadcast::channel(1024);
         let feed = Self { index, tx };
         let f = feed.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tick.tick().await;
+                let _ = tokio::time::timeout(interval, changed.notified()).await;
+                tokio::time::sleep(coalesce).await;
                 let msg = {
                     let mut ix = f.index.lock().unwrap_or_else(|p| p.into_inner());
                     if !ix.has_deltas() {
                         continue;
                     }
                     let d = ix.take_deltas();
-                    to_message(&d, ix.delta_seq(), false)
+                    let ts = ix.take_event_time();
+                    to_message(&d, ix.delta_seq(), false, ts)
                 };
                 // No subscriber is fine: each new one starts from a full resend.
                 let _ = f.tx.send(Arc::new(msg));
@@ -116,9 +124,9 @@ impl IndexFeed {
     fn dump(&self) -> (Vec<v1::IndexDelta>, u64) {
         let (all, seq) = self.index.lock().unwrap_or_else(|p| p.into_inner()).dump();
         let mut msgs: Vec<v1::IndexDelta> =
-            all.chunks(DUMP_CHUNK).enumerate().map(|(i, c)| to_message(c, seq, i == 0)).collect();
+            all.chunks(DUMP_CHUNK).enumerate().map(|(i, c)| to_message(c, seq, i == 0, 0)).collect();
         if msgs.is_empty() {
-            msgs.push(to_message(&[], seq, true));
+            msgs.push(to_message(&[], seq, true, 0));
         }
         (msgs, seq)
     }

@@ -39,7 +39,7 @@ async fn index_resend_then_live_deltas() {
     index.lock().unwrap().apply(1, "m", &stored(&[1, 2], 0..8));
     let state = Arc::new(RwLock::new(PoolState::default()));
     let rx = push::spawn_publisher(state, 1, Duration::from_millis(20), Duration::from_secs(2));
-    let feed = IndexFeed::spawn(index.clone(), Duration::from_millis(5));
+    let feed = IndexFeed::spawn(index.clone(), Default::default(), Duration::from_millis(5), Duration::ZERO);
     let svc = push::Snapshots::new(rx, Duration::from_secs(1)).with_index(feed).into_server();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

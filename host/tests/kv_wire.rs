@@ -46,7 +46,7 @@ fn keys(tokens: std::ops::Range<u32>) -> Vec<u64> {
 fn run_bind_scenario(encoding: &str) {
     let (pub_port, replay_port) = (port(), port());
     let index = Arc::new(Mutex::new(KvIndex::new(10_000)));
-    let mut subs = KvSubscribers::new(index.clone());
+    let mut subs = KvSubscribers::new(index.clone(), Default::default());
     subs.apply(vec![EngineSource {
         endpoint_id: 3,
         address: "127.0.0.1:1".into(),
@@ -88,7 +88,7 @@ fn pyzmq_publisher_array_encoding_with_garbage_gap_and_replay() {
 fn collector_mode_engines_connect_and_topics_name_them() {
     let p = port();
     let index = Arc::new(Mutex::new(KvIndex::new(1000)));
-    let mut subs = KvSubscribers::new(index.clone());
+    let mut subs = KvSubscribers::new(index.clone(), Default::default());
     let endpoint = format!("tcp://127.0.0.1:{p}");
     subs.bind_collector(&endpoint).unwrap();
     subs.apply(vec![EngineSource {
@@ -110,7 +110,7 @@ fn collector_mode_engines_connect_and_topics_name_them() {
 fn a_sequence_that_goes_back_is_a_restart_and_clears_the_engine() {
     let p = port();
     let index = Arc::new(Mutex::new(KvIndex::new(1000)));
-    let mut subs = KvSubscribers::new(index.clone());
+    let mut subs = KvSubscribers::new(index.clone(), Default::default());
     subs.apply(vec![EngineSource {
         endpoint_id: 1,
         address: "127.0.0.1:1".into(),

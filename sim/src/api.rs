@@ -29,6 +29,8 @@ pub struct AppState {
     pub port: u16,
     /// The model's real tokenizer (and chat template), if given; else the byte-level fallback.
     pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<PromptTokenizer>>>,
+    /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
+    pub stream_interval: usize,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -213,7 +215,7 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
     match (api, req.stream) {
         (Api::Responses, _) => non_stream(api, model, rx).await,
         (_, false) => non_stream(api, model, rx).await,
-        (_, true) => stream(api, model, rx, include_usage),
+        (_, true) => stream(api, model, rx, include_usage, st.stream_interval),
     }
 }
 
@@ -278,7 +280,14 @@ fn sse(v: &Value) -> Result<Bytes, Infallible> {
     Ok(Bytes::from(format!("data: {v}\n\n")))
 }
 
-fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, include_usage: bool) -> Response {
+fn stream(
+    api: Api,
+    model: String,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    include_usage: bool,
+    interval: usize,
+) -> Response {
+    let interval = interval.max(1);
     let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
     let created = now_s();
     let chat = api == Api::ChatCompletions;
@@ -294,8 +303,7 @@ fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, 
             }
         }
         let finish: &'static str = "length";
-        let chunk = |tok: u32, finish: Option<&str>| -> Value {
-            let text = tokenizer::decode_token(tok);
+        let chunk = |text: &str, finish: Option<&str>| -> Value {
             if chat {
                 let mut c = json!({"index": 0, "delta": {"content": text}, "logprobs": null, "finish_reason": finish, "token_ids": null});
                 if finish.is_some() {
@@ -308,13 +316,24 @@ fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, 
                                  "prompt_token_ids": null, "token_ids": null}]})
             }
         };
+        // vLLM's --stream-interval: the first token goes out at once, then a chunk per
+        // `interval` tokens (and the last one).
+        let (mut pending, mut pending_n, mut sent) = (String::new(), 0usize, 0usize);
         while let Some(ev) = rx.recv().await {
             match ev {
                 TokenEvent::Token(t, last) => {
+                    pending.push_str(tokenizer::decode_token(t));
+                    pending_n += 1;
+                    if sent > 0 && pending_n < interval && !last {
+                        continue;
+                    }
                     // vLLM carries finish_reason on the last token's chunk.
-                    if out_tx.send(sse(&chunk(t, last.then_some(finish)))).await.is_err() {
+                    if out_tx.send(sse(&chunk(&pending, last.then_some(finish)))).await.is_err() {
                         return; // client went away; dropping rx aborts the request
                     }
+                    sent += 1;
+                    pending.clear();
+                    pending_n = 0;
                 }
                 TokenEvent::Done(u) => {
                     if include_usage {

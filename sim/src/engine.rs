@@ -184,6 +184,10 @@ impl Engine {
 
     /// Run the step loop forever.
     pub async fn run(self) {
+        // Steps are scheduled against deadlines, not slept one after another, so timer
+        // granularity (about 1 ms) does not stretch short, time-scaled steps: a late wake-up is
+        // made up by the following steps.
+        let mut next = tokio::time::Instant::now();
         loop {
             let (planned, ms) = {
                 let mut st = self.lock();
@@ -206,9 +210,16 @@ impl Engine {
             };
             if planned.is_empty() {
                 let _ = tokio::time::timeout(Duration::from_millis(50), self.wake.notified()).await;
+                next = tokio::time::Instant::now();
                 continue;
             }
-            tokio::time::sleep(Duration::from_secs_f64(ms.max(0.0) / 1000.0)).await;
+            let now = tokio::time::Instant::now();
+            // Never bank more than one step of lag (a stalled process should not then race).
+            if next + Duration::from_millis(20) < now {
+                next = now;
+            }
+            next += Duration::from_secs_f64(ms.max(0.0) / 1000.0);
+            tokio::time::sleep_until(next).await;
             let mut st = self.lock();
             apply_step(&mut st, &planned);
         }

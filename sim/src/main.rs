@@ -44,6 +44,9 @@ struct Args {
     /// Cost of reloading a token from the CPU tier, as a fraction of prefilling it.
     #[arg(long, default_value_t = 0.2)]
     cpu_reload_cost: f64,
+    /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
+    #[arg(long, default_value_t = 1)]
+    stream_interval: usize,
     /// Disable prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -128,7 +131,13 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::spawn(engine.clone().run());
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
-        let app = api::router(AppState { engine, name: format!("sim-{port}"), port, tokenizer: tokenizer.clone() });
+        let app = api::router(AppState {
+            engine,
+            name: format!("sim-{port}"),
+            port,
+            tokenizer: tokenizer.clone(),
+            stream_interval: a.stream_interval,
+        });
         info!(port, "engine listening");
         servers.push(tokio::spawn(async move { axum::serve(listener, app).await }));
     }

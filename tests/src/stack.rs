@@ -97,6 +97,10 @@ pub struct SimOpts {
     pub chat_template: Option<PathBuf>,
     /// CPU-offload tier per engine, in blocks (0 = none).
     pub num_cpu_blocks: usize,
+    /// Token budget of one engine step.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per streamed chunk after the first.
+    pub stream_interval: usize,
 }
 
 impl Default for SimOpts {
@@ -112,6 +116,8 @@ impl Default for SimOpts {
             tokenizer: None,
             chat_template: None,
             num_cpu_blocks: 0,
+            max_num_batched_tokens: 2048,
+            stream_interval: 1,
         }
     }
 }
@@ -263,7 +269,11 @@ impl Stack {
                 .arg("--time-scale")
                 .arg(opts.time_scale.to_string())
                 .arg("--num-cpu-blocks")
-                .arg(opts.num_cpu_blocks.to_string()),
+                .arg(opts.num_cpu_blocks.to_string())
+                .arg("--max-num-batched-tokens")
+                .arg(opts.max_num_batched_tokens.to_string())
+                .arg("--stream-interval")
+                .arg(opts.stream_interval.to_string()),
         )?;
         self.sim = Some(p);
         let ports: Vec<u16> = (0..opts.engines).map(|i| self.sim_base_port + i).collect();
@@ -473,6 +483,14 @@ pub fn stat_line(text: &str, name: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// A quantile (`"P99"`) of histogram `name` in Envoy's `/stats` text, over all samples so far
+/// (the cumulative value of `P99(interval,cumulative)`). `None` without samples.
+pub fn histogram_quantile(stats: &str, name: &str, quantile: &str) -> Option<f64> {
+    let rest = stats.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(": ")))?;
+    let q = rest.split_whitespace().find_map(|t| t.strip_prefix(quantile).and_then(|r| r.strip_prefix('(')))?;
+    q.trim_end_matches(')').split(',').nth(1)?.parse().ok().filter(|v: &f64| v.is_finite())
 }
 
 /// Value of `name: N` in Envoy's `/stats` text.

@@ -41,6 +41,15 @@ pub fn send_json(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) 
     }
 }
 
+/// Wall-clock time in microseconds since the Unix epoch (0 if the host cannot say).
+pub fn now_us() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
 pub fn now_ms() -> u64 {
     hostcalls::get_current_time()
         .ok()

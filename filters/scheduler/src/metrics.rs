@@ -25,6 +25,7 @@ pub struct Metrics {
     tokenizer_mismatch: Option<u32>,
     prompt_untokenized: Option<u32>,
     index_seq: Option<u32>,
+    propagation_us: Option<u32>,
     score_precise: Option<u32>,
 }
 
@@ -55,6 +56,7 @@ impl Metrics {
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
             snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
+            propagation_us: define(MetricType::Histogram, "attache.precise.propagation_us"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
@@ -87,8 +89,12 @@ impl Metrics {
     }
 
     /// An index delta from the host was applied.
-    pub fn index_delta(&mut self, entries: usize, seq: u64) {
+    /// `propagation_us`: engine event time to this delta being applied here (0 = unknown).
+    pub fn index_delta(&mut self, entries: usize, seq: u64, propagation_us: Option<u64>) {
         inc(self.index_entries, entries as i64);
+        if let (Some(id), Some(us)) = (self.propagation_us, propagation_us) {
+            let _ = hostcalls::record_metric(id, us);
+        }
         if let Some(id) = self.index_seq {
             let _ = hostcalls::record_metric(id, seq);
         }

@@ -120,9 +120,11 @@ impl Context for AttacheRoot {
                     .and_then(|w| w.try_borrow().ok().map(|w| w.config.scheduler.precise.slots))
                     .unwrap_or(262_144);
                 kv_table::apply(&d, slots);
+                let propagation_us =
+                    (d.oldest_event_unix_us > 0).then(|| host::now_us().saturating_sub(d.oldest_event_unix_us));
                 if let Some(w) = &self.worker {
                     if let Ok(mut w) = w.try_borrow_mut() {
-                        w.metrics.index_delta(d.keys.len(), d.seq);
+                        w.metrics.index_delta(d.keys.len(), d.seq, propagation_us);
                     }
                 }
             }

@@ -1,0 +1,438 @@
+//! llm-d's canonical shared-prefix benchmark (`reference/llmd.md` §6.1) on simulated engines:
+//! 150 groups × 5 prompts, 6000-token system prompt, 1200-token question, 1000 output tokens
+//! (`ignore_eos`), streaming completions, Poisson arrivals over a QPS ladder after a warm-up,
+//! KV sized so the prefixes fill about 73% of the cluster. Round-robin, approximate and precise
+//! Attaché run one after another on identical fresh pools and the same request sequence.
+//!
+//! Time is simulated: engines run `time_scale` times faster than modelled and arrivals are
+//! compressed alike, so every latency and rate in the results is converted back to simulated
+//! time (real ms / time_scale; tokens per simulated second).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use attache_e2e::client::{self, Outcome};
+use attache_e2e::stack::histogram_quantile;
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
+use attache_policies::rng::SplitMix64;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::run::{percentile, RunSummary};
+
+#[derive(clap::Parser, Debug, Clone)]
+pub struct Args {
+    #[arg(long, default_value = "bench/results/shared-prefix.json")]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 8)]
+    pub engines: u16,
+    #[arg(long, default_value_t = 150)]
+    pub groups: usize,
+    #[arg(long, default_value_t = 5)]
+    pub per_group: usize,
+    #[arg(long, default_value_t = 6000)]
+    pub system_tokens: usize,
+    #[arg(long, default_value_t = 1200)]
+    pub question_tokens: usize,
+    #[arg(long, default_value_t = 1000)]
+    pub output_tokens: u64,
+    /// Warm-up stage `qps:seconds` (simulated), not measured.
+    #[arg(long, default_value = "15:50")]
+    pub warmup: String,
+    /// Measured stages `qps:seconds,...` (simulated). llm-d's ladder starts 3/20, 10/20, 15/20,
+    /// 20/38, 22/34, 25/30, 30/25, 35/21, ...
+    #[arg(long, default_value = "3:20,10:20,15:20,20:38,25:30,30:25,35:21")]
+    pub ladder: String,
+    /// Simulated step times and arrival gaps are multiplied by this.
+    #[arg(long, default_value_t = 0.2)]
+    pub time_scale: f64,
+    /// Share of the cluster's KV the resident prompts (prefix + questions) fill.
+    #[arg(long, default_value_t = 0.732)]
+    pub prefix_kv_share: f64,
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
+    #[arg(long, default_value_t = 50)]
+    pub stream_interval: usize,
+    /// A stage is sustained when its TTFT p90 stays under this (simulated ms) with no errors.
+    #[arg(long, default_value_t = 2000.0)]
+    pub sustain_ttft_p90_ms: f64,
+    /// Request timeout, simulated seconds (inference-perf's `request_timeout: 300`).
+    #[arg(long, default_value_t = 300.0)]
+    pub request_timeout_s: f64,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    #[arg(long, default_value = "round-robin,attache-approx,attache-precise")]
+    pub systems: String,
+    #[arg(long, default_value_t = 2)]
+    pub envoy_concurrency: u32,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Stage {
+    qps: f64,
+    seconds: f64,
+}
+
+fn parse_stages(s: &str) -> anyhow::Result<Vec<Stage>> {
+    s.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            let (q, d) = p.trim().split_once(':').context("stage must be qps:seconds")?;
+            Ok(Stage { qps: q.parse()?, seconds: d.parse()? })
+        })
+        .collect()
+}
+
+/// One stage's figures for one system (simulated time).
+#[derive(Debug, Clone, Serialize)]
+pub struct StageSummary {
+    qps: f64,
+    requests: usize,
+    ttft_p50_ms: f64,
+    ttft_p90_ms: f64,
+    output_tok_per_s: f64,
+    errors: usize,
+    sustained: bool,
+}
+
+/// Prompts as token ids (random valid-vocabulary ids, seeded: inference-perf's shared_prefix
+/// data generator), shuffled once, then cycled.
+fn prompts(a: &Args) -> Vec<Arc<Vec<u32>>> {
+    let mut rng = SplitMix64::new(a.seed);
+    let mut tok = move || 100 + (rng.next_u64() % 29_000) as u32;
+    let mut out = Vec::with_capacity(a.groups * a.per_group);
+    for _ in 0..a.groups {
+        let system: Vec<u32> = (0..a.system_tokens).map(|_| tok()).collect();
+        for _ in 0..a.per_group {
+            let mut p = system.clone();
+            p.extend((0..a.question_tokens).map(|_| tok()));
+            out.push(Arc::new(p));
+        }
+    }
+    let mut rng = SplitMix64::new(a.seed ^ 0x5eed);
+    for i in (1..out.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        out.swap(i, j);
+    }
+    out
+}
+
+/// Poisson arrival times (simulated seconds from the start) and their stage (0 = warm-up).
+fn arrivals(stages: &[Stage], seed: u64) -> Vec<(f64, usize)> {
+    let mut rng = SplitMix64::new(seed ^ 0xa77);
+    let mut out = Vec::new();
+    let mut start = 0.0;
+    for (i, st) in stages.iter().enumerate() {
+        let mut t = start;
+        loop {
+            let u = ((rng.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+            t += -u.ln() / st.qps.max(1e-9);
+            if t >= start + st.seconds {
+                break;
+            }
+            out.push((t, i));
+        }
+        start += st.seconds;
+    }
+    out
+}
+
+struct Sent {
+    stage: usize,
+    /// Arrival (real) relative to the run's start.
+    at: Duration,
+    outcome: Outcome,
+}
+
+async fn drive(stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64, usize)]) -> Vec<Sent> {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(4096)
+        .timeout(Duration::from_secs_f64(a.request_timeout_s * a.time_scale))
+        .build()
+        .unwrap_or_default();
+    let url = stack.url("/v1/completions");
+    let start = tokio::time::Instant::now();
+    let mut handles = Vec::with_capacity(plan.len());
+    for (n, &(t, stage)) in plan.iter().enumerate() {
+        tokio::time::sleep_until(start + Duration::from_secs_f64(t * a.time_scale)).await;
+        let prompt = prompts[n % prompts.len()].clone();
+        let (http, url, max_tokens) = (http.clone(), url.clone(), a.output_tokens);
+        handles.push(tokio::spawn(async move {
+            let at = start.elapsed();
+            let body = json!({"model": "tinyllama", "prompt": &*prompt, "max_tokens": max_tokens,
+                "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})
+            .to_string()
+            .into_bytes();
+            let mut outcome = client::post(&http, &url, body, &[]).await;
+            outcome.events.clear();
+            outcome.body.truncate(512);
+            Sent { stage, at, outcome }
+        }));
+    }
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        if let Ok(s) = h.await {
+            out.push(s);
+        }
+    }
+    out
+}
+
+fn ms(d: Duration, scale: f64) -> f64 {
+    d.as_secs_f64() * 1000.0 / scale
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+fn summarise(
+    a: &Args,
+    system: &str,
+    stages: &[Stage],
+    sent: &[Sent],
+    hit_rate: f64,
+) -> (RunSummary, Vec<StageSummary>) {
+    let scale = a.time_scale;
+    let measured: Vec<&Sent> = sent.iter().filter(|s| s.stage > 0).collect();
+    fn ok(s: &Sent) -> bool {
+        s.outcome.ok() && s.outcome.done
+    }
+    let ttfts = |v: &[&Sent]| {
+        let mut t: Vec<f64> = v.iter().filter(|s| ok(s)).filter_map(|s| s.outcome.ttft).map(|d| ms(d, scale)).collect();
+        t.sort_by(f64::total_cmp);
+        t
+    };
+    let tokens = |v: &[&Sent]| v.iter().filter(|s| ok(s)).map(|s| s.outcome.output_tokens).sum::<u64>() as f64;
+    // Throughput: tokens of the measured requests over the span from the first measured
+    // arrival to the last completion (simulated seconds).
+    let span = |v: &[&Sent]| {
+        let first = v.iter().map(|s| s.at).min().unwrap_or_default();
+        let last = v.iter().map(|s| s.at + s.outcome.total).max().unwrap_or_default();
+        last.saturating_sub(first).as_secs_f64() / scale
+    };
+    let all = ttfts(&measured);
+    let row = RunSummary {
+        system: system.into(),
+        requests: measured.len(),
+        ttft_p50_ms: round2(percentile(&all, 50.0)),
+        ttft_p95_ms: round2(percentile(&all, 95.0)),
+        output_tok_per_s: round2(tokens(&measured) / span(&measured).max(1e-9)),
+        prefix_hit_rate: (hit_rate * 10_000.0).round() / 10_000.0,
+        errors: measured.iter().filter(|s| !ok(s)).count(),
+        wall_s: round2(span(&measured) * scale),
+    };
+    let per_stage = stages
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, st)| {
+            let v: Vec<&Sent> = sent.iter().filter(|s| s.stage == i).collect();
+            let t = ttfts(&v);
+            let errors = v.iter().filter(|s| !ok(s)).count();
+            let p90 = percentile(&t, 90.0);
+            StageSummary {
+                qps: st.qps,
+                requests: v.len(),
+                ttft_p50_ms: round2(percentile(&t, 50.0)),
+                ttft_p90_ms: round2(p90),
+                output_tok_per_s: round2(tokens(&v) / span(&v).max(1e-9)),
+                errors,
+                sustained: errors == 0 && p90.is_finite() && p90 <= a.sustain_ttft_p90_ms,
+            }
+        })
+        .collect();
+    (row, per_stage)
+}
+
+pub async fn run(a: Args) -> anyhow::Result<()> {
+    let warm = parse_stages(&a.warmup)?;
+    let ladder = parse_stages(&a.ladder)?;
+    anyhow::ensure!(!ladder.is_empty(), "empty ladder");
+    let stages: Vec<Stage> = warm.iter().chain(ladder.iter()).copied().collect();
+    let stages = if warm.is_empty() { [vec![Stage { qps: 1.0, seconds: 0.0 }], stages].concat() } else { stages };
+    let prompts = prompts(&a);
+    let plan = arrivals(&stages, a.seed);
+    let resident = a.groups * (a.system_tokens + a.per_group * a.question_tokens);
+    let blocks_per_engine =
+        ((resident as f64 / a.prefix_kv_share) / f64::from(a.engines) / a.block_size as f64).ceil() as usize;
+    println!(
+        "shared-prefix: {} groups x {} prompts ({} + {} tokens, {} out), {} engines x {} blocks of {} tokens ({:.1}% of KV resident), {} requests ({} warm-up), time scale {}",
+        a.groups,
+        a.per_group,
+        a.system_tokens,
+        a.question_tokens,
+        a.output_tokens,
+        a.engines,
+        blocks_per_engine,
+        a.block_size,
+        100.0 * resident as f64 / (blocks_per_engine * a.block_size * usize::from(a.engines)) as f64,
+        plan.len(),
+        plan.iter().filter(|p| p.1 == 0).count(),
+        a.time_scale
+    );
+    let mut rows = Vec::new();
+    let mut per_system: Vec<(String, Vec<StageSummary>)> = Vec::new();
+    let mut propagation = serde_json::Map::new();
+    for system in a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (kind, precise) = match system {
+            "round-robin" => (EnvoyKind::RoundRobin, false),
+            "attache-approx" => (EnvoyKind::Attache, false),
+            "attache-precise" => (EnvoyKind::Attache, true),
+            other => anyhow::bail!("unknown system {other}"),
+        };
+        let sim = SimOpts {
+            engines: a.engines,
+            model: "tinyllama".into(),
+            block_size: a.block_size,
+            num_gpu_blocks: blocks_per_engine,
+            max_num_seqs: a.max_num_seqs,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            time_scale: a.time_scale,
+            kv_events: precise,
+            stream_interval: a.stream_interval,
+            ..SimOpts::default()
+        };
+        let mut stack = Stack::new(&format!("shared-prefix-{system}"))?;
+        stack.start_sim(sim)?;
+        let config = if precise {
+            json!({"role": "scheduler", "scheduler": {"precise": {"enabled": true}}})
+        } else {
+            Stack::default_scheduler_config()
+        };
+        if kind != EnvoyKind::RoundRobin {
+            stack.start_host()?;
+        }
+        stack.start_envoy(kind, &config, a.envoy_concurrency)?;
+        if kind != EnvoyKind::RoundRobin {
+            stack.wait_snapshot(usize::from(a.engines), Duration::from_secs(30))?;
+        }
+        let (q0, h0) = stack.prefix_counters().await?;
+        let t0 = Instant::now();
+        let sent = drive(&stack, &a, &prompts, &plan).await;
+        let (q1, h1) = stack.prefix_counters().await?;
+        let hit = if q1 > q0 { (h1 - h0) / (q1 - q0) } else { 0.0 };
+        let (row, per_stage) = summarise(&a, system, &stages, &sent, hit);
+        println!("  {system}: {} requests in {:.1} s real", sent.len(), t0.elapsed().as_secs_f64());
+        println!(
+            "    {:>6} {:>9} {:>12} {:>12} {:>17} {:>7} {:>10}",
+            "qps", "requests", "ttft_p50_ms", "ttft_p90_ms", "output_tok_per_s", "errors", "sustained"
+        );
+        for s in &per_stage {
+            println!(
+                "    {:>6} {:>9} {:>12.1} {:>12.1} {:>17.1} {:>7} {:>10}",
+                s.qps, s.requests, s.ttft_p50_ms, s.ttft_p90_ms, s.output_tok_per_s, s.errors, s.sustained
+            );
+        }
+        if precise {
+            // Envoy merges histograms at its stats flush (5 s).
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            let stats = stack.envoy_stats();
+            for q in ["P50", "P99"] {
+                let v =
+                    histogram_quantile(&stats, "wasmcustom.attache.precise.propagation_us", q).map(|us| us / 1000.0);
+                println!("    event-to-filter propagation {q}: {v:?} ms (real time)");
+                propagation.insert(format!("{}_ms", q.to_lowercase()), json!(v));
+            }
+        }
+        per_system.push((system.to_string(), per_stage));
+        rows.push(row);
+    }
+    crate::run::print_table("shared-prefix (llm-d canonical shape), simulated time", &rows);
+
+    // The acceptance figures: precise vs round-robin at the highest stage round-robin sustains.
+    let stage_of = |sys: &str| per_system.iter().find(|(n, _)| n == sys).map(|(_, v)| v.as_slice()).unwrap_or(&[]);
+    let rr = stage_of("round-robin");
+    let pr = stage_of("attache-precise");
+    let top = rr.iter().enumerate().filter(|(_, s)| s.sustained).map(|(i, _)| i).next_back();
+    let row = |sys: &str| rows.iter().find(|r| r.system == sys);
+    let mut checks = serde_json::Map::new();
+    if let (Some(i), Some(p)) = (top, top.and_then(|i| pr.get(i))) {
+        let ratio = p.ttft_p50_ms / rr[i].ttft_p50_ms;
+        println!(
+            "\nhighest stage round-robin sustains: {} QPS; attache-precise ttft_p50 {:.1} ms vs round-robin {:.1} ms = {:.3}x (target <= 0.15x)",
+            rr[i].qps, p.ttft_p50_ms, rr[i].ttft_p50_ms, ratio
+        );
+        checks.insert("round_robin_highest_sustained_qps".into(), json!(rr[i].qps));
+        checks.insert("ttft_p50_ratio_precise_vs_rr_at_that_qps".into(), json!((ratio * 1000.0).round() / 1000.0));
+        checks.insert("ttft_p50_ratio_target".into(), json!(0.15));
+    } else {
+        println!("\nround-robin sustained no stage of this ladder (TTFT p90 <= {} ms)", a.sustain_ttft_p90_ms);
+    }
+    if let (Some(r), Some(p)) = (row("round-robin"), row("attache-precise")) {
+        let ratio = p.output_tok_per_s / r.output_tok_per_s;
+        println!(
+            "output tok/s: attache-precise {:.0} vs round-robin {:.0} = {:.2}x (target >= 2x)",
+            p.output_tok_per_s, r.output_tok_per_s, ratio
+        );
+        checks.insert("output_tok_per_s_ratio_precise_vs_rr".into(), json!((ratio * 100.0).round() / 100.0));
+        checks.insert("output_tok_per_s_ratio_target".into(), json!(2.0));
+    }
+    let doc = json!({
+        "scenario": "shared-prefix",
+        "command": "cargo xtask bench shared-prefix",
+        "date": std::process::Command::new("date").arg("-u").arg("+%Y-%m-%dT%H:%M:%SZ").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
+        "machine": format!("{} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)),
+        "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
+        "config": {
+            "engines": a.engines, "groups": a.groups, "per_group": a.per_group, "system_tokens": a.system_tokens,
+            "question_tokens": a.question_tokens, "output_tokens": a.output_tokens, "warmup": stages[0],
+            "ladder": ladder, "time_scale": a.time_scale, "block_size": a.block_size,
+            "num_gpu_blocks_per_engine": blocks_per_engine, "prefix_kv_share": a.prefix_kv_share,
+            "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
+            "stream_interval": a.stream_interval, "sustain_ttft_p90_ms": a.sustain_ttft_p90_ms, "seed": a.seed,
+        },
+        "runs": rows,
+        "stages": per_system.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "checks": checks,
+        "propagation_attache_precise_real_ms": propagation,
+    });
+    if let Some(dir) = a.out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&a.out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    println!("\nwrote {}", a.out.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poisson_arrivals_follow_the_ladder() {
+        let st = parse_stages("10:100,40:50").unwrap();
+        let a = arrivals(&st, 7);
+        let first = a.iter().filter(|x| x.1 == 0).count() as f64;
+        let second = a.iter().filter(|x| x.1 == 1).count() as f64;
+        assert!((first - 1000.0).abs() < 120.0, "{first}");
+        assert!((second - 2000.0).abs() < 180.0, "{second}");
+        assert!(a.windows(2).all(|w| w[0].0 <= w[1].0));
+        assert!(a.iter().all(|x| (x.1 == 0 && x.0 < 100.0) || (x.1 == 1 && (100.0..150.0).contains(&x.0))));
+    }
+
+    #[test]
+    fn prompts_share_their_group_prefix_only() {
+        let a = Args {
+            groups: 3,
+            per_group: 2,
+            system_tokens: 50,
+            question_tokens: 10,
+            ..<Args as clap::Parser>::parse_from(["x"])
+        };
+        let p = prompts(&a);
+        assert_eq!(p.len(), 6);
+        assert!(p.iter().all(|x| x.len() == 60));
+        let same_prefix = |x: &Vec<u32>, y: &Vec<u32>| x[..50] == y[..50];
+        let pairs = (0..6).flat_map(|i| (i + 1..6).map(move |j| (i, j)));
+        assert_eq!(pairs.filter(|&(i, j)| same_prefix(&p[i], &p[j])).count(), 3, "one pair per group");
+    }
+}
