@@ -38,15 +38,23 @@ pub struct Args {
     pub question_tokens: usize,
     #[arg(long, default_value_t = 1000)]
     pub output_tokens: u64,
-    /// Warm-up stage `qps:seconds` (simulated), not measured.
-    #[arg(long, default_value = "15:50")]
+    /// Warm-up stage `qps:seconds` (simulated), not measured: one full set of prompts
+    /// (llm-d sends it at 15 QPS for 50 s; the default here is slower so that every system
+    /// starts the ladder without a backlog).
+    #[arg(long, default_value = "5:150")]
     pub warmup: String,
-    /// Measured stages `qps:seconds,...` (simulated). llm-d's ladder starts 3/20, 10/20, 15/20,
-    /// 20/38, 22/34, 25/30, 30/25, 35/21, ...
-    #[arg(long, default_value = "3:20,10:20,15:20,20:38,25:30,30:25,35:21")]
+    /// Pause between stages, simulated seconds (inference-perf's `interval`).
+    #[arg(long, default_value_t = 30.0)]
+    pub stage_interval_s: f64,
+    /// Measured stages `qps:seconds,...` (simulated): llm-d's ladder.
+    #[arg(
+        long,
+        default_value = "3:20,10:20,15:20,20:38,22:34,25:30,30:25,35:21,40:38,43:36,46:33,49:30,52:29,55:27,57:26,60:25"
+    )]
     pub ladder: String,
-    /// Simulated step times and arrival gaps are multiplied by this.
-    #[arg(long, default_value_t = 0.2)]
+    /// Simulated step times and arrival gaps are multiplied by this (0.25: four times faster
+    /// than modelled; the simulator's lag counter shows whether the machine kept up).
+    #[arg(long, default_value_t = 0.25)]
     pub time_scale: f64,
     /// Share of the cluster's KV the resident prompts (prefix + questions) fill.
     #[arg(long, default_value_t = 0.732)]
@@ -57,12 +65,21 @@ pub struct Args {
     pub max_num_seqs: usize,
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: usize,
+    /// Prefill time multiplier: Dynamo's polynomial prefills ~48k tokens/s in 8192-token
+    /// steps; 3.0 brings it to ~16k tokens/s, the Qwen3-32B-on-2xH100 figure llm-d calibrates
+    /// its TTFT gate with (15,928 tokens/s; `reference/llmd.md` §1.2).
+    #[arg(long, default_value_t = 3.0)]
+    pub prefill_scale: f64,
+    /// Decode time multiplier: 1.5 gives 40-50 ms steps at typical KV use, the ITL llm-d
+    /// measured on that hardware (44-70 ms; `reference/llmd.md` §6.2).
+    #[arg(long, default_value_t = 1.5)]
+    pub decode_scale: f64,
     /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
     #[arg(long, default_value_t = 50)]
     pub stream_interval: usize,
-    /// A stage is sustained when its TTFT p90 stays under this (simulated ms) with no errors.
+    /// Also report whether each stage kept TTFT p90 under this (simulated ms).
     #[arg(long, default_value_t = 2000.0)]
-    pub sustain_ttft_p90_ms: f64,
+    pub slo_ttft_p90_ms: f64,
     /// Request timeout, simulated seconds (inference-perf's `request_timeout: 300`).
     #[arg(long, default_value_t = 300.0)]
     pub request_timeout_s: f64,
@@ -99,7 +116,11 @@ pub struct StageSummary {
     ttft_p90_ms: f64,
     output_tok_per_s: f64,
     errors: usize,
+    /// Every request of the stage completed (no error, no timeout): the system sustained the
+    /// stage's offered load.
     sustained: bool,
+    /// TTFT p90 within `slo_ttft_p90_ms`.
+    within_slo: bool,
 }
 
 /// Prompts as token ids (random valid-vocabulary ids, seeded: inference-perf's shared_prefix
@@ -125,7 +146,7 @@ fn prompts(a: &Args) -> Vec<Arc<Vec<u32>>> {
 }
 
 /// Poisson arrival times (simulated seconds from the start) and their stage (0 = warm-up).
-fn arrivals(stages: &[Stage], seed: u64) -> Vec<(f64, usize)> {
+fn arrivals(stages: &[Stage], interval_s: f64, seed: u64) -> Vec<(f64, usize)> {
     let mut rng = SplitMix64::new(seed ^ 0xa77);
     let mut out = Vec::new();
     let mut start = 0.0;
@@ -139,7 +160,7 @@ fn arrivals(stages: &[Stage], seed: u64) -> Vec<(f64, usize)> {
             }
             out.push((t, i));
         }
-        start += st.seconds;
+        start += st.seconds + interval_s;
     }
     out
 }
@@ -245,7 +266,8 @@ fn summarise(
                 ttft_p90_ms: round2(p90),
                 output_tok_per_s: round2(tokens(&v) / span(&v).max(1e-9)),
                 errors,
-                sustained: errors == 0 && p90.is_finite() && p90 <= a.sustain_ttft_p90_ms,
+                sustained: errors == 0 && !v.is_empty(),
+                within_slo: errors == 0 && p90.is_finite() && p90 <= a.slo_ttft_p90_ms,
             }
         })
         .collect();
@@ -259,7 +281,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let stages: Vec<Stage> = warm.iter().chain(ladder.iter()).copied().collect();
     let stages = if warm.is_empty() { [vec![Stage { qps: 1.0, seconds: 0.0 }], stages].concat() } else { stages };
     let prompts = prompts(&a);
-    let plan = arrivals(&stages, a.seed);
+    let plan = arrivals(&stages, a.stage_interval_s, a.seed);
     let resident = a.groups * (a.system_tokens + a.per_group * a.question_tokens);
     let blocks_per_engine =
         ((resident as f64 / a.prefix_kv_share) / f64::from(a.engines) / a.block_size as f64).ceil() as usize;
@@ -281,6 +303,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut per_system: Vec<(String, Vec<StageSummary>)> = Vec::new();
     let mut propagation = serde_json::Map::new();
+    let mut lag = serde_json::Map::new();
     for system in a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (kind, precise) = match system {
             "round-robin" => (EnvoyKind::RoundRobin, false),
@@ -298,6 +321,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             time_scale: a.time_scale,
             kv_events: precise,
             stream_interval: a.stream_interval,
+            prefill_scale: a.prefill_scale,
+            decode_scale: a.decode_scale,
             ..SimOpts::default()
         };
         let mut stack = Stack::new(&format!("shared-prefix-{system}"))?;
@@ -318,17 +343,33 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let sent = drive(&stack, &a, &prompts, &plan).await;
         let (q1, h1) = stack.prefix_counters().await?;
+        let lost_ms = stack.sim_lost_ms().await?;
+        let engine_s = t0.elapsed().as_secs_f64() * f64::from(a.engines);
+        println!(
+            "    simulator lag: {:.2} s of {:.0} engine-seconds lost ({:.2}%; the machine kept up when this is near 0)",
+            lost_ms / 1000.0,
+            engine_s,
+            lost_ms / 10.0 / engine_s
+        );
+        lag.insert(system.to_string(), json!((lost_ms / 10.0 / engine_s * 100.0).round() / 100.0));
         let hit = if q1 > q0 { (h1 - h0) / (q1 - q0) } else { 0.0 };
         let (row, per_stage) = summarise(&a, system, &stages, &sent, hit);
         println!("  {system}: {} requests in {:.1} s real", sent.len(), t0.elapsed().as_secs_f64());
         println!(
-            "    {:>6} {:>9} {:>12} {:>12} {:>17} {:>7} {:>10}",
-            "qps", "requests", "ttft_p50_ms", "ttft_p90_ms", "output_tok_per_s", "errors", "sustained"
+            "    {:>6} {:>9} {:>12} {:>12} {:>17} {:>7} {:>10} {:>10}",
+            "qps", "requests", "ttft_p50_ms", "ttft_p90_ms", "output_tok_per_s", "errors", "sustained", "within_slo"
         );
         for s in &per_stage {
             println!(
-                "    {:>6} {:>9} {:>12.1} {:>12.1} {:>17.1} {:>7} {:>10}",
-                s.qps, s.requests, s.ttft_p50_ms, s.ttft_p90_ms, s.output_tok_per_s, s.errors, s.sustained
+                "    {:>6} {:>9} {:>12.1} {:>12.1} {:>17.1} {:>7} {:>10} {:>10}",
+                s.qps,
+                s.requests,
+                s.ttft_p50_ms,
+                s.ttft_p90_ms,
+                s.output_tok_per_s,
+                s.errors,
+                s.sustained,
+                s.within_slo
             );
         }
         if precise {
@@ -351,20 +392,30 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let stage_of = |sys: &str| per_system.iter().find(|(n, _)| n == sys).map(|(_, v)| v.as_slice()).unwrap_or(&[]);
     let rr = stage_of("round-robin");
     let pr = stage_of("attache-precise");
-    let top = rr.iter().enumerate().filter(|(_, s)| s.sustained).map(|(i, _)| i).next_back();
     let row = |sys: &str| rows.iter().find(|r| r.system == sys);
     let mut checks = serde_json::Map::new();
-    if let (Some(i), Some(p)) = (top, top.and_then(|i| pr.get(i))) {
-        let ratio = p.ttft_p50_ms / rr[i].ttft_p50_ms;
-        println!(
-            "\nhighest stage round-robin sustains: {} QPS; attache-precise ttft_p50 {:.1} ms vs round-robin {:.1} ms = {:.3}x (target <= 0.15x)",
-            rr[i].qps, p.ttft_p50_ms, rr[i].ttft_p50_ms, ratio
-        );
-        checks.insert("round_robin_highest_sustained_qps".into(), json!(rr[i].qps));
-        checks.insert("ttft_p50_ratio_precise_vs_rr_at_that_qps".into(), json!((ratio * 1000.0).round() / 1000.0));
-        checks.insert("ttft_p50_ratio_target".into(), json!(0.15));
-    } else {
-        println!("\nround-robin sustained no stage of this ladder (TTFT p90 <= {} ms)", a.sustain_ttft_p90_ms);
+    // Two readings of "the highest stage round-robin sustains": every request completed, or
+    // TTFT p90 also stayed within the SLO. Both are reported.
+    for (key, label, pick) in [
+        ("completed", "completes every request", (|s: &StageSummary| s.sustained) as fn(&StageSummary) -> bool),
+        ("within_slo", "keeps TTFT p90 within the SLO", |s: &StageSummary| s.within_slo),
+    ] {
+        let top = rr.iter().enumerate().filter(|(_, s)| pick(s)).map(|(i, _)| i).next_back();
+        match (top, top.and_then(|i| pr.get(i))) {
+            (Some(i), Some(p)) => {
+                let ratio = p.ttft_p50_ms / rr[i].ttft_p50_ms;
+                println!(
+                    "\nhighest stage round-robin {label}: {} QPS; attache-precise ttft_p50 {:.1} ms vs round-robin {:.1} ms = {:.3}x (target <= 0.15x)",
+                    rr[i].qps, p.ttft_p50_ms, rr[i].ttft_p50_ms, ratio
+                );
+                checks.insert(
+                    format!("rr_highest_stage_{key}"),
+                    json!({"qps": rr[i].qps, "ttft_p50_ratio_precise_vs_rr": (ratio * 1000.0).round() / 1000.0,
+                           "target": 0.15, "met": ratio <= 0.15}),
+                );
+            }
+            _ => println!("\nround-robin has no stage where it {label}"),
+        }
     }
     if let (Some(r), Some(p)) = (row("round-robin"), row("attache-precise")) {
         let ratio = p.output_tok_per_s / r.output_tok_per_s;
@@ -372,8 +423,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             "output tok/s: attache-precise {:.0} vs round-robin {:.0} = {:.2}x (target >= 2x)",
             p.output_tok_per_s, r.output_tok_per_s, ratio
         );
-        checks.insert("output_tok_per_s_ratio_precise_vs_rr".into(), json!((ratio * 100.0).round() / 100.0));
-        checks.insert("output_tok_per_s_ratio_target".into(), json!(2.0));
+        checks.insert(
+            "output_tok_per_s".into(),
+            json!({"ratio_precise_vs_rr": (ratio * 100.0).round() / 100.0, "target": 2.0, "met": ratio >= 2.0}),
+        );
     }
     let doc = json!({
         "scenario": "shared-prefix",
@@ -384,15 +437,19 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "config": {
             "engines": a.engines, "groups": a.groups, "per_group": a.per_group, "system_tokens": a.system_tokens,
             "question_tokens": a.question_tokens, "output_tokens": a.output_tokens, "warmup": stages[0],
+            "stage_interval_s": a.stage_interval_s,
             "ladder": ladder, "time_scale": a.time_scale, "block_size": a.block_size,
             "num_gpu_blocks_per_engine": blocks_per_engine, "prefix_kv_share": a.prefix_kv_share,
             "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
-            "stream_interval": a.stream_interval, "sustain_ttft_p90_ms": a.sustain_ttft_p90_ms, "seed": a.seed,
+            "stream_interval": a.stream_interval, "slo_ttft_p90_ms": a.slo_ttft_p90_ms, "seed": a.seed,
+            "prefill_scale": a.prefill_scale, "decode_scale": a.decode_scale,
+            "sustained": "every request of the stage completed without error within the request timeout",
         },
         "runs": rows,
         "stages": per_system.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
         "checks": checks,
         "propagation_attache_precise_real_ms": propagation,
+        "simulator_lag_percent": lag,
     });
     if let Some(dir) = a.out.parent() {
         std::fs::create_dir_all(dir)?;
@@ -410,13 +467,13 @@ mod tests {
     #[test]
     fn poisson_arrivals_follow_the_ladder() {
         let st = parse_stages("10:100,40:50").unwrap();
-        let a = arrivals(&st, 7);
+        let a = arrivals(&st, 30.0, 7);
         let first = a.iter().filter(|x| x.1 == 0).count() as f64;
         let second = a.iter().filter(|x| x.1 == 1).count() as f64;
         assert!((first - 1000.0).abs() < 120.0, "{first}");
         assert!((second - 2000.0).abs() < 180.0, "{second}");
         assert!(a.windows(2).all(|w| w[0].0 <= w[1].0));
-        assert!(a.iter().all(|x| (x.1 == 0 && x.0 < 100.0) || (x.1 == 1 && (100.0..150.0).contains(&x.0))));
+        assert!(a.iter().all(|x| (x.1 == 0 && x.0 < 100.0) || (x.1 == 1 && (130.0..180.0).contains(&x.0))));
     }
 
     #[test]

@@ -29,8 +29,6 @@ pub struct AppState {
     pub port: u16,
     /// The model's real tokenizer (and chat template), if given; else the byte-level fallback.
     pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<PromptTokenizer>>>,
-    /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
-    pub stream_interval: usize,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -215,7 +213,7 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
     match (api, req.stream) {
         (Api::Responses, _) => non_stream(api, model, rx).await,
         (_, false) => non_stream(api, model, rx).await,
-        (_, true) => stream(api, model, rx, include_usage, st.stream_interval),
+        (_, true) => stream(api, model, rx, include_usage),
     }
 }
 
@@ -234,7 +232,7 @@ async fn non_stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<Tok
     let mut usage = None;
     while let Some(ev) = rx.recv().await {
         match ev {
-            TokenEvent::Token(t, _) => text.push_str(tokenizer::decode_token(t)),
+            TokenEvent::Tokens(ts, _) => ts.into_iter().for_each(|t| text.push_str(tokenizer::decode_token(t))),
             TokenEvent::Done(u) => {
                 usage = Some(u);
                 break;
@@ -280,14 +278,7 @@ fn sse(v: &Value) -> Result<Bytes, Infallible> {
     Ok(Bytes::from(format!("data: {v}\n\n")))
 }
 
-fn stream(
-    api: Api,
-    model: String,
-    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
-    include_usage: bool,
-    interval: usize,
-) -> Response {
-    let interval = interval.max(1);
+fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, include_usage: bool) -> Response {
     let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
     let created = now_s();
     let chat = api == Api::ChatCompletions;
@@ -316,24 +307,15 @@ fn stream(
                                  "prompt_token_ids": null, "token_ids": null}]})
             }
         };
-        // vLLM's --stream-interval: the first token goes out at once, then a chunk per
-        // `interval` tokens (and the last one).
-        let (mut pending, mut pending_n, mut sent) = (String::new(), 0usize, 0usize);
+        // One chunk per hand-off from the engine (a token, or a stream-interval batch).
         while let Some(ev) = rx.recv().await {
             match ev {
-                TokenEvent::Token(t, last) => {
-                    pending.push_str(tokenizer::decode_token(t));
-                    pending_n += 1;
-                    if sent > 0 && pending_n < interval && !last {
-                        continue;
-                    }
+                TokenEvent::Tokens(ts, last) => {
+                    let text: String = ts.into_iter().map(tokenizer::decode_token).collect();
                     // vLLM carries finish_reason on the last token's chunk.
-                    if out_tx.send(sse(&chunk(&pending, last.then_some(finish)))).await.is_err() {
+                    if out_tx.send(sse(&chunk(&text, last.then_some(finish)))).await.is_err() {
                         return; // client went away; dropping rx aborts the request
                     }
-                    sent += 1;
-                    pending.clear();
-                    pending_n = 0;
                 }
                 TokenEvent::Done(u) => {
                     if include_usage {

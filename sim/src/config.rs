@@ -25,6 +25,12 @@ pub struct EngineConfig {
     pub num_cpu_blocks: usize,
     /// Cost of reloading a token's KV from the CPU tier, as a fraction of prefilling it.
     pub cpu_reload_cost: f64,
+    /// Multiply the modelled prefill / decode step times (calibrate the latency model to other
+    /// hardware; 1.0 = Dynamo mocker's default polynomials).
+    pub prefill_scale: f64,
+    pub decode_scale: f64,
+    /// Tokens per hand-off to the API layer after the first (vLLM's `--stream-interval`).
+    pub stream_interval: usize,
 }
 
 impl Default for EngineConfig {
@@ -40,6 +46,9 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             num_cpu_blocks: 0,
             cpu_reload_cost: 0.2,
+            prefill_scale: 1.0,
+            decode_scale: 1.0,
+            stream_interval: 1,
         }
     }
 }

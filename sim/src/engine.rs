@@ -22,8 +22,9 @@ use crate::metrics::Stats;
 /// What a request receives from the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub enum TokenEvent {
-    /// A generated token; the flag is set on the request's last token.
-    Token(u32, bool),
+    /// Generated tokens (one, or several with a stream interval); the flag is set with the
+    /// request's last token.
+    Tokens(Vec<u32>, bool),
     Done(Usage),
 }
 
@@ -56,6 +57,12 @@ struct Seq {
     digests: Vec<Digest32>,
     num_computed: usize,
     cached_tokens: usize,
+    /// Output tokens already handed to the API layer.
+    sent: usize,
+    /// Leading full blocks already cached (or found cached at admission).
+    stored: usize,
+    /// Block digests of `prefill`, computed once while the request waits.
+    prefill_digests: Option<Vec<Digest32>>,
     arrival: Instant,
     scheduled: Option<Instant>,
     first_token: Option<Instant>,
@@ -173,6 +180,9 @@ impl Engine {
             digests: Vec::new(),
             num_computed: 0,
             cached_tokens: 0,
+            sent: 0,
+            stored: 0,
+            prefill_digests: None,
             arrival: Instant::now(),
             scheduled: None,
             first_token: None,
@@ -202,7 +212,8 @@ impl Engine {
                         Planned::Reload { tokens } => p += (*tokens as f64 * st.cfg.cpu_reload_cost).ceil() as usize,
                     }
                 }
-                let ms = latency::step_ms(p, d, st.pool.usage()) * st.cfg.time_scale;
+                let ms = latency::scaled_step_ms(p, d, st.pool.usage(), st.cfg.prefill_scale, st.cfg.decode_scale)
+                    * st.cfg.time_scale;
                 if !planned.is_empty() {
                     st.stats.iteration_tokens.observe((p + d) as f64);
                 }
@@ -216,6 +227,9 @@ impl Engine {
             let now = tokio::time::Instant::now();
             // Never bank more than one step of lag (a stalled process should not then race).
             if next + Duration::from_millis(20) < now {
+                // The process fell behind (CPU-starved): simulated time is lost. Counted, so a
+                // benchmark can tell whether the machine kept up.
+                self.lock().stats.lost_ms += now.duration_since(next).as_secs_f64() * 1000.0;
                 next = now;
             }
             next += Duration::from_secs_f64(ms.max(0.0) / 1000.0);
@@ -276,6 +290,8 @@ fn preempt(st: &mut EngineState, keep: u64) -> bool {
     st.pool.release(&s.blocks);
     s.blocks.clear();
     s.digests.clear();
+    s.stored = 0;
+    s.prefill_digests = None;
     // Recompute: prefill the prompt and what was generated so far.
     let toks: Vec<u32> = s.tokens().collect();
     s.prefill = toks;
@@ -332,10 +348,18 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
 
     // 2. Admit waiting requests.
     while budget > 0 && st.running.len() < st.cfg.max_num_seqs {
-        let Some(seq) = st.waiting.front() else { break };
+        let caching = st.cfg.enable_prefix_caching;
+        let seed = st.seed;
+        let Some(seq) = st.waiting.front_mut() else { break };
         let len = seq.prefill.len();
-        let digests =
-            if st.cfg.enable_prefix_caching { block_hash::chain(&st.seed, &seq.prefill, bs) } else { Vec::new() };
+        // Hash the prompt once while it waits, not at every step that cannot admit it.
+        let digests = seq.prefill_digests.get_or_insert_with(|| {
+            if caching {
+                block_hash::chain(&seed, &seq.prefill, bs)
+            } else {
+                Vec::new()
+            }
+        });
         let ids: Vec<u64> = digests.iter().map(block_hash::event_id).collect();
         // vLLM always recomputes at least the last prompt token.
         let hit = st.pool.lookup(&ids).blocks.min(len.saturating_sub(1) / bs);
@@ -360,7 +384,8 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         }
         seq.blocks = hit_blocks;
         seq.blocks.extend(fresh);
-        seq.digests = digests;
+        seq.digests = seq.prefill_digests.take().unwrap_or_default();
+        seq.stored = hit;
         seq.num_computed = hit * bs;
         let n = (len - seq.num_computed).min(budget);
         budget -= n;
@@ -385,28 +410,34 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
     let s = &st.running[idx];
     let computed_tokens = if s.in_prefill() { s.num_computed } else { s.total_len() };
     let full = computed_tokens / bs;
+    // Only blocks that became full since the last call (vLLM keeps the same watermark,
+    // `num_cached_blocks`): the cost of a step follows what changed, not the sequence length.
+    if full <= s.stored {
+        return;
+    }
+    let lo = s.stored.min(s.digests.len());
+    let toks: Vec<u32> = s.tokens().skip(lo * bs).take((full - lo) * bs).collect();
+    let block = |b: usize| toks.get((b - lo) * bs..(b - lo + 1) * bs).unwrap_or(&[]);
     let mut new_digests = Vec::new();
-    if full > s.digests.len() {
-        let toks: Vec<u32> = s.tokens().collect();
-        let mut prev = s.digests.last().copied().unwrap_or(st.seed);
-        for b in s.digests.len()..full {
-            prev = block_hash::block_digest(&prev, &toks[b * bs..(b + 1) * bs]);
-            new_digests.push(prev);
-        }
+    let mut prev = s.digests.last().copied().unwrap_or(st.seed);
+    for b in s.digests.len()..full {
+        prev = block_hash::block_digest(&prev, block(b));
+        new_digests.push(prev);
     }
     let s = &mut st.running[idx];
     s.digests.extend(new_digests);
-    let pairs: Vec<(BlockId, u64)> =
-        (0..full).filter_map(|b| Some((*s.blocks.get(b)?, block_hash::event_id(s.digests.get(b)?)))).collect();
-    let toks: Vec<u32> = s.tokens().collect();
-    let parents: Vec<Option<u64>> =
-        (0..full).map(|b| b.checked_sub(1).and_then(|p| s.digests.get(p)).map(block_hash::event_id)).collect();
+    let start = s.stored;
+    s.stored = full;
+    let s = &st.running[idx];
+    let id_of = |b: usize| s.digests.get(b).map(block_hash::event_id);
+    let items: Vec<(usize, BlockId, u64, Option<u64>)> = (start..full)
+        .filter_map(|b| Some((b, *s.blocks.get(b)?, id_of(b)?, b.checked_sub(1).and_then(id_of))))
+        .collect();
     // Publish newly cached blocks as contiguous runs, each with its parent's id, as vLLM does.
     let mut run: Option<(usize, Vec<u64>)> = None;
     let mut runs = Vec::new();
-    for (b, (id, h)) in pairs.into_iter().enumerate() {
-        let block_tokens = toks.get(b * bs..(b + 1) * bs).unwrap_or(&[]).to_vec();
-        if st.pool.store(id, h, parents.get(b).copied().flatten(), block_tokens) {
+    for (b, id, h, parent) in items {
+        if st.pool.store(id, h, parent, block(b).to_vec()) {
             match &mut run {
                 Some((_, hs)) => hs.push(h),
                 None => run = Some((b, vec![h])),
@@ -416,12 +447,9 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
         }
     }
     runs.extend(run);
-    if runs.is_empty() {
-        return;
-    }
-    for (start, hashes) in runs {
-        let parent = start.checked_sub(1).and_then(|p| st.running[idx].digests.get(p)).map(block_hash::event_id);
-        let tokens = toks.get(start * bs..(start + hashes.len()) * bs).unwrap_or(&[]).to_vec();
+    for (first, hashes) in runs {
+        let parent = first.checked_sub(1).and_then(|p| st.running[idx].digests.get(p)).map(block_hash::event_id);
+        let tokens = toks.get((first - lo) * bs..(first - lo + hashes.len()) * bs).unwrap_or(&[]).to_vec();
         st.pool.events.push(crate::kv::KvEvent::Stored {
             hashes,
             parent,
@@ -433,6 +461,7 @@ fn store_full_blocks(st: &mut EngineState, idx: usize) {
 }
 
 fn emit_token(st: &mut EngineState, idx: usize, now: Instant) -> bool {
+    let stream_interval = st.cfg.stream_interval.max(1);
     let s = &mut st.running[idx];
     let tok = 3 + ((s.id as u32).wrapping_mul(2654435761).wrapping_add(s.output.len() as u32) % 31_997);
     s.output.push(tok);
@@ -453,7 +482,14 @@ fn emit_token(st: &mut EngineState, idx: usize, now: Instant) -> bool {
     s.last_token = Some(now);
     st.stats.generation_tokens += 1;
     let last = s.output.len() >= s.max_tokens;
-    let _ = s.tx.send(TokenEvent::Token(tok, last));
+    // Hand tokens to the API layer in stream-interval batches (the first one at once), as
+    // vLLM's output processor does with --stream-interval.
+    let n = s.output.len();
+    if s.sent == 0 || last || n - s.sent >= stream_interval {
+        let toks = s.output.get(s.sent..).unwrap_or(&[]).to_vec();
+        s.sent = n;
+        let _ = s.tx.send(TokenEvent::Tokens(toks, last));
+    }
     last
 }
 
@@ -471,12 +507,14 @@ fn flush_events(st: &mut EngineState) {
 fn apply_step(st: &mut EngineState, planned: &[Planned]) {
     let now = Instant::now();
     let mut done = Vec::new();
+    // The running set does not change order during the step: index it once.
+    let index: hashbrown::HashMap<u64, usize> = st.running.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
     for p in planned {
         let id = match p {
             Planned::Prefill { id, .. } | Planned::Decode { id } => *id,
             Planned::Reload { .. } => continue,
         };
-        let Some(idx) = st.running.iter().position(|s| s.id == id) else {
+        let Some(&idx) = index.get(&id) else {
             continue;
         };
         let finished = match p {
@@ -531,7 +569,7 @@ mod tests {
         let mut toks = Vec::new();
         while let Some(ev) = rx.recv().await {
             match ev {
-                TokenEvent::Token(t, _) => toks.push(t),
+                TokenEvent::Tokens(t, _) => toks.extend(t),
                 TokenEvent::Done(u) => return (toks, u),
             }
         }

@@ -19,8 +19,19 @@ pub fn decode_ms(u: f64) -> f64 {
 
 /// Time (ms) of a step that prefills `prefill_tokens` and decodes `decode_seqs` sequences.
 pub fn step_ms(prefill_tokens: usize, decode_seqs: usize, kv_usage: f64) -> f64 {
+    scaled_step_ms(prefill_tokens, decode_seqs, kv_usage, 1.0, 1.0)
+}
+
+/// [`step_ms`] with the prefill and decode parts multiplied (hardware calibration).
+pub fn scaled_step_ms(
+    prefill_tokens: usize,
+    decode_seqs: usize,
+    kv_usage: f64,
+    prefill_scale: f64,
+    decode_scale: f64,
+) -> f64 {
     let d = if decode_seqs > 0 { decode_ms(kv_usage) } else { 0.0 };
-    prefill_ms(prefill_tokens) + d
+    prefill_ms(prefill_tokens) * prefill_scale + d * decode_scale
 }
 
 #[cfg(test)]

@@ -44,6 +44,12 @@ struct Args {
     /// Cost of reloading a token from the CPU tier, as a fraction of prefilling it.
     #[arg(long, default_value_t = 0.2)]
     cpu_reload_cost: f64,
+    /// Multiply modelled prefill step time (hardware calibration; 1.0 = Dynamo's polynomial).
+    #[arg(long, default_value_t = 1.0)]
+    prefill_scale: f64,
+    /// Multiply modelled decode step time.
+    #[arg(long, default_value_t = 1.0)]
+    decode_scale: f64,
     /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
     #[arg(long, default_value_t = 1)]
     stream_interval: usize,
@@ -113,6 +119,9 @@ async fn main() -> anyhow::Result<()> {
             enable_prefix_caching: !a.no_prefix_caching,
             num_cpu_blocks: a.num_cpu_blocks,
             cpu_reload_cost: a.cpu_reload_cost,
+            prefill_scale: a.prefill_scale,
+            decode_scale: a.decode_scale,
+            stream_interval: a.stream_interval,
         };
         let engine = Engine::new(cfg);
         let base = a.kv_events_port_base.map(|b| b + 2 * i);
@@ -131,13 +140,7 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::spawn(engine.clone().run());
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
-        let app = api::router(AppState {
-            engine,
-            name: format!("sim-{port}"),
-            port,
-            tokenizer: tokenizer.clone(),
-            stream_interval: a.stream_interval,
-        });
+        let app = api::router(AppState { engine, name: format!("sim-{port}"), port, tokenizer: tokenizer.clone() });
         info!(port, "engine listening");
         servers.push(tokio::spawn(async move { axum::serve(listener, app).await }));
     }

@@ -51,6 +51,8 @@ pub struct Stats {
     /// Tokens reloaded from the CPU-offload tier (vLLM counts connector hits as external).
     pub external_hits: u64,
     pub external_queries: u64,
+    /// Real milliseconds the engine loop fell behind its step deadlines (machine too slow).
+    pub lost_ms: f64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
@@ -80,6 +82,7 @@ impl Stats {
             prefix_hits: 0,
             external_hits: 0,
             external_queries: 0,
+            lost_ms: 0.0,
             prompt_tokens: 0,
             generation_tokens: 0,
             preemptions: 0,
@@ -183,6 +186,8 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
     w.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of queried tokens.", s.external_queries);
     w.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of cached tokens.", s.external_hits);
     w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions);
+    // Simulator-only: real time the engine loop fell behind its step deadlines.
+    let _ = writeln!(w.out, "attache_sim_lost_ms_total {}", fmt_f(s.lost_ms));
     w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens);
     w.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", s.prefix_hits);
     w.counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens);

@@ -101,6 +101,9 @@ pub struct SimOpts {
     pub max_num_batched_tokens: usize,
     /// Tokens per streamed chunk after the first.
     pub stream_interval: usize,
+    /// Multipliers of the modelled prefill and decode step times.
+    pub prefill_scale: f64,
+    pub decode_scale: f64,
 }
 
 impl Default for SimOpts {
@@ -118,6 +121,8 @@ impl Default for SimOpts {
             num_cpu_blocks: 0,
             max_num_batched_tokens: 2048,
             stream_interval: 1,
+            prefill_scale: 1.0,
+            decode_scale: 1.0,
         }
     }
 }
@@ -273,7 +278,11 @@ impl Stack {
                 .arg("--max-num-batched-tokens")
                 .arg(opts.max_num_batched_tokens.to_string())
                 .arg("--stream-interval")
-                .arg(opts.stream_interval.to_string()),
+                .arg(opts.stream_interval.to_string())
+                .arg("--prefill-scale")
+                .arg(opts.prefill_scale.to_string())
+                .arg("--decode-scale")
+                .arg(opts.decode_scale.to_string()),
         )?;
         self.sim = Some(p);
         let ports: Vec<u16> = (0..opts.engines).map(|i| self.sim_base_port + i).collect();
@@ -473,6 +482,17 @@ impl Stack {
             h += stat_line(&text, "vllm:prefix_cache_hits_total");
         }
         Ok((q, h))
+    }
+
+    /// Real milliseconds the simulated engines fell behind their step deadlines, summed: when
+    /// this grows, the machine did not keep up with the time scale.
+    pub async fn sim_lost_ms(&self) -> anyhow::Result<f64> {
+        let mut lost = 0.0;
+        for a in self.engine_addrs() {
+            let text = self.http.get(format!("http://{a}/metrics")).send().await?.text().await?;
+            lost += stat_line(&text, "attache_sim_lost_ms_total");
+        }
+        Ok(lost)
     }
 }
 
