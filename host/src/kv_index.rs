@@ -455,6 +455,20 @@ mod tests {
     }
 
     #[test]
+    fn deltas_carry_the_oldest_event_time_behind_them() {
+        let mut ix = KvIndex::new(1000);
+        ix.note_event_time(5); // nothing pending: ignored
+        ix.apply(1, "m", &stored(&[1], None, 0..4, Medium::Gpu));
+        ix.note_event_time(300);
+        ix.apply(1, "m", &stored(&[2], Some(1), 4..8, Medium::Gpu));
+        ix.note_event_time(200);
+        ix.note_event_time(400);
+        let _ = ix.take_deltas();
+        assert_eq!(ix.take_event_time(), 200);
+        assert_eq!(ix.take_event_time(), 0, "reset once taken");
+    }
+
+    #[test]
     fn keys_are_recomputed_from_tokens_whatever_the_engine_hash() {
         let mut ix = KvIndex::new(100);
         // Two engines with unrelated hash settings store the same tokens.

@@ -8,6 +8,7 @@ pub mod kv_index;
 pub mod kv_subscribe;
 pub mod msgpack;
 pub mod open_table;
+pub mod policy;
 pub mod prom;
 pub mod push;
 pub mod scrape;

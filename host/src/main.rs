@@ -38,6 +38,60 @@ enum Cmd {
         #[arg(long)]
         admin_listen: Option<std::net::SocketAddr>,
     },
+    /// Policy modules: keys, signatures.
+    Policy {
+        #[command(subcommand)]
+        cmd: PolicyCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum PolicyCmd {
+    /// Write a new Ed25519 signing key pair: DIR/attache.key (private, mode 0600) and
+    /// DIR/attache.pub.
+    Keygen {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Sign a Wasm module (WebAssembly tool-conventions signature section, as wasmsign2).
+    Sign {
+        #[arg(long)]
+        key: PathBuf,
+        #[arg(long = "in")]
+        input: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Verify a signed module against a public key (or a directory of `*.pub` keys); exits 0
+    /// only on a valid signature by that key.
+    Verify {
+        #[arg(long)]
+        pubkey: PathBuf,
+        #[arg(long = "in")]
+        input: PathBuf,
+    },
+}
+
+fn policy(cmd: PolicyCmd) -> anyhow::Result<()> {
+    use attache_host::policy::signing;
+    let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+    match cmd {
+        PolicyCmd::Keygen { out } => {
+            let (key, public, fp) = signing::keygen(&out)?;
+            println!("wrote {} and {} (key {fp})", key.display(), public.display());
+        }
+        PolicyCmd::Sign { key, input, out } => {
+            let signed = signing::sign(&read(&key)?, &read(&input)?)?;
+            std::fs::write(&out, &signed).with_context(|| format!("writing {}", out.display()))?;
+            println!("signed {} -> {} (sha256 {})", input.display(), out.display(), signing::sha256_hex(&signed));
+        }
+        PolicyCmd::Verify { pubkey, input } => {
+            let store = signing::TrustStore::load(&pubkey)?;
+            let v = store.verify(&read(&input)?).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
+            println!("{}: valid signature by {} (sha256 {})", input.display(), v.signers.join(", "), v.sha256);
+        }
+    }
+    Ok(())
 }
 
 #[tokio::main]
@@ -46,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     match Cli::parse().cmd {
+        Cmd::Policy { cmd } => policy(cmd),
         Cmd::Host { config, endpoints, grpc_listen, admin_listen } => {
             let mut cfg = match config {
                 Some(p) => HostConfig::from_yaml(

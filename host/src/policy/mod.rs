@@ -1,0 +1,3 @@
+//! Scheduling policies as signed Wasm modules: signatures and the trust store.
+
+pub mod signing;
