@@ -1,0 +1,29 @@
+//! Policy-module admission on the real scheduler filter: the module Envoy runs passes the
+//! host's wasmtime admission (ABI exports, on_configure, recorded sample requests within the
+//! budget), and behaves there as it does in Envoy (malformed bodies answered with 400).
+
+use attache_e2e::Paths;
+use attache_host::policy::admission::{admit, AdmissionConfig, AdmissionError};
+
+#[test]
+fn the_scheduler_filter_passes_admission() {
+    let paths = Paths::discover().expect("paths");
+    let wasm = std::fs::read(&paths.wasm).expect("built filter (cargo xtask build)");
+    let cfg = AdmissionConfig {
+        plugin_config: br#"{"role": "scheduler", "scheduler": {"max_body_bytes": 4194304}}"#.to_vec(),
+        ..AdmissionConfig::default()
+    };
+    let r = admit(&wasm, &cfg).unwrap_or_else(|e| panic!("admission refused the scheduler filter: {e}"));
+    assert!(r.abi.starts_with("proxy_abi_version_0_2_"), "{}", r.abi);
+    // Samples 4 and 5 are malformed JSON and an empty body: the filter answers 400 itself.
+    assert_eq!(r.outcomes[4].local_response, Some(400), "{:?}", r.outcomes[4]);
+    assert_eq!(r.outcomes[5].local_response, Some(400), "{:?}", r.outcomes[5]);
+    // With no snapshot in shared data, well-formed requests find no endpoint: 503, not a trap.
+    assert_eq!(r.outcomes[0].local_response, Some(503), "{:?}", r.outcomes[0]);
+    println!("scheduler filter admitted: slowest sample {} us", r.max_request_us);
+
+    // A configuration the filter rejects (unknown field) fails on_configure.
+    let bad = AdmissionConfig { plugin_config: br#"{"role": "scheduler", "nonsense": 1}"#.to_vec(), ..cfg };
+    let r = admit(&wasm, &bad);
+    assert!(matches!(r, Err(AdmissionError::ConfigureRejected)), "{:?}", r.map(|r| r.logs));
+}
