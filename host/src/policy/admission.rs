@@ -578,32 +578,16 @@ pub fn admit(bytes: &[u8], cfg: &AdmissionConfig) -> Result<AdmissionReport, Adm
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn wat(src: &str) -> Vec<u8> {
         wat::parse_str(src).unwrap()
     }
 
-    /// A hand-written proxy-wasm filter in WAT: on_request_body traps when `trap` is set.
-    fn filter(body_fn: &str) -> Vec<u8> {
-        wat(&format!(
-            r#"(module
-              (import "env" "proxy_log" (func $log (param i32 i32 i32) (result i32)))
-              (memory (export "memory") 1)
-              (global $heap (mut i32) (i32.const 1024))
-              (func (export "proxy_abi_version_0_2_1"))
-              (func (export "proxy_on_memory_allocate") (param $n i32) (result i32)
-                (local $p i32) (local.set $p (global.get $heap))
-                (global.set $heap (i32.add (global.get $heap) (local.get $n))) (local.get $p))
-              (func (export "proxy_on_context_create") (param i32 i32))
-              (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))
-              (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) (i32.const 0))
-              (func (export "proxy_on_request_body") (param i32 i32 i32) (result i32) {body_fn})
-              (func (export "proxy_on_done") (param i32) (result i32) (i32.const 1))
-              (func (export "proxy_on_delete") (param i32))
-            )"#
-        ))
+    /// A hand-written proxy-wasm filter whose `on_request_body` runs `body_fn`.
+    pub(crate) fn filter(body_fn: &str) -> Vec<u8> {
+        wat(&include_str!("../../tests/fixtures/filter.wat").replace("BODY", body_fn))
     }
 
     #[test]

@@ -3,3 +3,4 @@
 
 pub mod admission;
 pub mod signing;
+pub mod store;
