@@ -11,7 +11,6 @@ static ALLOC: kv_ingest::Counting = kv_ingest::Counting;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use clap::{Parser, Subcommand};
 use serde_json::json;
@@ -122,8 +121,6 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let doc = json!({
         "scenario": "shared-prefix-chat",
         "command": "cargo xtask demo",
-        "date": std::process::Command::new("date").arg("-u").arg("+%Y-%m-%dT%H:%M:%SZ").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
-        "machine": format!("{} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)),
         "config": {
             "engines": a.engines, "groups": a.groups, "per_group": a.per_group, "prefix_tokens": a.prefix_tokens,
             "question_tokens": a.question_tokens, "max_tokens": a.max_tokens, "concurrency": a.concurrency,
@@ -132,13 +129,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         },
         "runs": rows,
     });
-    if let Some(dir) = a.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&a.out, serde_json::to_string_pretty(&doc)? + "\n")
-        .with_context(|| format!("writing {}", a.out.display()))?;
-    println!("\nwrote {}", a.out.display());
-    Ok(())
+    crate::run::write_results(&a.out, doc)
 }
 
 #[tokio::main]

@@ -84,6 +84,26 @@ fn round4(v: f64) -> f64 {
     (v * 10_000.0).round() / 10_000.0
 }
 
+/// Stamp a results document with the date and machine, write it as pretty JSON, and say where.
+pub fn write_results(out: &std::path::Path, mut doc: serde_json::Value) -> anyhow::Result<()> {
+    use anyhow::Context;
+    doc["date"] = serde_json::json!(std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%dT%H:%M:%SZ")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()));
+    doc["machine"] =
+        serde_json::json!(format!("{} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", out.display()))?;
+    println!("\nwrote {}", out.display());
+    Ok(())
+}
+
 /// Print a results table.
 pub fn print_table(title: &str, rows: &[RunSummary]) {
     println!("\n{title}");

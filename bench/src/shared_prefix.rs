@@ -431,8 +431,6 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let doc = json!({
         "scenario": "shared-prefix",
         "command": "cargo xtask bench shared-prefix",
-        "date": std::process::Command::new("date").arg("-u").arg("+%Y-%m-%dT%H:%M:%SZ").output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()),
-        "machine": format!("{} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)),
         "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
         "config": {
             "engines": a.engines, "groups": a.groups, "per_group": a.per_group, "system_tokens": a.system_tokens,
@@ -451,13 +449,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "propagation_attache_precise_real_ms": propagation,
         "simulator_lag_percent": lag,
     });
-    if let Some(dir) = a.out.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&a.out, serde_json::to_string_pretty(&doc)? + "\n")
-        .with_context(|| format!("writing {}", a.out.display()))?;
-    println!("\nwrote {}", a.out.display());
-    Ok(())
+    crate::run::write_results(&a.out, doc)
 }
 
 #[cfg(test)]

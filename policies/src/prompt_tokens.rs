@@ -97,13 +97,17 @@ impl PromptTokenizer {
             return self.conversation(&req.messages, true, max_tokens);
         }
         Ok(match &req.prompt {
-            Prompt::Tokens(ids) => {
-                let n = if max_tokens == 0 { ids.len() } else { ids.len().min(max_tokens) };
-                ids.get(..n).unwrap_or(ids).to_vec()
-            }
+            Prompt::Tokens(ids) => given_ids(ids, max_tokens),
             Prompt::Text(text) => self.tokenizer.encode(text, true, max_tokens),
         })
     }
+}
+
+/// A token-id prompt as the engine sees it (vLLM adds nothing), cut at `max_tokens` (0 = all).
+/// Needs no tokenizer.
+pub fn given_ids(ids: &[u32], max_tokens: usize) -> Vec<u32> {
+    let n = if max_tokens == 0 { ids.len() } else { ids.len().min(max_tokens) };
+    ids.get(..n).unwrap_or(ids).to_vec()
 }
 
 #[cfg(test)]

@@ -342,14 +342,6 @@ mod tests {
         assert_eq!(s.schedule(&bad, &pool(2), &mut ix), Err(ScheduleError::UnknownModel("zzz".into())));
         let mut p = pool(2);
         p.endpoints.iter_mut().for_each(|e| e.ready = false);
-        let input = SchedulingInput {
-            model: "m",
-            block_hashes: &[],
-            inflight: &inflight,
-            seed: 0,
-            extra_matches: None,
-            precise: None,
-        };
         assert_eq!(s.schedule(&input, &p, &mut ix), Err(ScheduleError::NoEndpoints));
         let d = s.schedule(&input, &pool(5), &mut ix).unwrap();
         assert_eq!(d.endpoints.len(), 3);

@@ -51,11 +51,7 @@ pub fn now_us() -> u64 {
 }
 
 pub fn now_ms() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
+    now_us() / 1000
 }
 
 pub fn shared_data(key: &str) -> Option<Vec<u8>> {

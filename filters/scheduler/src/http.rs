@@ -68,7 +68,7 @@ impl SchedulerHttp {
         let ids: Option<Vec<u32>> = match (pc.enabled, &req.prompt, w.tokenizer.as_mut()) {
             (false, _, _) => None,
             (true, Prompt::Tokens(ids), _) if req.messages.is_empty() => {
-                Some(ids.get(..ids.len().min(pc.max_tokens)).unwrap_or(ids).to_vec())
+                Some(attache_policies::prompt_tokens::given_ids(ids, pc.max_tokens))
             }
             (true, _, Some(t)) => match t.request(&req, pc.max_tokens) {
                 Ok(ids) => Some(ids),
