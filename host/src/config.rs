@@ -34,6 +34,8 @@ pub struct HostConfig {
     pub kv_events_bind: Option<String>,
     /// Most blocks the precise index holds (CLOCK eviction beyond).
     pub kv_index_capacity: usize,
+    /// Policy modules: store, trust store, admin token, rollout controller. Off when absent.
+    pub policy: Option<crate::policy::service::PolicyConfig>,
 }
 
 impl Default for HostConfig {
@@ -49,6 +51,7 @@ impl Default for HostConfig {
             heartbeat_ms: 1_000,
             kv_events_bind: None,
             kv_index_capacity: 1_000_000,
+            policy: None,
         }
     }
 }

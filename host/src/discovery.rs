@@ -6,6 +6,7 @@
 //!     models: [tinyllama]
 //!     role: both            # both | prefill | decode (llm-d.ai/role)
 //!     engine: vllm          # vllm | sglang (llm-d.ai/engine-type)
+//!     labels: {attache.io/accelerator: l4}   # optional, for scorers
 //!     metrics_path: /metrics
 //!     kv_events:            # optional: follow the engine's KV events
 //!       publisher: tcp://127.0.0.1:5557   # the engine's PUB socket (it binds `tcp://*:5557`)
@@ -31,6 +32,10 @@ pub struct StaticEndpoint {
     pub metrics_path: String,
     #[serde(default)]
     pub kv_events: Option<KvEventsSpec>,
+    /// Pod labels (in Kubernetes, the pod's own); scorers read them, e.g.
+    /// `attache.io/accelerator: l4`.
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// Where an engine's KV events can be read.

@@ -8,8 +8,9 @@ use anyhow::Context;
 use attache_host::discovery::StaticEndpoints;
 use attache_host::kv_index::KvIndex;
 use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
+use attache_host::policy::service::PolicyService;
 use attache_host::state::PoolState;
-use attache_host::{admin, push, scrape, HostConfig};
+use attache_host::{admin, policy, push, scrape, HostConfig};
 use clap::{Parser, Subcommand};
 use tokio::sync::RwLock;
 use tracing::{error, info, warn};
@@ -38,7 +39,7 @@ enum Cmd {
         #[arg(long)]
         admin_listen: Option<std::net::SocketAddr>,
     },
-    /// Policy modules: keys, signatures.
+    /// Policy modules: keys, signatures, upload and rollout.
     Policy {
         #[command(subcommand)]
         cmd: PolicyCmd,
@@ -70,11 +71,113 @@ enum PolicyCmd {
         #[arg(long = "in")]
         input: PathBuf,
     },
+    /// Upload a signed scorer module for a slot (verified and admitted by the host).
+    Upload {
+        #[command(flatten)]
+        server: Server,
+        #[arg(long)]
+        slot: String,
+        /// Version label, e.g. v3 or a git sha.
+        #[arg(long)]
+        version: String,
+        #[arg(long = "in")]
+        input: PathBuf,
+        /// The scorer's own configuration (JSON), checked by admission.
+        #[arg(long)]
+        params: Option<String>,
+    },
+    /// List uploaded modules.
+    List {
+        #[command(flatten)]
+        server: Server,
+        #[arg(long)]
+        slot: Option<String>,
+    },
+    /// Start a canary: the module (sha256 or version) acts on `--canary` percent of sessions.
+    Rollout {
+        #[command(flatten)]
+        server: Server,
+        #[arg(long)]
+        slot: String,
+        #[arg(long)]
+        module: String,
+        /// e.g. 5% or 5
+        #[arg(long, default_value = "5%")]
+        canary: String,
+        /// Weight the picker gives the scorer's 0..1 scores.
+        #[arg(long, default_value_t = 1.0)]
+        weight: f64,
+    },
+    /// Make the slot's canary its stable version.
+    Promote {
+        #[command(flatten)]
+        server: Server,
+        #[arg(long)]
+        slot: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Drop the slot's canary (or, without one, return to the previous stable version).
+    Rollback {
+        #[command(flatten)]
+        server: Server,
+        #[arg(long)]
+        slot: String,
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Versions, canary counters, controller verdicts, Envoy ACKs and transitions.
+    Status {
+        #[command(flatten)]
+        server: Server,
+    },
 }
 
-fn policy(cmd: PolicyCmd) -> anyhow::Result<()> {
+#[derive(clap::Args)]
+struct Server {
+    /// The host's admin address.
+    #[arg(long, default_value = "http://127.0.0.1:9190")]
+    server: String,
+    /// Bearer token (default: $ATTACHE_ADMIN_TOKEN).
+    #[arg(long, env = "ATTACHE_ADMIN_TOKEN", hide_env_values = true)]
+    token: String,
+}
+
+impl Server {
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.server.trim_end_matches('/'))
+    }
+}
+
+/// Send an admin API request; print the JSON answer; fail with the API's message.
+async fn api(server: &Server, req: reqwest::RequestBuilder) -> anyhow::Result<()> {
+    let resp = req.bearer_auth(&server.token).send().await.with_context(|| format!("contacting {}", server.server))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.unwrap_or(serde_json::Value::Null);
+    if !status.is_success() {
+        anyhow::bail!(
+            "{} ({}): {}",
+            status,
+            body["error"].as_str().unwrap_or("error"),
+            body["message"].as_str().unwrap_or("no message")
+        );
+    }
+    println!("{}", serde_json::to_string_pretty(&body)?);
+    Ok(())
+}
+
+/// `promote` or `rollback` a slot.
+async fn transition(server: &Server, slot: &str, action: &str, reason: &str) -> anyhow::Result<()> {
+    let req = reqwest::Client::new()
+        .post(server.url(&format!("/v1/policy/slots/{slot}/{action}")))
+        .json(&serde_json::json!({"reason": reason}));
+    api(server, req).await
+}
+
+async fn policy(cmd: PolicyCmd) -> anyhow::Result<()> {
     use attache_host::policy::signing;
     let read = |p: &PathBuf| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+
     match cmd {
         PolicyCmd::Keygen { out } => {
             let (key, public, fp) = signing::keygen(&out)?;
@@ -90,6 +193,36 @@ fn policy(cmd: PolicyCmd) -> anyhow::Result<()> {
             let v = store.verify(&read(&input)?).map_err(|e| anyhow::anyhow!("{}: {e}", input.display()))?;
             println!("{}: valid signature by {} (sha256 {})", input.display(), v.signers.join(", "), v.sha256);
         }
+        PolicyCmd::Upload { server, slot, version, input, params } => {
+            let mut query = vec![("slot", slot), ("version", version)];
+            if let Some(p) = params {
+                query.push(("params", p));
+            }
+            let req = reqwest::Client::new().post(server.url("/v1/policy/modules")).query(&query).body(read(&input)?);
+            api(&server, req).await?;
+        }
+        PolicyCmd::List { server, slot } => {
+            let mut req = reqwest::Client::new().get(server.url("/v1/policy/modules"));
+            if let Some(s) = slot {
+                req = req.query(&[("slot", s)]);
+            }
+            api(&server, req).await?;
+        }
+        PolicyCmd::Rollout { server, slot, module, canary, weight } => {
+            let percent: f64 = canary
+                .trim()
+                .trim_end_matches('%')
+                .parse()
+                .with_context(|| format!("--canary {canary:?}: expected a percentage like 5%"))?;
+            let body = serde_json::json!({"module": module, "canary_percent": percent, "weight": weight});
+            let req = reqwest::Client::new().post(server.url(&format!("/v1/policy/slots/{slot}/rollout"))).json(&body);
+            api(&server, req).await?;
+        }
+        PolicyCmd::Promote { server, slot, reason } => transition(&server, &slot, "promote", &reason).await?,
+        PolicyCmd::Rollback { server, slot, reason } => transition(&server, &slot, "rollback", &reason).await?,
+        PolicyCmd::Status { server } => {
+            api(&server, reqwest::Client::new().get(server.url("/v1/policy/status"))).await?;
+        }
     }
     Ok(())
 }
@@ -100,7 +233,7 @@ async fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     match Cli::parse().cmd {
-        Cmd::Policy { cmd } => policy(cmd),
+        Cmd::Policy { cmd } => policy(cmd).await,
         Cmd::Host { config, endpoints, grpc_listen, admin_listen } => {
             let mut cfg = match config {
                 Some(p) => HostConfig::from_yaml(
@@ -170,7 +303,19 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         std::time::Duration::from_millis(cfg.unready_after_ms),
     );
     let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
+    // Policy modules: refuse to start on a bad trust store or token rather than run without.
+    let policy = match cfg.policy.clone() {
+        Some(p) => Some(PolicyService::open(p).context("starting the policy service")?),
+        None => None,
+    };
     let kv_changed = Arc::new(tokio::sync::Notify::new());
+    // ECDS is always served, so Envoy's scorer and scheduler slots keep their defaults quietly
+    // when no policy service is configured (the sender lives as long as the host).
+    let (_no_policy_tx, no_policy_rx) = tokio::sync::watch::channel(Arc::new(policy::ecds::Published::default()));
+    let ecds = match &policy {
+        Some(p) => policy::ecds::EcdsServer::new(p.subscribe(), p.acks.clone()),
+        None => policy::ecds::EcdsServer::new(no_policy_rx, Arc::new(policy::ecds::Acks::default())),
+    };
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
         .add_service(
@@ -182,7 +327,8 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
                     std::time::Duration::from_millis(2),
                 ))
                 .into_server(),
-        );
+        )
+        .add_service(ecds.into_server());
     let grpc_listener =
         tokio::net::TcpListener::bind(cfg.grpc_listen).await.with_context(|| format!("binding {}", cfg.grpc_listen))?;
     let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
@@ -223,7 +369,12 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
         });
     }
 
-    let admin = axum::serve(admin_listener, admin::router(admin::AdminState { snapshots: rx, kv_index, kv_counters }));
+    let mut admin_router = admin::router(admin::AdminState { snapshots: rx, kv_index, kv_counters });
+    if let Some(p) = &policy {
+        p.spawn_controller();
+        admin_router = admin_router.merge(policy::api::router(p.clone()));
+    }
+    let admin = axum::serve(admin_listener, admin_router);
     let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
     tokio::select! {
         r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }

@@ -110,6 +110,9 @@ pub struct EngineMetrics {
     pub running_loras: Vec<String>,
     pub waiting_loras: Vec<String>,
     pub max_lora: Option<u32>,
+    /// TTFT histogram totals (`*_time_to_first_token_seconds_sum` / `_count`), cumulative.
+    pub ttft_sum: f64,
+    pub ttft_count: f64,
 }
 
 /// Which metric names each engine uses. Fallbacks come second.
@@ -182,6 +185,13 @@ pub fn engine_metrics(text: &str, engine: &str) -> Result<EngineMetrics, Missing
         exp.samples.iter().filter(|s| s.name == "vllm:prefix_cache_queries_total").map(|s| s.value).sum();
     m.prefix_cache_hits =
         exp.samples.iter().filter(|s| s.name == "vllm:prefix_cache_hits_total").map(|s| s.value).sum();
+    let ttft =
+        if engine == "sglang" { "sglang:time_to_first_token_seconds" } else { "vllm:time_to_first_token_seconds" };
+    let total = |suffix: &str| -> f64 {
+        exp.samples.iter().filter(|s| s.name.strip_prefix(ttft).is_some_and(|r| r == suffix)).map(|s| s.value).sum()
+    };
+    m.ttft_sum = total("_sum");
+    m.ttft_count = total("_count");
     // LoRA: the series with the largest value (a timestamp) is the current one.
     let lora =
         exp.samples.iter().filter(|s| s.name == "vllm:lora_requests_info").max_by(|a, b| a.value.total_cmp(&b.value));
@@ -253,5 +263,6 @@ mod tests {
         assert_eq!(m.num_gpu_blocks, Some(64));
         assert_eq!((m.running, m.waiting), (8.0, 0.0));
         assert!((m.kv_usage - 0.5079365).abs() < 1e-6, "kv {}", m.kv_usage);
+        assert!(m.ttft_count > 0.0 && m.ttft_sum > 0.0, "ttft {} / {}", m.ttft_sum, m.ttft_count);
     }
 }

@@ -8,6 +8,9 @@ use attache_proto::v1;
 use crate::discovery::StaticEndpoint;
 use crate::prom::EngineMetrics;
 
+/// Weight of the newest TTFT sample in the endpoint's running mean.
+const TTFT_EWMA: f64 = 0.3;
+
 /// What the host knows about one endpoint.
 #[derive(Debug, Clone)]
 pub struct EndpointState {
@@ -16,6 +19,8 @@ pub struct EndpointState {
     pub last_ok: Option<Instant>,
     pub consecutive_failures: u32,
     pub last_error: Option<String>,
+    /// Recent mean TTFT (ms): an EWMA over the TTFT histogram's growth between scrapes.
+    pub ttft_ms: Option<f64>,
 }
 
 /// The whole pool, keyed by address.
@@ -60,6 +65,7 @@ impl PoolState {
                     last_ok: None,
                     consecutive_failures: 0,
                     last_error: None,
+                    ttft_ms: None,
                 },
             };
             next.insert(spec.address, st);
@@ -76,6 +82,16 @@ impl PoolState {
         // with time alone (metrics ageing out) is caught by the publisher.
         let changed = match result {
             Ok(m) => {
+                if let Some(prev) = &e.metrics {
+                    let (dn, ds) = (m.ttft_count - prev.ttft_count, m.ttft_sum - prev.ttft_sum);
+                    if dn > 0.0 && ds >= 0.0 {
+                        let sample = 1000.0 * ds / dn;
+                        e.ttft_ms = Some(match e.ttft_ms {
+                            Some(old) => TTFT_EWMA * sample + (1.0 - TTFT_EWMA) * old,
+                            None => sample,
+                        });
+                    }
+                }
                 let changed = e.metrics.as_ref() != Some(&m) || e.consecutive_failures > 0;
                 e.metrics = Some(m);
                 e.last_ok = Some(now);
@@ -118,6 +134,8 @@ impl PoolState {
                     block_size: m.block_size.unwrap_or(0),
                     num_gpu_blocks: m.num_gpu_blocks.unwrap_or(0),
                     engine: e.spec.engine.clone(),
+                    ttft_ms: e.ttft_ms.unwrap_or(0.0),
+                    labels: e.spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                 }
             })
             .collect();
@@ -142,6 +160,7 @@ mod tests {
             engine: "vllm".into(),
             metrics_path: "/metrics".into(),
             kv_events: None,
+            labels: Default::default(),
         }
     }
 
@@ -163,5 +182,21 @@ mod tests {
         assert!(p.generation > g);
         assert_eq!(p.endpoints.len(), 1);
         assert!(p.endpoints["1.1.1.1:1"].metrics.is_some(), "metrics survive rediscovery");
+    }
+
+    #[test]
+    fn ttft_is_a_running_mean_of_histogram_growth() {
+        let mut p = PoolState::default();
+        p.set_endpoints(vec![spec("1.1.1.1:1")]);
+        let t = Instant::now();
+        let m = |sum: f64, count: f64| Ok(EngineMetrics { ttft_sum: sum, ttft_count: count, ..Default::default() });
+        p.record_scrape("1.1.1.1:1", m(10.0, 100.0), t);
+        assert_eq!(p.snapshot(1, 1, t, Duration::from_secs(1)).endpoints[0].ttft_ms, 0.0, "no interval yet");
+        p.record_scrape("1.1.1.1:1", m(10.2, 102.0), t);
+        assert!((p.endpoints["1.1.1.1:1"].ttft_ms.unwrap() - 100.0).abs() < 1e-9);
+        p.record_scrape("1.1.1.1:1", m(10.2, 102.0), t); // idle: unchanged
+        p.record_scrape("1.1.1.1:1", m(11.2, 103.0), t); // one request at 1000 ms
+        let ttft = p.snapshot(2, 1, t, Duration::from_secs(1)).endpoints[0].ttft_ms;
+        assert!((ttft - (0.3 * 1000.0 + 0.7 * 100.0)).abs() < 1e-6, "{ttft}");
     }
 }

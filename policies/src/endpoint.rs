@@ -35,6 +35,9 @@ pub struct EndpointMetrics {
     pub kv_usage: f64,
     /// Age of the last successful scrape when the snapshot was built, in ms.
     pub age_ms: u64,
+    /// Recent mean time to first token, ms (0 = unknown).
+    #[serde(default)]
+    pub ttft_ms: f64,
 }
 
 /// One model-server endpoint.
@@ -53,6 +56,9 @@ pub struct Endpoint {
     pub metrics: Option<EndpointMetrics>,
     /// Tokens per KV block (from `vllm:cache_config_info`), 0 if unknown.
     pub block_size: u32,
+    /// Pod labels, sorted by key (for scorers, e.g. `attache.io/accelerator`).
+    #[serde(default)]
+    pub labels: Vec<(String, String)>,
 }
 
 impl Endpoint {

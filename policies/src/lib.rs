@@ -23,6 +23,7 @@ pub mod request;
 pub mod rng;
 pub mod scheduler;
 pub mod scorer;
+pub mod scoring;
 pub mod tokenizer;
 
 pub use config::SchedulerConfig;

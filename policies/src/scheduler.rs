@@ -45,6 +45,9 @@ pub struct Decision {
     pub endpoints: Vec<String>,
     /// Scores of the chosen endpoints, in the same order.
     pub scores: Vec<ScoredEndpoint>,
+    /// Every candidate that passed the filters, scored, in pool order (custom scorers and the
+    /// picker see these).
+    pub all: Vec<ScoredEndpoint>,
     /// Candidates left after filtering.
     pub candidates: usize,
     /// Blocks the request hashed to.
@@ -142,9 +145,8 @@ impl Scheduler {
             })
             .collect();
         let order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
-        let scores: Vec<ScoredEndpoint> = order
-            .iter()
-            .filter_map(|&i| {
+        let all: Vec<ScoredEndpoint> = (0..chosen.len())
+            .filter_map(|i| {
                 Some(ScoredEndpoint {
                     address: chosen.get(i)?.address.clone(),
                     prefix: *s_prefix.get(i)?,
@@ -157,12 +159,14 @@ impl Scheduler {
                 })
             })
             .collect();
+        let scores: Vec<ScoredEndpoint> = order.iter().filter_map(|&i| all.get(i).cloned()).collect();
         if scores.is_empty() {
             return Err(ScheduleError::NoEndpoints);
         }
         Ok(Decision {
             endpoints: scores.iter().map(|s| s.address.clone()).collect(),
             scores,
+            all,
             candidates: chosen.len(),
             total_blocks: input.block_hashes.len(),
             cold,
@@ -254,7 +258,7 @@ mod tests {
         let prompt = "shared ".repeat(300);
         let first = run(&s, &p, &mut ix, &prompt, 3);
         let hot = p.endpoints.iter_mut().find(|e| e.address == first.endpoints[0]).unwrap();
-        hot.metrics = Some(EndpointMetrics { waiting: 20.0, running: 8.0, kv_usage: 0.5, age_ms: 0 });
+        hot.metrics = Some(EndpointMetrics { waiting: 20.0, running: 8.0, kv_usage: 0.5, age_ms: 0, ttft_ms: 0.0 });
         for seed in 0..10 {
             let d = run(&s, &p, &mut ix, &prompt, seed);
             assert_ne!(d.endpoints[0], first.endpoints[0]);

@@ -59,7 +59,7 @@ mod tests {
             models: vec![],
             role: Role::Both,
             ready: true,
-            metrics: Some(EndpointMetrics { waiting, running: 0.0, kv_usage: kv, age_ms: age }),
+            metrics: Some(EndpointMetrics { waiting, running: 0.0, kv_usage: kv, age_ms: age, ttft_ms: 0.0 }),
             ..Default::default()
         }
     }

@@ -14,6 +14,13 @@ pub struct Paths {
     pub envoy: PathBuf,
 }
 
+impl Paths {
+    /// A Wasm module built for wasm32-wasip1 next to the scheduler's (`attache_scorer_slo_ttft`).
+    pub fn module(&self, crate_name: &str) -> PathBuf {
+        self.wasm.with_file_name(format!("{crate_name}.wasm"))
+    }
+}
+
 fn find_envoy(root: &Path) -> Option<PathBuf> {
     let lib = root.join(".venv/lib");
     for py in std::fs::read_dir(&lib).ok()?.flatten() {

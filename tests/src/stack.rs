@@ -161,6 +161,11 @@ pub struct Stack {
     pub external: Vec<ExternalEngine>,
     /// Processes started next to the stack (killed with it).
     pub extra_procs: Vec<Proc>,
+    /// Custom scorer slots in Envoy's chain (each a stable and a canary ECDS filter, then the
+    /// picker). Empty: the scheduler routes alone.
+    pub scorer_slots: Vec<String>,
+    /// The host's `policy:` configuration (JSON), if the policy service should run.
+    pub host_policy: Option<serde_json::Value>,
 }
 
 /// An engine this stack does not start, and where its KV events are published.
@@ -210,6 +215,8 @@ impl Stack {
             http: reqwest::Client::builder().pool_max_idle_per_host(64).build()?,
             external: Vec::new(),
             extra_procs: Vec::new(),
+            scorer_slots: Vec::new(),
+            host_policy: None,
         })
     }
 
@@ -330,11 +337,17 @@ impl Stack {
         if let Some(mut p) = self.host.take() {
             p.kill();
         }
+        let mut cmd = Command::new(&self.paths.host_bin);
+        cmd.arg("host");
+        if let Some(policy) = &self.host_policy {
+            let path = self.workdir.join("host.yaml");
+            // YAML is a superset of JSON.
+            std::fs::write(&path, serde_json::json!({"policy": policy}).to_string())?;
+            cmd.arg("--config").arg(path);
+        }
         let p = self.spawn(
             "host",
-            Command::new(&self.paths.host_bin)
-                .arg("host")
-                .arg("--endpoints")
+            cmd.arg("--endpoints")
                 .arg(&self.endpoints_file)
                 .arg("--grpc-listen")
                 .arg(format!("127.0.0.1:{}", self.host_grpc_port))
@@ -381,11 +394,29 @@ impl Stack {
                 "        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}\n"
             ));
         }
+        let mut scheduler_config = scheduler_config.clone();
+        let mut filters = String::new();
+        if !self.scorer_slots.is_empty() {
+            scheduler_config["scoring"]["context"] = serde_json::json!(true);
+            let body = |file: &str| -> anyhow::Result<String> {
+                let t = std::fs::read_to_string(self.paths.root.join("envoy").join(file))?;
+                Ok(t.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect())
+            };
+            let slot_tpl = body("scorer-slot.yaml")?;
+            for slot in &self.scorer_slots {
+                for suffix in ["", ".canary"] {
+                    filters.push_str(&slot_tpl.replace("{{SLOT}}", slot).replace("{{ARM_SUFFIX}}", suffix));
+                }
+            }
+            filters.push_str(&body("picker.yaml")?);
+        }
+        let scheduler_config = &scheduler_config;
         let mut single = scheduler_config.clone();
         single["scheduler"]["max_endpoints"] = serde_json::json!(1);
         let mut per_worker = scheduler_config.clone();
         per_worker["subscribe"] = serde_json::json!({"cluster": "attache_host"});
         Ok(tpl
+            .replace("{{SCORER_FILTERS}}\n", &filters)
             .replace("{{ADMIN_PORT}}", &self.envoy_admin_port.to_string())
             .replace("{{LISTEN_PORT}}", &self.envoy_port.to_string())
             .replace("{{HOST_GRPC_PORT}}", &self.host_grpc_port.to_string())

@@ -93,7 +93,22 @@ fn build() -> Result<()> {
     ensure_wasm_target()?;
     ensure_libzmq()?;
     ensure_envoy()?;
-    run(cargo().args(["build", "-p", "attache-scheduler-filter", "--target", "wasm32-wasip1", "--profile", "wasm"]))?;
+    // The scheduler module, the example scorers and the test fixture scorer.
+    run(cargo().args([
+        "build",
+        "-p",
+        "attache-scheduler-filter",
+        "-p",
+        "attache-scorer-slo-ttft",
+        "-p",
+        "attache-scorer-cost-aware",
+        "-p",
+        "attache-test-trap-scorer",
+        "--target",
+        "wasm32-wasip1",
+        "--profile",
+        "wasm",
+    ]))?;
     run(cargo().args(["build", "--release", "-p", "attache-host", "-p", "attache-sim", "-p", "attache-bench"]))?;
     Ok(())
 }
@@ -139,6 +154,12 @@ fn test(args: &[String]) -> Result<()> {
         "--release",
         "-p",
         "attache-scheduler-filter",
+        "-p",
+        "attache-scorer-sdk",
+        "-p",
+        "attache-scorer-slo-ttft",
+        "-p",
+        "attache-scorer-cost-aware",
         "--target",
         "wasm32-wasip1",
         "--",

@@ -12,6 +12,34 @@ pub enum Role {
     Scheduler,
     /// The bootstrap singleton that receives the snapshot stream.
     Agent,
+    /// The picker after custom scorer filters: combines their scores with the scheduler's and
+    /// rewrites the destination header.
+    Picker,
+    /// Does nothing: the safe default of an empty scorer slot.
+    Passthrough,
+}
+
+/// Hand-off to custom scorer filters (policies::scoring).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoringConfig {
+    /// Write the scheduling context to filter state for scorer filters and the picker.
+    pub context: bool,
+    /// Request headers whose value keys the sticky rollout bucket, first present wins.
+    /// Requests without any get a bucket from their own seed.
+    pub session_headers: Vec<String>,
+    /// Picker: add `x-attache-scorers: slot=arm@version,...` to responses.
+    pub response_header: bool,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self {
+            context: false,
+            session_headers: vec!["x-session-id".into(), "x-attache-session".into()],
+            response_header: true,
+        }
+    }
 }
 
 /// Where the snapshot stream comes from.
@@ -42,6 +70,8 @@ pub struct FilterConfig {
     /// Open the snapshot stream from this root context. Always on for `agent`; for
     /// `scheduler` it selects per-worker mode.
     pub subscribe: Option<SubscribeConfig>,
+    /// Custom scorers and rollout.
+    pub scoring: ScoringConfig,
 }
 
 impl FilterConfig {

@@ -20,6 +20,19 @@ pub fn remove_request_header(name: &str) {
     let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
 }
 
+pub fn response_header(name: &str) -> Option<String> {
+    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+}
+
+/// A filter-state value (`wasm.<name>`) set by this or another Wasm filter on this request.
+pub fn property(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_property(vec![name]).ok().flatten()
+}
+
+pub fn set_property(name: &str, value: &[u8]) -> bool {
+    hostcalls::set_property(vec![name], Some(value)).is_ok()
+}
+
 pub fn set_response_header(name: &str, value: &str) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
 }

@@ -7,7 +7,8 @@ use attache_policies::index;
 use attache_policies::precise;
 use attache_policies::request::Prompt;
 use attache_policies::request::{self, Api};
-use attache_policies::{prefix, ErrorResponse, RequestError, SchedulingInput};
+use attache_policies::scoring::{self, ScoreSheet, ScoringContext};
+use attache_policies::{prefix, Decision, ErrorResponse, PoolState, RequestError, SchedulingInput};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
@@ -18,6 +19,8 @@ use crate::snapshot::SharedAffinity;
 
 /// The header Envoy's override_host LB policy (or an ORIGINAL_DST cluster) routes on.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Filter-state key the picker sets to the primary endpoint it chose.
+pub const PICKED_PROPERTY: &str = "attache_picked";
 /// llm-d's P/D header; only the scheduler may set it.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 
@@ -29,11 +32,49 @@ pub struct SchedulerHttp {
     answered: bool,
     /// Endpoint counted in `inflight`, released when the request ends.
     dispatched: Option<String>,
+    /// Session key from the configured headers (rollout bucket).
+    session: Option<String>,
+    /// When the request headers arrived, µs.
+    started_us: u64,
+    /// Set when a scoring context went to scorer filters: each candidate's expected prefix hit,
+    /// to grade the arm that acted once the response starts.
+    handed_off: Option<Vec<(String, f32)>>,
+}
+
+/// The candidates as custom scorer filters see them (policies::scoring).
+fn scoring_candidates(decision: &Decision, pool: &PoolState) -> Vec<scoring::Candidate> {
+    decision
+        .all
+        .iter()
+        .map(|s| {
+            let ep = pool.endpoints.iter().find(|e| e.address == s.address);
+            let m = ep.and_then(|e| e.metrics.as_ref());
+            scoring::Candidate {
+                address: s.address.clone(),
+                labels: ep.map(|e| e.labels.clone()).unwrap_or_default(),
+                waiting: m.map(|m| m.waiting as f32).unwrap_or(0.0),
+                running: m.map(|m| m.running as f32).unwrap_or(0.0),
+                kv_usage: m.map(|m| m.kv_usage as f32).unwrap_or(0.0),
+                ttft_ms: m.map(|m| m.ttft_ms as f32).unwrap_or(0.0),
+                prefix_hit: s.prefix.max(s.precise) as f32,
+                score: s.total,
+            }
+        })
+        .collect()
 }
 
 impl SchedulerHttp {
     pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
-        Self { id, worker, api: None, answered: false, dispatched: None }
+        Self {
+            id,
+            worker,
+            api: None,
+            answered: false,
+            dispatched: None,
+            session: None,
+            started_us: 0,
+            handed_off: None,
+        }
     }
 
     fn reject(&mut self, err: ErrorResponse) -> Action {
@@ -83,6 +124,7 @@ impl SchedulerHttp {
                 None
             }
         };
+        let ids_len = ids.as_ref().map(Vec::len);
         let precise_scores = ids.map(|ids| {
             let seed = prefix::chain_seed(&req.model, None);
             let reader = kv_table::Reader::new(pc.slots);
@@ -117,6 +159,24 @@ impl SchedulerHttp {
                 None,
                 "could not set the destination header",
             ));
+        }
+        if w.config.scoring.context {
+            let session = self.session.as_deref().or(req.user.as_deref());
+            let bucket = session.map_or_else(|| scoring::bucket_of_seed(seed), |s| scoring::bucket_of(s.as_bytes()));
+            let prompt_tokens = ids_len.unwrap_or(body.len() / 4).min(u32::MAX as usize) as u32;
+            let ctx = ScoringContext {
+                bucket,
+                seed,
+                max_endpoints: w.config.scheduler.max_endpoints.min(255) as u8,
+                model: req.model.clone(),
+                prompt_tokens,
+                max_tokens: req.max_tokens.unwrap_or(0).min(u64::from(u32::MAX)) as u32,
+                stream: req.stream,
+                candidates: scoring_candidates(&decision, &w.cache.pool),
+            };
+            if host::set_property(scoring::CONTEXT_PROPERTY, &ctx.encode()) {
+                self.handed_off = Some(ctx.candidates.into_iter().map(|c| (c.address, c.prefix_hit)).collect());
+            }
         }
         w.scheduler.commit(&decision, &hashes, &mut w.state);
         if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
@@ -169,6 +229,12 @@ impl HttpContext for SchedulerHttp {
         let method = host::request_header(":method").unwrap_or_default();
         let path = host::request_header(":path").unwrap_or_default();
         self.api = if method == "POST" { Api::from_path(&path) } else { None };
+        if let Ok(w) = self.worker.try_borrow() {
+            if w.config.scoring.context {
+                self.started_us = host::now_us();
+                self.session = w.config.scoring.session_headers.iter().find_map(|h| host::request_header(h));
+            }
+        }
         let Some(_) = self.api else {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.metrics.passthrough();
@@ -205,6 +271,46 @@ impl HttpContext for SchedulerHttp {
             return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
         };
         self.schedule(api, &body)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(hits) = self.handed_off.take() else {
+            return Action::Continue;
+        };
+        // A scorer that is still marked as scoring when the response starts trapped: Envoy
+        // answered 503 for it. Say that the request is safe to retry (nothing reached an engine).
+        let scoring = host::property(scoring::SCORING_PROPERTY).unwrap_or_default();
+        let trapped = std::str::from_utf8(&scoring).ok().filter(|s| !s.is_empty()).map(str::to_owned);
+        if trapped.is_some() {
+            host::set_response_header("retry-after", "0");
+            host::set_response_header("x-attache-retryable", "scorer-trap");
+        }
+        let status = host::response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+        let picked = host::property(PICKED_PROPERTY).and_then(|b| String::from_utf8(b).ok());
+        let prefix_hit = picked
+            .as_deref()
+            .or(self.dispatched.as_deref())
+            .and_then(|a| hits.iter().find(|(addr, _)| addr == a))
+            .map(|(_, h)| *h)
+            .unwrap_or(0.0);
+        let ttfb_us = host::now_us().saturating_sub(self.started_us);
+        let sheet =
+            host::property(scoring::SCORES_PROPERTY).and_then(|b| ScoreSheet::decode(&b).ok()).unwrap_or_default();
+        let Ok(mut w) = self.worker.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        let outcome = |trap: bool| crate::metrics::ArmOutcome { error: status >= 500, trap, ttfb_us, prefix_hit };
+        for e in &sheet.entries {
+            w.metrics.rollout(&e.slot, e.arm.as_str(), &outcome(false));
+        }
+        if let Some(t) = trapped {
+            // `slot/arm/version`
+            let mut parts = t.split('/');
+            if let (Some(slot), Some(arm)) = (parts.next(), parts.next()) {
+                w.metrics.rollout(slot, arm, &outcome(true));
+            }
+        }
+        Action::Continue
     }
 
     fn on_log(&mut self) {

@@ -6,6 +6,9 @@
 //! - `agent` (bootstrap singleton): holds the gRPC stream to the host and writes each snapshot
 //!   into shared data for every worker. A scheduler can also subscribe itself (per-worker mode,
 //!   for Istio's WasmPlugin, which cannot add a singleton).
+//! - `picker` (HTTP filter, after custom scorer filters): combines their scores with the
+//!   scheduler's and rewrites the destination header (policies::scoring).
+//! - `passthrough` (HTTP filter): does nothing; the safe default of an empty scorer slot.
 //!
 //! Nothing here may panic: a panic is a Wasm trap that kills the worker's VM. Every host call
 //! goes through the fallible `hostcalls` wrappers in [`host`].
@@ -15,6 +18,7 @@ pub mod host;
 pub mod http;
 pub mod kv_table;
 pub mod metrics;
+pub mod picker;
 pub mod root;
 pub mod snapshot;
 

@@ -27,6 +27,18 @@ pub struct Metrics {
     index_seq: Option<u32>,
     propagation_us: Option<u32>,
     score_precise: Option<u32>,
+    /// Per rollout arm (`<slot>.<arm>`): requests, 5xx, traps, latency sum, hit sum.
+    rollout: HashMap<String, [Option<u32>; 5]>,
+}
+
+/// What one request tells about the scorer arm that acted on it.
+pub struct ArmOutcome {
+    pub error: bool,
+    pub trap: bool,
+    /// Request start to response headers, µs.
+    pub ttfb_us: u64,
+    /// Expected prefix-cache hit of the endpoint picked, 0..1.
+    pub prefix_hit: f32,
 }
 
 fn define(t: MetricType, name: &str) -> Option<u32> {
@@ -134,6 +146,27 @@ impl Metrics {
             }
         };
         inc(id, 1);
+    }
+
+    /// Record a request a rollout arm acted on, as counters the host's rollout controller
+    /// reads from Envoy: `attache.rollout.<slot>.<arm>.{requests,errors,traps,ttfb_us,hit_permille}`.
+    pub fn rollout(&mut self, slot: &str, arm: &str, o: &ArmOutcome) {
+        let key = format!("{}.{arm}", sanitize(slot));
+        let ids = match self.rollout.get(&key) {
+            Some(ids) => *ids,
+            None => {
+                let d = |what: &str| define(MetricType::Counter, &format!("attache.rollout.{key}.{what}"));
+                let ids = [d("requests"), d("errors"), d("traps"), d("ttfb_us"), d("hit_permille")];
+                self.rollout.insert(key, ids);
+                ids
+            }
+        };
+        let [requests, errors, traps, ttfb, hit] = ids;
+        inc(requests, 1);
+        inc(errors, i64::from(o.error));
+        inc(traps, i64::from(o.trap));
+        inc(ttfb, o.ttfb_us.min(i64::MAX as u64) as i64);
+        inc(hit, (f64::from(o.prefix_hit) * 1000.0).round().clamp(0.0, 1000.0) as i64);
     }
 
     /// A new snapshot arrived (agent) or was loaded (worker).

@@ -18,6 +18,7 @@ use crate::host;
 use crate::http::SchedulerHttp;
 use crate::kv_table;
 use crate::metrics::Metrics;
+use crate::picker;
 use crate::snapshot::{self, SnapshotCache, Subscriber};
 
 /// State shared by one worker's HTTP contexts.
@@ -78,12 +79,13 @@ pub struct AttacheRoot {
     context_id: u32,
     role: Role,
     worker: Option<Rc<RefCell<Worker>>>,
+    picker: Option<Rc<picker::Shared>>,
     subscriber: Option<Subscriber>,
 }
 
 impl AttacheRoot {
     pub fn new(context_id: u32) -> Self {
-        Self { context_id, role: Role::Scheduler, worker: None, subscriber: None }
+        Self { context_id, role: Role::Scheduler, worker: None, picker: None, subscriber: None }
     }
 
     fn node(&self) -> String {
@@ -150,10 +152,21 @@ impl RootContext for AttacheRoot {
             }
         };
         self.role = config.role;
+        match config.role {
+            Role::Picker => {
+                self.picker = Some(Rc::new(picker::Shared {
+                    config: config.scoring.clone(),
+                    metrics: picker::PickerMetrics::define(),
+                }));
+                return true;
+            }
+            Role::Passthrough => return true,
+            Role::Scheduler | Role::Agent => {}
+        }
         let sub_cfg = match (config.role, &config.subscribe) {
             (_, Some(s)) => Some(s.clone()),
             (Role::Agent, None) => Some(SubscribeConfig::default()),
-            (Role::Scheduler, None) => None,
+            (_, None) => None,
         };
         self.worker = Some(Rc::new(RefCell::new(Worker::new(config))));
         if let Some(cfg) = sub_cfg {
@@ -173,13 +186,19 @@ impl RootContext for AttacheRoot {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let worker = self.worker.clone()?;
-        Some(Box::new(SchedulerHttp::new(context_id, worker)))
+        match self.role {
+            Role::Picker => Some(Box::new(picker::PickerHttp::new(self.picker.clone()?))),
+            Role::Passthrough => Some(Box::new(picker::PassthroughHttp)),
+            Role::Scheduler | Role::Agent => {
+                let worker = self.worker.clone()?;
+                Some(Box::new(SchedulerHttp::new(context_id, worker)))
+            }
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {
         match self.role {
-            Role::Scheduler => Some(ContextType::HttpContext),
+            Role::Scheduler | Role::Picker | Role::Passthrough => Some(ContextType::HttpContext),
             Role::Agent => None,
         }
     }

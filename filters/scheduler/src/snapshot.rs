@@ -39,7 +39,13 @@ pub fn to_pool(s: &v1::Snapshot) -> PoolState {
                     running: e.running,
                     kv_usage: e.kv_usage,
                     age_ms: e.metrics_age_ms,
+                    ttft_ms: e.ttft_ms,
                 }),
+                labels: {
+                    let mut l: Vec<(String, String)> = e.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                    l.sort();
+                    l
+                },
             })
             .collect(),
     }

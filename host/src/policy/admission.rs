@@ -41,6 +41,9 @@ pub const REQUIRED_EXPORTS: [&str; 7] = [
 pub struct SampleRequest {
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// Filter state present when the module sees the request (`wasm.<name>` → value), e.g.
+    /// the scheduling context a custom scorer reads.
+    pub properties: Vec<(String, Vec<u8>)>,
 }
 
 impl SampleRequest {
@@ -55,9 +58,13 @@ impl SampleRequest {
                 ("content-length".into(), body.len().to_string()),
             ],
             body: body.as_bytes().to_vec(),
+            properties: Vec::new(),
         }
     }
 }
+
+/// A check of what a module did with the samples.
+pub type OutputCheck = fn(&[SampleRequest], &AdmissionReport) -> Result<(), AdmissionError>;
 
 /// What admission requires.
 #[derive(Debug, Clone)]
@@ -72,6 +79,8 @@ pub struct AdmissionConfig {
     pub fuel_per_call: u64,
     /// Shared data to pre-load (for example the current snapshot), key → value.
     pub shared_data: Vec<(String, Vec<u8>)>,
+    /// Checks what the module did with the samples (e.g. [`check_scorer_outputs`]).
+    pub check_outputs: Option<OutputCheck>,
 }
 
 impl Default for AdmissionConfig {
@@ -82,6 +91,7 @@ impl Default for AdmissionConfig {
             budget_per_request: Duration::from_millis(50),
             fuel_per_call: 500_000_000,
             shared_data: Vec::new(),
+            check_outputs: None,
         }
     }
 }
@@ -105,6 +115,73 @@ pub fn default_samples() -> Vec<SampleRequest> {
     ]
 }
 
+/// Recorded scheduling contexts for a custom scorer: the filter state the scheduler leaves
+/// (1, 4 and 16 candidates; labelled and unlabelled; idle, queued and cold endpoints).
+pub fn scorer_samples() -> Vec<SampleRequest> {
+    use attache_policies::scoring::{Candidate, ScoringContext, CONTEXT_PROPERTY};
+    let classes = ["l4", "a100", "h100", ""];
+    let ctx = |n: usize, prompt_tokens: u32, seed: u64| ScoringContext {
+        bucket: (seed % 10_000) as u16,
+        seed,
+        max_endpoints: 3,
+        model: "m".into(),
+        prompt_tokens,
+        max_tokens: 128,
+        stream: seed.is_multiple_of(2),
+        candidates: (0..n)
+            .map(|i| Candidate {
+                address: format!("10.0.{}.{}:8000", i / 250, i % 250),
+                labels: match classes[i % classes.len()] {
+                    "" => Vec::new(),
+                    c => vec![("attache.io/accelerator".into(), c.into())],
+                },
+                waiting: (i % 5) as f32,
+                running: (i % 7) as f32,
+                kv_usage: (i % 10) as f32 / 10.0,
+                ttft_ms: [0.0, 35.0, 250.0, 2400.0][i % 4],
+                prefix_hit: [0.0, 0.5, 1.0][i % 3],
+                score: 1.0 + i as f64 / 10.0,
+            })
+            .collect(),
+    };
+    [ctx(1, 12, 1), ctx(4, 6000, 2), ctx(16, 900, 3), ctx(16, 0, 9_999)]
+        .into_iter()
+        .map(|c| SampleRequest {
+            properties: vec![(CONTEXT_PROPERTY.into(), c.encode())],
+            ..SampleRequest::post("/v1/chat/completions", "")
+        })
+        .collect()
+}
+
+/// Check that a scorer scored every sample: a decodable score sheet with one finite score per
+/// candidate.
+pub fn check_scorer_outputs(samples: &[SampleRequest], report: &AdmissionReport) -> Result<(), AdmissionError> {
+    use attache_policies::scoring::{ScoreSheet, ScoringContext, CONTEXT_PROPERTY, SCORES_PROPERTY};
+    for (k, (sample, outcome)) in samples.iter().zip(&report.outcomes).enumerate() {
+        let no = |reason: String| AdmissionError::NoScores { sample: k, reason };
+        let ctx = sample
+            .properties
+            .iter()
+            .find(|(p, _)| p == CONTEXT_PROPERTY)
+            .and_then(|(_, v)| ScoringContext::decode(v).ok())
+            .ok_or_else(|| no("sample has no scoring context".into()))?;
+        let sheet = outcome
+            .properties
+            .iter()
+            .find(|(p, _)| p == SCORES_PROPERTY)
+            .ok_or_else(|| no("the module wrote no score sheet (is it built with the scorer SDK?)".into()))?;
+        let sheet = ScoreSheet::decode(&sheet.1).map_err(|e| no(format!("score sheet does not decode: {e}")))?;
+        let entry = sheet.entries.first().ok_or_else(|| no("score sheet is empty".into()))?;
+        if entry.scores.len() != ctx.candidates.len() {
+            return Err(no(format!("{} scores for {} candidates", entry.scores.len(), ctx.candidates.len())));
+        }
+        if let Some(s) = entry.scores.iter().find(|s| !s.is_finite()) {
+            return Err(no(format!("non-finite score {s}")));
+        }
+    }
+    Ok(())
+}
+
 /// Why a module is refused.
 #[derive(Debug, thiserror::Error)]
 pub enum AdmissionError {
@@ -122,6 +199,8 @@ pub enum AdmissionError {
     ConfigureRejected,
     #[error("module trapped in {phase} of sample request {sample}: {message}")]
     Trap { sample: usize, phase: &'static str, message: String },
+    #[error("scorer did not score sample request {sample}: {reason}")]
+    NoScores { sample: usize, reason: String },
     #[error("sample request {sample} took {took_ms:.1} ms, over the {budget_ms:.1} ms budget")]
     OverBudget { sample: usize, took_ms: f64, budget_ms: f64 },
 }
@@ -133,6 +212,8 @@ pub struct SampleOutcome {
     pub headers: Vec<(String, String)>,
     /// The status of the local response, if the module answered the request itself.
     pub local_response: Option<u32>,
+    /// Filter state after the module ran.
+    pub properties: Vec<(String, Vec<u8>)>,
 }
 
 /// What the module did with the samples.
@@ -151,6 +232,7 @@ struct HostState {
     headers: Vec<(String, String)>,
     body: Vec<u8>,
     local_response: Option<u32>,
+    properties: Vec<(String, Vec<u8>)>,
     shared: HashMap<String, (Vec<u8>, u32)>,
     metrics: Vec<(String, i64)>,
     logs: Vec<String>,
@@ -315,8 +397,24 @@ fn call(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i32>>
             OK
         }
         "proxy_set_header_map_pairs" => OK,
-        "proxy_get_property" => NOT_FOUND,
-        "proxy_set_property" => OK,
+        "proxy_get_property" => {
+            // A path is its segments joined by NUL; filter state is a single segment.
+            let path = read_str(c, i(a, 0), i(a, 1)).unwrap_or_default();
+            match c.data().properties.iter().find(|(k, _)| *k == path).map(|(_, v)| v.clone()) {
+                Some(v) => give(c, &v, i(a, 2), i(a, 3))?,
+                None => NOT_FOUND,
+            }
+        }
+        "proxy_set_property" => {
+            let path = read_str(c, i(a, 0), i(a, 1)).unwrap_or_default();
+            let value = read(c, i(a, 2), i(a, 3)).unwrap_or_default();
+            let props = &mut c.data_mut().properties;
+            props.retain(|(k, _)| *k != path);
+            if props.len() < 64 {
+                props.push((path, value));
+            }
+            OK
+        }
         "proxy_get_shared_data" => {
             let key = read_str(c, i(a, 0), i(a, 1)).unwrap_or_default();
             match c.data().shared.get(&key).cloned() {
@@ -539,6 +637,7 @@ pub fn admit(bytes: &[u8], cfg: &AdmissionConfig) -> Result<AdmissionReport, Adm
             st.headers = sample.headers.clone();
             st.body = sample.body.clone();
             st.local_response = None;
+            st.properties = sample.properties.clone();
         }
         let started = Instant::now();
         let trap = |phase: &'static str| {
@@ -571,9 +670,16 @@ pub fn admit(bytes: &[u8], cfg: &AdmissionConfig) -> Result<AdmissionReport, Adm
         }
         report.max_request_us = report.max_request_us.max(took.as_micros() as u64);
         let st = store.data();
-        report.outcomes.push(SampleOutcome { headers: st.headers.clone(), local_response: st.local_response });
+        report.outcomes.push(SampleOutcome {
+            headers: st.headers.clone(),
+            local_response: st.local_response,
+            properties: st.properties.clone(),
+        });
     }
     report.logs = std::mem::take(&mut store.data_mut().logs);
+    if let Some(check) = cfg.check_outputs {
+        check(&cfg.samples, &report)?;
+    }
     Ok(report)
 }
 

@@ -27,6 +27,9 @@ pub struct ModuleRecord {
     pub size: usize,
     /// Seconds since the Unix epoch.
     pub uploaded_at: u64,
+    /// The scorer's own configuration (`params`), admitted with the module.
+    #[serde(default)]
+    pub params: serde_json::Value,
 }
 
 /// Why an upload was refused. Nothing is stored in any of these cases.
@@ -70,6 +73,7 @@ impl ModuleStore {
         admission: &AdmissionConfig,
         slot: &str,
         version: &str,
+        params: &serde_json::Value,
         bytes: &[u8],
     ) -> Result<ModuleRecord, UploadError> {
         if !valid_name(slot) || !valid_name(version) {
@@ -90,6 +94,7 @@ impl ModuleStore {
             sha256: verified.sha256,
             signers: verified.signers,
             size: bytes.len(),
+            params: params.clone(),
             uploaded_at: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
@@ -141,25 +146,29 @@ mod tests {
         let signed = super::super::signing::sign(&kp.sk.to_bytes(), &module).unwrap();
         let adm = AdmissionConfig::default();
 
-        let r1 = store.upload(&trust, &adm, "attache.scorer.demo", "v1", &signed).unwrap();
+        let r1 = store.upload(&trust, &adm, "attache.scorer.demo", "v1", &serde_json::Value::Null, &signed).unwrap();
         assert_eq!(store.load(&r1.sha256).unwrap(), signed);
-        let r2 = store.upload(&trust, &adm, "attache.scorer.demo", "v1-again", &signed).unwrap();
+        let r2 =
+            store.upload(&trust, &adm, "attache.scorer.demo", "v1-again", &serde_json::Value::Null, &signed).unwrap();
         assert_eq!(r1.sha256, r2.sha256, "same bytes, same address");
         assert_eq!(store.history(Some("attache.scorer.demo")).unwrap().len(), 2);
         assert!(store.history(Some("other")).unwrap().is_empty());
 
         // Refusals store nothing.
         assert!(matches!(
-            store.upload(&trust, &adm, "attache.scorer.demo", "v2", &module),
+            store.upload(&trust, &adm, "attache.scorer.demo", "v2", &serde_json::Value::Null, &module),
             Err(UploadError::Signature(SignatureError::Unsigned))
         ));
         let trapping = filter("(unreachable)");
         let signed_trap = super::super::signing::sign(&kp.sk.to_bytes(), &trapping).unwrap();
         assert!(matches!(
-            store.upload(&trust, &adm, "attache.scorer.demo", "v3", &signed_trap),
+            store.upload(&trust, &adm, "attache.scorer.demo", "v3", &serde_json::Value::Null, &signed_trap),
             Err(UploadError::Admission(AdmissionError::Trap { .. }))
         ));
-        assert!(matches!(store.upload(&trust, &adm, "../escape", "v4", &signed), Err(UploadError::InvalidName(_))));
+        assert!(matches!(
+            store.upload(&trust, &adm, "../escape", "v4", &serde_json::Value::Null, &signed),
+            Err(UploadError::InvalidName(_))
+        ));
         assert_eq!(store.history(None).unwrap().len(), 2);
         let stored = std::fs::read_dir(dir.join("modules")).unwrap().count();
         assert_eq!(stored, 1, "refused modules must not be stored");

@@ -1,0 +1,163 @@
+//! The policy admin API (HTTP + JSON, bearer token), mounted on the host's admin listener:
+//!
+//! | method | path | does |
+//! |---|---|---|
+//! | POST | `/v1/policy/modules?slot=S&version=V[&params=JSON]` | upload a signed module (body: the bytes) |
+//! | GET | `/v1/policy/modules[?slot=S]` | upload history |
+//! | POST | `/v1/policy/slots/{slot}/rollout` `{"module": sha256-or-version, "canary_percent": 5, "weight": 1}` | start a canary |
+//! | POST | `/v1/policy/slots/{slot}/promote` `{"reason": "..."}` | canary → stable |
+//! | POST | `/v1/policy/slots/{slot}/rollback` `{"reason": "..."}` | drop the canary, or the stable back one version |
+//! | GET | `/v1/policy/status` | versions, counters, controller verdicts, Envoy ACK/NACK, transitions |
+//!
+//! Errors are `{"error": code, "message": text}` with codes `unauthorized`, `bad_request`,
+//! `unsigned`, `tampered`, `untrusted_key`, `malformed_module`, `admission_refused`,
+//! `not_found`, `conflict`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::service::{ApiError, PolicyService};
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(json!({"error": self.code, "message": self.message}))).into_response()
+    }
+}
+
+async fn auth(State(svc): State<Arc<PolicyService>>, req: Request, next: Next) -> Response {
+    let header = req.headers().get("authorization").and_then(|v| v.to_str().ok());
+    if !svc.authorized(header) {
+        let mut r = ApiError { status: 401, code: "unauthorized", message: "a valid bearer token is required".into() }
+            .into_response();
+        r.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
+        return r;
+    }
+    next.run(req).await
+}
+
+pub fn router(svc: Arc<PolicyService>) -> Router {
+    Router::new()
+        .route("/v1/policy/modules", post(upload).get(modules))
+        .route("/v1/policy/slots/{slot}/rollout", post(rollout))
+        .route("/v1/policy/slots/{slot}/promote", post(promote))
+        .route("/v1/policy/slots/{slot}/rollback", post(rollback))
+        .route("/v1/policy/status", get(status))
+        .layer(DefaultBodyLimit::max(32 << 20))
+        .route_layer(axum::middleware::from_fn_with_state(svc.clone(), auth))
+        .with_state(svc)
+}
+
+#[derive(Deserialize)]
+struct UploadQuery {
+    slot: String,
+    version: String,
+    #[serde(default)]
+    params: Option<String>,
+}
+
+async fn upload(
+    State(svc): State<Arc<PolicyService>>,
+    Query(q): Query<UploadQuery>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let params: Value = match q.params.as_deref() {
+        None | Some("") => Value::Null,
+        Some(p) => serde_json::from_str(p).map_err(|e| ApiError {
+            status: 400,
+            code: "bad_request",
+            message: format!("params is not JSON: {e}"),
+        })?,
+    };
+    // Verification and admission are CPU work (wasmtime compiles the module).
+    let record = tokio::task::spawn_blocking(move || svc.upload(&q.slot, &q.version, &params, &body))
+        .await
+        .map_err(|e| ApiError { status: 500, code: "internal", message: e.to_string() })??;
+    Ok((StatusCode::CREATED, Json(json!(record))))
+}
+
+#[derive(Deserialize)]
+struct ModulesQuery {
+    slot: Option<String>,
+}
+
+async fn modules(
+    State(svc): State<Arc<PolicyService>>,
+    Query(q): Query<ModulesQuery>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!({"modules": svc.modules(q.slot.as_deref())?})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RolloutBody {
+    module: String,
+    canary_percent: f64,
+    #[serde(default = "one")]
+    weight: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ReasonBody {
+    #[serde(default)]
+    reason: String,
+}
+
+fn json_body<T: serde::de::DeserializeOwned + Default>(body: &Bytes) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError { status: 400, code: "bad_request", message: e.to_string() })
+}
+
+async fn rollout(
+    State(svc): State<Arc<PolicyService>>,
+    Path(slot): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let b: RolloutBody = serde_json::from_slice(&body).map_err(|e| ApiError {
+        status: 400,
+        code: "bad_request",
+        message: e.to_string(),
+    })?;
+    let t = svc.rollout(&slot, &b.module, b.canary_percent, b.weight).await?;
+    Ok(Json(json!({"transition": t})))
+}
+
+async fn promote(
+    State(svc): State<Arc<PolicyService>>,
+    Path(slot): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let b: ReasonBody = json_body(&body)?;
+    let reason = if b.reason.is_empty() { "operator request".to_owned() } else { b.reason };
+    Ok(Json(json!({"transition": svc.promote(&slot, "operator", &reason)?})))
+}
+
+async fn rollback(
+    State(svc): State<Arc<PolicyService>>,
+    Path(slot): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let b: ReasonBody = json_body(&body)?;
+    let reason = if b.reason.is_empty() { "operator request".to_owned() } else { b.reason };
+    Ok(Json(json!({"transition": svc.rollback(&slot, "operator", &reason)?})))
+}
+
+async fn status(State(svc): State<Arc<PolicyService>>) -> Json<Value> {
+    Json(svc.status().await)
+}

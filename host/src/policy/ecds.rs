@@ -1,0 +1,276 @@
+//! Envoy's Extension Config Discovery Service (incremental/delta xDS), serving the scorer slots'
+//! filter configurations from the rollout state.
+//!
+//! Each resource is a `TypedExtensionConfig` holding an `envoy.extensions.filters.http.wasm.v3.Wasm`
+//! whose code is the verified module's exact bytes (inline, so Envoy loads what the host
+//! checked, with no fetch that can fail) and whose VM id carries the module's sha256. Delta xDS
+//! fits slots well: the host sends only resources that changed, and a slot without a version
+//! is simply never sent, so Envoy keeps the filter's `default_config` (a passthrough).
+//!
+//! Envoy's ACK or NACK of every version is recorded per node and shown by `status`: a module
+//! Envoy refuses (say, V8 cannot compile it) leaves Envoy on the previous version, and the NACK
+//! says why.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+
+use envoy_types::pb::envoy::config::core::v3::{
+    async_data_source, data_source, AsyncDataSource, DataSource, TypedExtensionConfig,
+};
+use envoy_types::pb::envoy::extensions::filters::http::wasm::v3::Wasm;
+use envoy_types::pb::envoy::extensions::wasm::v3::{plugin_config, FailurePolicy, PluginConfig, VmConfig};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse, Resource,
+};
+use envoy_types::pb::envoy::service::extension::v3::extension_config_discovery_service_server::{
+    ExtensionConfigDiscoveryService, ExtensionConfigDiscoveryServiceServer,
+};
+use envoy_types::pb::google::protobuf::{Any, StringValue};
+use prost::Message;
+use serde::Serialize;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{info, warn};
+
+use super::rollout::FilterSpec;
+use super::signing::sha256_hex;
+
+pub const TYPED_EXTENSION_CONFIG: &str = "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig";
+const WASM_FILTER: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+const STRING_VALUE: &str = "type.googleapis.com/google.protobuf.StringValue";
+
+/// How Envoy treats a scorer that traps (`failure_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrapPolicy {
+    /// The request that trapped gets 503 (marked retryable); later requests skip the scorer
+    /// until the controller rolls it back. The scheduler's own pick still routes them.
+    #[default]
+    FailOpen,
+    /// The request that trapped gets 503; Envoy reloads the VM for the next request.
+    FailReload,
+}
+
+/// The resources to serve, by name: (version, resource).
+#[derive(Debug, Default)]
+pub struct Published {
+    pub revision: u64,
+    pub resources: BTreeMap<String, (String, Any)>,
+}
+
+/// Build the Wasm filter resource of one slot filter from the module bytes.
+pub fn resource(spec: &FilterSpec, module: &[u8], policy: TrapPolicy) -> (String, Any) {
+    let config = spec.plugin_config();
+    let short = spec.deployed.sha256.get(..16).unwrap_or(&spec.deployed.sha256);
+    let wasm = Wasm {
+        config: Some(PluginConfig {
+            name: spec.resource.clone(),
+            root_id: "attache_scorer".into(),
+            configuration: Some(Any {
+                type_url: STRING_VALUE.into(),
+                value: StringValue { value: config.clone() }.encode_to_vec(),
+            }),
+            failure_policy: match policy {
+                TrapPolicy::FailOpen => FailurePolicy::FailOpen as i32,
+                TrapPolicy::FailReload => FailurePolicy::FailReload as i32,
+            },
+            vm: Some(plugin_config::Vm::VmConfig(VmConfig {
+                // One VM per module version: the id names the code it runs.
+                vm_id: format!("attache.scorer.{short}"),
+                runtime: "envoy.wasm.runtime.v8".into(),
+                code: Some(AsyncDataSource {
+                    specifier: Some(async_data_source::Specifier::Local(DataSource {
+                        specifier: Some(data_source::Specifier::InlineBytes(module.to_vec())),
+                        ..Default::default()
+                    })),
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }),
+    };
+    let typed = TypedExtensionConfig {
+        name: spec.resource.clone(),
+        typed_config: Some(Any { type_url: WASM_FILTER.into(), value: wasm.encode_to_vec() }),
+    };
+    let version = sha256_hex(format!("{}|{config}|{policy:?}", spec.deployed.sha256).as_bytes());
+    (
+        version.get(..16).unwrap_or(&version).to_owned(),
+        Any { type_url: TYPED_EXTENSION_CONFIG.into(), value: typed.encode_to_vec() },
+    )
+}
+
+/// What one Envoy has said about one resource.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ResourceAck {
+    /// Version last sent.
+    pub sent: String,
+    /// Version Envoy accepted last.
+    pub acked: Option<String>,
+    /// Envoy's reason for refusing the version last sent.
+    pub nack: Option<String>,
+}
+
+/// Envoy's answers, per node id, per resource.
+#[derive(Debug, Default)]
+pub struct Acks {
+    nodes: Mutex<BTreeMap<String, BTreeMap<String, ResourceAck>>>,
+}
+
+impl Acks {
+    pub fn snapshot(&self) -> BTreeMap<String, BTreeMap<String, ResourceAck>> {
+        self.nodes.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn with<R>(&self, node: &str, f: impl FnOnce(&mut BTreeMap<String, ResourceAck>) -> R) -> R {
+        let mut g = self.nodes.lock().unwrap_or_else(|p| p.into_inner());
+        f(g.entry(node.to_owned()).or_default())
+    }
+}
+
+#[derive(Clone)]
+pub struct EcdsServer {
+    published: watch::Receiver<Arc<Published>>,
+    pub acks: Arc<Acks>,
+}
+
+impl EcdsServer {
+    pub fn new(published: watch::Receiver<Arc<Published>>, acks: Arc<Acks>) -> Self {
+        Self { published, acks }
+    }
+
+    pub fn into_server(self) -> ExtensionConfigDiscoveryServiceServer<Self> {
+        // Modules travel inline; allow large resources.
+        ExtensionConfigDiscoveryServiceServer::new(self).max_encoding_message_size(64 << 20)
+    }
+}
+
+type DeltaStream = ReceiverStream<Result<DeltaDiscoveryResponse, Status>>;
+type SotwStream = ReceiverStream<Result<DiscoveryResponse, Status>>;
+
+#[tonic::async_trait]
+impl ExtensionConfigDiscoveryService for EcdsServer {
+    type StreamExtensionConfigsStream = SotwStream;
+    type DeltaExtensionConfigsStream = DeltaStream;
+
+    async fn stream_extension_configs(
+        &self,
+        _request: Request<Streaming<DiscoveryRequest>>,
+    ) -> Result<Response<SotwStream>, Status> {
+        Err(Status::unimplemented("Attaché serves ECDS as delta xDS: set api_type: DELTA_GRPC"))
+    }
+
+    async fn fetch_extension_configs(
+        &self,
+        _request: Request<DiscoveryRequest>,
+    ) -> Result<Response<DiscoveryResponse>, Status> {
+        Err(Status::unimplemented("Attaché serves ECDS as delta xDS: set api_type: DELTA_GRPC"))
+    }
+
+    async fn delta_extension_configs(
+        &self,
+        request: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<DeltaStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let mut published = self.published.clone();
+        let acks = self.acks.clone();
+        tokio::spawn(async move {
+            let mut node = String::from("unknown");
+            let mut subscribed: BTreeSet<String> = BTreeSet::new();
+            let mut sent: BTreeMap<String, String> = BTreeMap::new();
+            // nonce → the versions that response carried
+            let mut inflight: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+            let mut nonce = 0u64;
+            loop {
+                tokio::select! {
+                    msg = inbound.message() => {
+                        let r = match msg {
+                            Ok(Some(r)) => r,
+                            Ok(None) => break,
+                            Err(e) => { warn!(error = %e, node, "ECDS stream error"); break; }
+                        };
+                        if let Some(n) = r.node.as_ref().filter(|n| !n.id.is_empty()) {
+                            node = n.id.clone();
+                        }
+                        if !r.response_nonce.is_empty() {
+                            let carried = inflight.remove(&r.response_nonce).unwrap_or_default();
+                            let err = r.error_detail.as_ref().map(|e| e.message.clone());
+                            if let Some(msg) = &err {
+                                warn!(node, nonce = r.response_nonce, error = %msg, "Envoy refused a filter configuration; it keeps the previous one");
+                            }
+                            acks.with(&node, |m| {
+                                for (name, version) in carried {
+                                    let a = m.entry(name).or_default();
+                                    match &err {
+                                        None => { a.acked = Some(version); a.nack = None; }
+                                        Some(e) => a.nack = Some(e.clone()),
+                                    }
+                                }
+                            });
+                        }
+                        for n in r.resource_names_subscribe {
+                            info!(node, resource = %n, "ECDS subscribe");
+                            subscribed.insert(n);
+                        }
+                        for n in r.resource_names_unsubscribe {
+                            subscribed.remove(&n);
+                            sent.remove(&n);
+                        }
+                    }
+                    changed = published.changed() => {
+                        if changed.is_err() { break; }
+                    }
+                }
+                let p = published.borrow_and_update().clone();
+                let mut resources = Vec::new();
+                let mut removed = Vec::new();
+                for name in &subscribed {
+                    match p.resources.get(name) {
+                        Some((version, any)) if sent.get(name) != Some(version) => {
+                            resources.push(Resource {
+                                name: name.clone(),
+                                version: version.clone(),
+                                resource: Some(any.clone()),
+                                ..Default::default()
+                            });
+                            sent.insert(name.clone(), version.clone());
+                        }
+                        None if sent.remove(name).is_some() => removed.push(name.clone()),
+                        _ => {}
+                    }
+                }
+                if resources.is_empty() && removed.is_empty() {
+                    continue;
+                }
+                nonce += 1;
+                let n = nonce.to_string();
+                let carried: Vec<(String, String)> =
+                    resources.iter().map(|r| (r.name.clone(), r.version.clone())).collect();
+                acks.with(&node, |m| {
+                    for (name, version) in &carried {
+                        m.entry(name.clone()).or_default().sent = version.clone();
+                    }
+                    for name in &removed {
+                        m.remove(name);
+                    }
+                });
+                info!(node, nonce = n, updated = ?carried, removed = ?removed, revision = p.revision, "ECDS push");
+                inflight.insert(n.clone(), carried);
+                let resp = DeltaDiscoveryResponse {
+                    system_version_info: p.revision.to_string(),
+                    resources,
+                    type_url: TYPED_EXTENSION_CONFIG.into(),
+                    removed_resources: removed,
+                    nonce: n,
+                    ..Default::default()
+                };
+                if tx.send(Ok(resp)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

@@ -1,0 +1,588 @@
+//! The policy service: uploads (verify, admit, store), rollout operations, publishing to ECDS,
+//! and the controller that promotes or rolls back canaries from Envoy's stats.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::admission::{self, AdmissionConfig};
+use super::ecds::{self, Acks, Published, TrapPolicy};
+use super::rollout::{self, Deployed, RolloutError, RolloutFiles, RolloutState, Transition};
+use super::signing::TrustStore;
+use super::store::{ModuleRecord, ModuleStore, UploadError};
+
+/// When the controller promotes or rolls back a canary on its own.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AutoPolicy {
+    pub enabled: bool,
+    /// Promote a healthy canary (else only roll back bad ones).
+    pub promote: bool,
+    pub interval_ms: u64,
+    /// Canary requests needed before judging error rate, latency and hit rate, and before
+    /// promoting.
+    pub min_requests: u64,
+    /// A canary is promoted no sooner than this after it started.
+    pub min_duration_ms: u64,
+    /// Roll back when the canary trapped more often than this.
+    pub max_traps: u64,
+    /// Roll back when the canary's 5xx rate exceeds the stable's by more than this (0..1).
+    pub max_error_rate_increase: f64,
+    /// Roll back when the canary's mean time to response headers exceeds the stable's by more.
+    pub max_added_latency_ms: f64,
+    /// Roll back when the canary's expected prefix-cache hit rate is lower by more (0..1).
+    pub max_hit_rate_drop: f64,
+}
+
+impl Default for AutoPolicy {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            promote: true,
+            interval_ms: 1_000,
+            min_requests: 100,
+            min_duration_ms: 60_000,
+            max_traps: 0,
+            max_error_rate_increase: 0.01,
+            max_added_latency_ms: 100.0,
+            max_hit_rate_drop: 0.10,
+        }
+    }
+}
+
+/// `policy:` in the host configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Module store, rollout state and transition log.
+    pub store_dir: PathBuf,
+    /// Trusted public keys: one `.pub` file or a directory of them.
+    pub trust: PathBuf,
+    /// File holding the admin API bearer token (else `ATTACHE_ADMIN_TOKEN`).
+    #[serde(default)]
+    pub admin_token_file: Option<PathBuf>,
+    /// What Envoy does when a scorer traps.
+    #[serde(default)]
+    pub on_trap: TrapPolicy,
+    /// Envoy admin base URLs whose stats the controller reads (`http://127.0.0.1:9901`).
+    #[serde(default)]
+    pub envoy_admin: Vec<String>,
+    #[serde(default)]
+    pub auto: AutoPolicy,
+    /// Wall-clock budget per admission sample, ms.
+    #[serde(default = "default_budget")]
+    pub admission_budget_ms: u64,
+}
+
+fn default_budget() -> u64 {
+    50
+}
+
+/// Cumulative per-arm counters read from Envoy (summed over every Envoy).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct ArmCounters {
+    pub requests: u64,
+    pub errors: u64,
+    pub traps: u64,
+    pub ttfb_us: u64,
+    pub hit_permille: u64,
+}
+
+impl ArmCounters {
+    fn since(&self, base: &ArmCounters) -> ArmCounters {
+        ArmCounters {
+            requests: self.requests.saturating_sub(base.requests),
+            errors: self.errors.saturating_sub(base.errors),
+            traps: self.traps.saturating_sub(base.traps),
+            ttfb_us: self.ttfb_us.saturating_sub(base.ttfb_us),
+            hit_permille: self.hit_permille.saturating_sub(base.hit_permille),
+        }
+    }
+    fn error_rate(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.errors as f64 / self.requests as f64
+        }
+    }
+    fn mean_ttfb_ms(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.ttfb_us as f64 / self.requests as f64 / 1000.0
+        }
+    }
+    fn hit_rate(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.hit_permille as f64 / self.requests as f64 / 1000.0
+        }
+    }
+    pub fn json(&self) -> Value {
+        json!({
+            "requests": self.requests, "errors": self.errors, "traps": self.traps,
+            "error_rate": self.error_rate(), "mean_ttfb_ms": self.mean_ttfb_ms(), "hit_rate": self.hit_rate(),
+        })
+    }
+}
+
+/// `(slot, arm)` → counters.
+pub type Counters = BTreeMap<(String, String), ArmCounters>;
+
+/// Parse Envoy `/stats` text lines `wasmcustom.attache.rollout.<slot>.<arm>.<what>: N`.
+pub fn parse_rollout_stats(text: &str, into: &mut Counters) {
+    for line in text.lines() {
+        let Some((name, value)) = line.split_once(": ") else {
+            continue;
+        };
+        let Some(rest) = name.strip_prefix("wasmcustom.attache.rollout.") else {
+            continue;
+        };
+        let mut parts = rest.rsplitn(3, '.');
+        let (Some(what), Some(arm), Some(slot)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let Ok(v) = value.trim().parse::<u64>() else {
+            continue;
+        };
+        let c = into.entry((slot.to_owned(), arm.to_owned())).or_default();
+        match what {
+            "requests" => c.requests += v,
+            "errors" => c.errors += v,
+            "traps" => c.traps += v,
+            "ttfb_us" => c.ttfb_us += v,
+            "hit_permille" => c.hit_permille += v,
+            _ => {}
+        }
+    }
+}
+
+/// The controller's verdict on one canary.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Wait(String),
+    Promote(String),
+    Rollback(String),
+}
+
+/// Judge a canary from its window and the stable's over the same time.
+pub fn judge(p: &AutoPolicy, canary: &ArmCounters, stable: &ArmCounters, age_ms: u64) -> Verdict {
+    if canary.traps > p.max_traps {
+        return Verdict::Rollback(format!("canary trapped {} time(s) (max {})", canary.traps, p.max_traps));
+    }
+    if canary.requests < p.min_requests {
+        return Verdict::Wait(format!("{} of {} canary requests", canary.requests, p.min_requests));
+    }
+    let compare = stable.requests > 0;
+    let base_err = if compare { stable.error_rate() } else { 0.0 };
+    if canary.error_rate() - base_err > p.max_error_rate_increase {
+        return Verdict::Rollback(format!(
+            "canary error rate {:.4} vs stable {:.4} (max increase {})",
+            canary.error_rate(),
+            base_err,
+            p.max_error_rate_increase
+        ));
+    }
+    if compare {
+        let added = canary.mean_ttfb_ms() - stable.mean_ttfb_ms();
+        if added > p.max_added_latency_ms {
+            return Verdict::Rollback(format!(
+                "canary adds {added:.1} ms to time-to-headers (max {})",
+                p.max_added_latency_ms
+            ));
+        }
+        let drop = stable.hit_rate() - canary.hit_rate();
+        if drop > p.max_hit_rate_drop {
+            return Verdict::Rollback(format!(
+                "canary cache-hit rate {:.3} vs stable {:.3} (max drop {})",
+                canary.hit_rate(),
+                stable.hit_rate(),
+                p.max_hit_rate_drop
+            ));
+        }
+    }
+    if age_ms < p.min_duration_ms {
+        return Verdict::Wait(format!("healthy; {} of {} ms observed", age_ms, p.min_duration_ms));
+    }
+    Verdict::Promote(format!(
+        "healthy over {} requests: error rate {:.4}, mean time-to-headers {:.1} ms, hit rate {:.3}",
+        canary.requests,
+        canary.error_rate(),
+        canary.mean_ttfb_ms(),
+        canary.hit_rate()
+    ))
+}
+
+/// A failed API operation: HTTP status, machine code, message.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: u16,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: u16, code: &'static str, message: impl ToString) -> Self {
+        Self { status, code, message: message.to_string() }
+    }
+}
+
+impl From<UploadError> for ApiError {
+    fn from(e: UploadError) -> Self {
+        use super::signing::SignatureError as S;
+        let code = match &e {
+            UploadError::Signature(S::Unsigned) => "unsigned",
+            UploadError::Signature(S::Tampered { .. }) => "tampered",
+            UploadError::Signature(S::UntrustedKey { .. }) => "untrusted_key",
+            UploadError::Signature(S::Malformed(_)) => "malformed_module",
+            UploadError::Admission(_) => "admission_refused",
+            UploadError::InvalidName(_) => "bad_request",
+            UploadError::Io(_) => "store_error",
+        };
+        let status = match code {
+            "bad_request" => 400,
+            "store_error" => 500,
+            _ => 422,
+        };
+        ApiError::new(status, code, e)
+    }
+}
+
+impl From<RolloutError> for ApiError {
+    fn from(e: RolloutError) -> Self {
+        let (status, code) = match &e {
+            RolloutError::NoCanary(..) | RolloutError::NothingToRollBack(_) => (409, "conflict"),
+            RolloutError::CanaryInFlight(..) => (409, "conflict"),
+            _ => (400, "bad_request"),
+        };
+        ApiError::new(status, code, e)
+    }
+}
+
+pub struct PolicyService {
+    pub cfg: PolicyConfig,
+    store: ModuleStore,
+    trust: TrustStore,
+    files: RolloutFiles,
+    state: Mutex<RolloutState>,
+    published: watch::Sender<Arc<Published>>,
+    pub acks: Arc<Acks>,
+    token: String,
+    /// Counters at each canary's start, by slot and canary start time.
+    baselines: Mutex<HashMap<String, (u64, ArmCounters, ArmCounters)>>,
+    /// The controller's last word per slot.
+    verdicts: Mutex<BTreeMap<String, String>>,
+    http: reqwest::Client,
+}
+
+impl PolicyService {
+    pub fn open(cfg: PolicyConfig) -> anyhow::Result<Arc<Self>> {
+        use anyhow::Context;
+        let token = match &cfg.admin_token_file {
+            Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            None => std::env::var("ATTACHE_ADMIN_TOKEN").unwrap_or_default(),
+        }
+        .trim()
+        .to_owned();
+        if token.len() < 16 {
+            anyhow::bail!("the policy API needs a bearer token of at least 16 characters (admin_token_file or ATTACHE_ADMIN_TOKEN)");
+        }
+        let trust = TrustStore::load(&cfg.trust)?;
+        let store =
+            ModuleStore::open(&cfg.store_dir).with_context(|| format!("opening {}", cfg.store_dir.display()))?;
+        let files = RolloutFiles::new(&cfg.store_dir);
+        let state = files.load().context("loading the rollout state")?;
+        let (published, _) = watch::channel(Arc::new(Published::default()));
+        let svc = Arc::new(Self {
+            store,
+            trust,
+            files,
+            state: Mutex::new(state),
+            published,
+            acks: Arc::new(Acks::default()),
+            token,
+            baselines: Mutex::new(HashMap::new()),
+            verdicts: Mutex::new(BTreeMap::new()),
+            http: reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?,
+            cfg,
+        });
+        svc.publish()?;
+        Ok(svc)
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<Published>> {
+        self.published.subscribe()
+    }
+
+    /// Constant-time bearer token check.
+    pub fn authorized(&self, header: Option<&str>) -> bool {
+        let Some(given) = header.and_then(|h| h.strip_prefix("Bearer ")) else {
+            return false;
+        };
+        let (a, b) = (given.trim().as_bytes(), self.token.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, RolloutState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rebuild the ECDS resources from the rollout state.
+    fn publish(&self) -> anyhow::Result<()> {
+        let state = self.lock().clone();
+        let mut resources = BTreeMap::new();
+        let mut cache: HashMap<String, Vec<u8>> = HashMap::new();
+        for spec in state.filters() {
+            let sha = spec.deployed.sha256.clone();
+            if !cache.contains_key(&sha) {
+                cache.insert(sha.clone(), self.store.load(&sha)?);
+            }
+            let bytes = cache.get(&sha).map(Vec::as_slice).unwrap_or_default();
+            resources.insert(spec.resource.clone(), ecds::resource(&spec, bytes, self.cfg.on_trap));
+        }
+        self.published.send_replace(Arc::new(Published { revision: state.revision, resources }));
+        Ok(())
+    }
+
+    fn admission_for(&self, slot: &str, params: &Value) -> AdmissionConfig {
+        AdmissionConfig {
+            plugin_config: json!({"slot": slot, "arm": "stable", "version": "admission", "weight": 1.0,
+                                  "buckets": [0, attache_policies::scoring::BUCKETS], "params": params})
+            .to_string()
+            .into_bytes(),
+            samples: admission::scorer_samples(),
+            check_outputs: Some(admission::check_scorer_outputs),
+            budget_per_request: Duration::from_millis(self.cfg.admission_budget_ms),
+            ..AdmissionConfig::default()
+        }
+    }
+
+    /// Verify, admit and store a scorer module for `slot`.
+    pub fn upload(&self, slot: &str, version: &str, params: &Value, bytes: &[u8]) -> Result<ModuleRecord, ApiError> {
+        if !rollout::valid_slot(slot) {
+            return Err(RolloutError::BadSlot(slot.into()).into());
+        }
+        let adm = self.admission_for(slot, params);
+        let record = self.store.upload(&self.trust, &adm, slot, version, params, bytes).map_err(ApiError::from);
+        let record = match record {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(slot, version, error = %e.message, "module upload refused");
+                return Err(e);
+            }
+        };
+        info!(slot, version, sha256 = %record.sha256, signers = ?record.signers, "module uploaded");
+        Ok(record)
+    }
+
+    pub fn modules(&self, slot: Option<&str>) -> Result<Vec<ModuleRecord>, ApiError> {
+        self.store.history(slot).map_err(|e| ApiError::new(500, "store_error", e))
+    }
+
+    fn record(&self, t: &Transition) {
+        info!(slot = %t.slot, action = %t.action, by = %t.by, from = ?t.from, to = ?t.to, reason = %t.reason, "rollout transition");
+        if let Err(e) = self.files.save(&self.lock(), t) {
+            warn!(error = %e, "could not persist the rollout state");
+        }
+        if let Err(e) = self.publish() {
+            warn!(error = %e, "could not publish the rollout state");
+        }
+    }
+
+    /// Start a canary of a stored module (by sha256 or version label) in `slot`.
+    pub async fn rollout(&self, slot: &str, module: &str, percent: f64, weight: f64) -> Result<Transition, ApiError> {
+        let history = self.modules(Some(slot))?;
+        let rec = history.iter().rev().find(|r| r.sha256 == module || r.version == module).ok_or_else(|| {
+            ApiError::new(404, "not_found", format!("no module {module:?} uploaded for slot {slot:?}"))
+        })?;
+        let deployed =
+            Deployed { sha256: rec.sha256.clone(), version: rec.version.clone(), weight, params: rec.params.clone() };
+        // The canary is judged on what happens after this instant.
+        let counters = self.read_counters().await;
+        let t = {
+            let mut st = self.lock();
+            let t = st.rollout(slot, deployed, percent)?;
+            if let (Some(c), Some(counters)) = (st.slots.get(slot).and_then(|s| s.canary.as_ref()), counters) {
+                let get = |arm: &str| counters.get(&(slot.to_owned(), arm.to_owned())).copied().unwrap_or_default();
+                self.baselines
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(slot.to_owned(), (c.started_unix_ms, get("canary"), get("stable")));
+            }
+            t
+        };
+        self.record(&t);
+        Ok(t)
+    }
+
+    pub fn promote(&self, slot: &str, by: &str, reason: &str) -> Result<Transition, ApiError> {
+        let t = self.lock().promote(slot, by, reason)?;
+        self.record(&t);
+        Ok(t)
+    }
+
+    pub fn rollback(&self, slot: &str, by: &str, reason: &str) -> Result<Transition, ApiError> {
+        let t = self.lock().rollback(slot, by, reason)?;
+        self.record(&t);
+        Ok(t)
+    }
+
+    /// Sum the rollout counters of every configured Envoy; None if none answered.
+    pub async fn read_counters(&self) -> Option<Counters> {
+        let mut out = Counters::new();
+        let mut any = false;
+        for base in &self.cfg.envoy_admin {
+            let url = format!("{}/stats?filter=%5Ewasmcustom%5C.attache%5C.rollout%5C.", base.trim_end_matches('/'));
+            match self.http.get(&url).send().await.and_then(|r| r.error_for_status()) {
+                Ok(r) => match r.text().await {
+                    Ok(t) => {
+                        parse_rollout_stats(&t, &mut out);
+                        any = true;
+                    }
+                    Err(e) => warn!(envoy = %base, error = %e, "reading Envoy stats"),
+                },
+                Err(e) => warn!(envoy = %base, error = %e, "reading Envoy stats"),
+            }
+        }
+        any.then_some(out)
+    }
+
+    /// One controller pass: judge every canary and act on the verdicts.
+    pub async fn evaluate(&self) {
+        let Some(counters) = self.read_counters().await else {
+            return;
+        };
+        let canaries: Vec<(String, u64)> = self
+            .lock()
+            .slots
+            .iter()
+            .filter_map(|(slot, s)| s.canary.as_ref().map(|c| (slot.clone(), c.started_unix_ms)))
+            .collect();
+        for (slot, started) in canaries {
+            let get = |arm: &str| counters.get(&(slot.clone(), arm.to_owned())).copied().unwrap_or_default();
+            let (now_c, now_s) = (get("canary"), get("stable"));
+            let (base_c, base_s) = {
+                let mut b = self.baselines.lock().unwrap_or_else(|p| p.into_inner());
+                let e = b.entry(slot.clone()).or_insert((started, now_c, now_s));
+                if e.0 != started {
+                    *e = (started, now_c, now_s);
+                }
+                (e.1, e.2)
+            };
+            let (c, s) = (now_c.since(&base_c), now_s.since(&base_s));
+            let age = rollout::now_ms().saturating_sub(started);
+            let verdict = judge(&self.cfg.auto, &c, &s, age);
+            let text = format!("{verdict:?}");
+            self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).insert(slot.clone(), text);
+            let result = match verdict {
+                Verdict::Rollback(reason) => Some(self.rollback(&slot, "controller", &reason)),
+                Verdict::Promote(reason) if self.cfg.auto.promote => Some(self.promote(&slot, "controller", &reason)),
+                _ => None,
+            };
+            if let Some(Err(e)) = result {
+                warn!(slot, error = %e.message, "controller action failed");
+            }
+        }
+    }
+
+    /// Run the controller until the process ends.
+    pub fn spawn_controller(self: &Arc<Self>) {
+        if !self.cfg.auto.enabled || self.cfg.envoy_admin.is_empty() {
+            info!("rollout controller off (auto.enabled false or no envoy_admin)");
+            return;
+        }
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(svc.cfg.auto.interval_ms.max(100)));
+            loop {
+                tick.tick().await;
+                svc.evaluate().await;
+            }
+        });
+    }
+
+    pub async fn status(&self) -> Value {
+        let state = self.lock().clone();
+        let counters = self.read_counters().await.unwrap_or_default();
+        let verdicts = self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let slots: serde_json::Map<String, Value> = state
+            .slots
+            .iter()
+            .map(|(slot, s)| {
+                let arm = |a: &str| counters.get(&(slot.clone(), a.to_owned())).map(ArmCounters::json);
+                (
+                    slot.clone(),
+                    json!({
+                        "stable": s.stable,
+                        "canary": s.canary,
+                        "previous": s.previous.iter().map(|d| &d.version).collect::<Vec<_>>(),
+                        "counters": {"stable": arm("stable"), "canary": arm("canary")},
+                        "controller": verdicts.get(slot),
+                    }),
+                )
+            })
+            .collect();
+        json!({
+            "revision": state.revision,
+            "slots": slots,
+            "envoy": self.acks.snapshot(),
+            "transitions": self.files.transitions(50),
+            "auto": {"enabled": self.cfg.auto.enabled, "promote": self.cfg.auto.promote},
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_lines_parse_into_arms() {
+        let text = "wasmcustom.attache.rollout.slo.canary.requests: 10\nwasmcustom.attache.rollout.slo.canary.traps: 1\n\
+                    wasmcustom.attache.rollout.slo.stable.errors: 2\nwasmcustom.attache.rollout.my_slot.stable.ttfb_us: 5000\n\
+                    cluster.pool.upstream_rq: 9\nwasmcustom.attache.rollout.bad: x\n";
+        let mut c = Counters::new();
+        parse_rollout_stats(text, &mut c);
+        parse_rollout_stats(text, &mut c); // a second Envoy adds up
+        assert_eq!(c[&("slo".into(), "canary".into())].requests, 20);
+        assert_eq!(c[&("slo".into(), "canary".into())].traps, 2);
+        assert_eq!(c[&("slo".into(), "stable".into())].errors, 4);
+        assert_eq!(c[&("my_slot".into(), "stable".into())].ttfb_us, 10_000);
+        assert_eq!(c.len(), 3);
+    }
+
+    #[test]
+    fn verdicts_follow_the_policy() {
+        let p = AutoPolicy { min_requests: 10, min_duration_ms: 1000, ..AutoPolicy::default() };
+        let arm = |requests, errors, traps, ttfb_ms: u64, hit: u64| ArmCounters {
+            requests,
+            errors,
+            traps,
+            ttfb_us: ttfb_ms * 1000 * requests,
+            hit_permille: hit * requests,
+        };
+        let stable = arm(100, 0, 0, 50, 800);
+        assert!(matches!(judge(&p, &arm(1, 0, 1, 50, 800), &stable, 0), Verdict::Rollback(r) if r.contains("trapped")));
+        assert!(matches!(judge(&p, &arm(5, 0, 0, 50, 800), &stable, 5000), Verdict::Wait(_)));
+        assert!(
+            matches!(judge(&p, &arm(20, 2, 0, 50, 800), &stable, 5000), Verdict::Rollback(r) if r.contains("error rate"))
+        );
+        assert!(
+            matches!(judge(&p, &arm(20, 0, 0, 400, 800), &stable, 5000), Verdict::Rollback(r) if r.contains("adds"))
+        );
+        assert!(
+            matches!(judge(&p, &arm(20, 0, 0, 50, 300), &stable, 5000), Verdict::Rollback(r) if r.contains("hit rate"))
+        );
+        assert!(matches!(judge(&p, &arm(20, 0, 0, 60, 790), &stable, 500), Verdict::Wait(_)));
+        assert!(matches!(judge(&p, &arm(20, 0, 0, 60, 790), &stable, 5000), Verdict::Promote(_)));
+        // No stable traffic to compare with (first version): only absolute error rate counts.
+        assert!(matches!(judge(&p, &arm(20, 0, 0, 900, 0), &ArmCounters::default(), 5000), Verdict::Promote(_)));
+    }
+}

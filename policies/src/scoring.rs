@@ -1,0 +1,537 @@
+//! The protocol between the scheduler, custom scorers and the picker, as Envoy filter state.
+//!
+//! The scheduler filter filters and scores the candidates with the built-in scorers, picks a
+//! primary endpoint (so the request is routed even if nothing downstream acts), and writes a
+//! [`ScoringContext`] to the request's filter state under [`CONTEXT_PROPERTY`]. Each custom
+//! scorer filter after it reads the context, scores every candidate 0..1 and appends a
+//! [`ScoreEntry`] to the [`ScoreSheet`] under [`SCORES_PROPERTY`]. The picker filter then
+//! combines the built-in totals with each entry times its configured weight ([`combine`]) and
+//! rewrites the destination header.
+//!
+//! Both values use a small, versioned, little-endian binary encoding (not JSON: every scorer
+//! decodes the context on every request). Decoding is bounds-checked and never panics.
+//!
+//! Rollout: the scheduler puts a sticky per-session `bucket` (0..10000) in the context. A
+//! scorer slot acts only on requests whose bucket falls in its configured range, so a canary
+//! and a stable version of the same scorer can both sit in the chain and split the traffic.
+
+use crate::rng::SplitMix64;
+
+/// Filter-state key (`wasm.attache_ctx`) of the scheduling context.
+pub const CONTEXT_PROPERTY: &str = "attache_ctx";
+/// Filter-state key (`wasm.attache_scores`) of the score sheet.
+pub const SCORES_PROPERTY: &str = "attache_scores";
+/// Filter-state key a scorer sets to its `slot/arm/version` while it scores and clears when
+/// done. Still set when the response starts means the scorer trapped on this request.
+pub const SCORING_PROPERTY: &str = "attache_scoring";
+/// Rollout buckets: a request's bucket is in `0..BUCKETS`.
+pub const BUCKETS: u16 = 10_000;
+
+const CONTEXT_MAGIC: u8 = 0xA7;
+const SHEET_MAGIC: u8 = 0xA8;
+const VERSION: u8 = 1;
+
+/// What a scorer knows about one candidate endpoint.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Candidate {
+    /// `ip:port`.
+    pub address: String,
+    /// Pod labels (e.g. `attache.io/accelerator: l4`), sorted by key.
+    pub labels: Vec<(String, String)>,
+    pub waiting: f32,
+    pub running: f32,
+    /// KV-cache utilisation, 0..1.
+    pub kv_usage: f32,
+    /// Recent mean time to first token on this endpoint, ms (0 = unknown).
+    pub ttft_ms: f32,
+    /// Fraction of the prompt's blocks this endpoint is expected to hold, 0..1.
+    pub prefix_hit: f32,
+    /// The scheduler's built-in weighted total.
+    pub score: f64,
+}
+
+impl Candidate {
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+}
+
+/// The per-request scheduling context the scheduler hands to scorers.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ScoringContext {
+    /// Rollout bucket, `0..BUCKETS`, sticky per session.
+    pub bucket: u16,
+    /// Seed for the picker's tie-break.
+    pub seed: u64,
+    /// How many endpoints (primary + fallbacks) the picker emits.
+    pub max_endpoints: u8,
+    pub model: String,
+    /// Prompt length in tokens (estimated when not tokenized).
+    pub prompt_tokens: u32,
+    /// `max_tokens` / `max_completion_tokens` if the request gave one, else 0.
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub candidates: Vec<Candidate>,
+}
+
+/// Which side of a rollout a scorer slot is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arm {
+    Stable,
+    Canary,
+}
+
+impl Arm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Arm::Stable => "stable",
+            Arm::Canary => "canary",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "stable" => Some(Arm::Stable),
+            "canary" => Some(Arm::Canary),
+            _ => None,
+        }
+    }
+}
+
+/// One scorer's output for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoreEntry {
+    /// The scorer slot (e.g. `slo`); at most one entry per slot counts.
+    pub slot: String,
+    pub arm: Arm,
+    /// Module version (sha256 hex prefix) that produced the scores.
+    pub version: String,
+    pub weight: f64,
+    /// One score per candidate, in context order; the picker clamps to 0..1.
+    pub scores: Vec<f32>,
+}
+
+/// Every scorer's entry for one request.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ScoreSheet {
+    pub entries: Vec<ScoreEntry>,
+}
+
+/// A context or sheet that could not be decoded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("truncated at byte {0}")]
+    Truncated(usize),
+    #[error("not an Attaché scoring value (magic {0:#x})")]
+    BadMagic(u8),
+    #[error("unsupported encoding version {0}")]
+    BadVersion(u8),
+    #[error("string is not UTF-8")]
+    BadString,
+    #[error("{0} trailing bytes")]
+    Trailing(usize),
+    #[error("unknown arm {0}")]
+    BadArm(u8),
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn f32(&mut self, v: f32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn f64(&mut self, v: f64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    /// Strings longer than 65535 bytes are cut (at a char boundary).
+    fn str(&mut self, s: &str) {
+        let mut end = s.len().min(usize::from(u16::MAX));
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        let s = s.get(..end).unwrap_or("");
+        self.u16(s.len() as u16);
+        self.0.extend_from_slice(s.as_bytes());
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let s = self.buf.get(self.pos..self.pos + n).ok_or(DecodeError::Truncated(self.pos))?;
+        self.pos += n;
+        Ok(s)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.arr::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.arr()?))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn f32(&mut self) -> Result<f32, DecodeError> {
+        Ok(f32::from_le_bytes(self.arr()?))
+    }
+    fn f64(&mut self) -> Result<f64, DecodeError> {
+        Ok(f64::from_le_bytes(self.arr()?))
+    }
+    fn str(&mut self) -> Result<String, DecodeError> {
+        let n = usize::from(self.u16()?);
+        let b = self.take(n)?;
+        std::str::from_utf8(b).map(str::to_owned).map_err(|_| DecodeError::BadString)
+    }
+    fn header(&mut self, magic: u8) -> Result<(), DecodeError> {
+        let m = self.u8()?;
+        if m != magic {
+            return Err(DecodeError::BadMagic(m));
+        }
+        let v = self.u8()?;
+        if v != VERSION {
+            return Err(DecodeError::BadVersion(v));
+        }
+        Ok(())
+    }
+    fn finish(&self) -> Result<(), DecodeError> {
+        match self.buf.len() - self.pos {
+            0 => Ok(()),
+            n => Err(DecodeError::Trailing(n)),
+        }
+    }
+}
+
+impl ScoringContext {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(64 + self.candidates.len() * 64));
+        w.u8(CONTEXT_MAGIC);
+        w.u8(VERSION);
+        w.u16(self.bucket);
+        w.u64(self.seed);
+        w.u8(self.max_endpoints);
+        w.str(&self.model);
+        w.u32(self.prompt_tokens);
+        w.u32(self.max_tokens);
+        w.u8(u8::from(self.stream));
+        w.u16(self.candidates.len().min(usize::from(u16::MAX)) as u16);
+        for c in self.candidates.iter().take(usize::from(u16::MAX)) {
+            w.str(&c.address);
+            w.u8(c.labels.len().min(255) as u8);
+            for (k, v) in c.labels.iter().take(255) {
+                w.str(k);
+                w.str(v);
+            }
+            w.f32(c.waiting);
+            w.f32(c.running);
+            w.f32(c.kv_usage);
+            w.f32(c.ttft_ms);
+            w.f32(c.prefix_hit);
+            w.f64(c.score);
+        }
+        w.0
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader { buf, pos: 0 };
+        r.header(CONTEXT_MAGIC)?;
+        let mut ctx = ScoringContext {
+            bucket: r.u16()?,
+            seed: r.u64()?,
+            max_endpoints: r.u8()?,
+            model: r.str()?,
+            prompt_tokens: r.u32()?,
+            max_tokens: r.u32()?,
+            stream: r.u8()? != 0,
+            candidates: Vec::new(),
+        };
+        let n = usize::from(r.u16()?);
+        // Each candidate takes at least 31 bytes; do not trust `n` for the allocation.
+        ctx.candidates.reserve(n.min(buf.len() / 31));
+        for _ in 0..n {
+            let address = r.str()?;
+            let nl = usize::from(r.u8()?);
+            let mut labels = Vec::with_capacity(nl);
+            for _ in 0..nl {
+                labels.push((r.str()?, r.str()?));
+            }
+            ctx.candidates.push(Candidate {
+                address,
+                labels,
+                waiting: r.f32()?,
+                running: r.f32()?,
+                kv_usage: r.f32()?,
+                ttft_ms: r.f32()?,
+                prefix_hit: r.f32()?,
+                score: r.f64()?,
+            });
+        }
+        r.finish()?;
+        Ok(ctx)
+    }
+}
+
+impl ScoreSheet {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::new());
+        w.u8(SHEET_MAGIC);
+        w.u8(VERSION);
+        w.u8(self.entries.len().min(255) as u8);
+        for e in self.entries.iter().take(255) {
+            w.str(&e.slot);
+            w.u8(match e.arm {
+                Arm::Stable => 0,
+                Arm::Canary => 1,
+            });
+            w.str(&e.version);
+            w.f64(e.weight);
+            w.u16(e.scores.len().min(usize::from(u16::MAX)) as u16);
+            for s in e.scores.iter().take(usize::from(u16::MAX)) {
+                w.f32(*s);
+            }
+        }
+        w.0
+    }
+
+    /// Decode a sheet; an empty buffer is an empty sheet.
+    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
+        if buf.is_empty() {
+            return Ok(Self::default());
+        }
+        let mut r = Reader { buf, pos: 0 };
+        r.header(SHEET_MAGIC)?;
+        let n = usize::from(r.u8()?);
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let slot = r.str()?;
+            let arm = match r.u8()? {
+                0 => Arm::Stable,
+                1 => Arm::Canary,
+                a => return Err(DecodeError::BadArm(a)),
+            };
+            let version = r.str()?;
+            let weight = r.f64()?;
+            let k = usize::from(r.u16()?);
+            let mut scores = Vec::with_capacity(k.min(buf.len() / 4));
+            for _ in 0..k {
+                scores.push(r.f32()?);
+            }
+            entries.push(ScoreEntry { slot, arm, version, weight, scores });
+        }
+        r.finish()?;
+        Ok(Self { entries })
+    }
+
+    /// Add or replace the entry for `entry.slot` (a slot counts once even if, during an
+    /// update, both its stable and canary filters acted).
+    pub fn put(&mut self, entry: ScoreEntry) {
+        self.entries.retain(|e| e.slot != entry.slot);
+        self.entries.push(entry);
+    }
+}
+
+/// A rollout arm's share of the buckets: `[from, to)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketRange {
+    pub from: u16,
+    pub to: u16,
+}
+
+impl BucketRange {
+    pub const ALL: BucketRange = BucketRange { from: 0, to: BUCKETS };
+    pub const NONE: BucketRange = BucketRange { from: 0, to: 0 };
+
+    pub fn contains(&self, bucket: u16) -> bool {
+        self.from <= bucket && bucket < self.to
+    }
+
+    /// The canary's range for `percent` (0..=100, two decimals kept) and the stable's rest.
+    pub fn split(percent: f64) -> (BucketRange, BucketRange) {
+        let p = if percent.is_finite() { percent.clamp(0.0, 100.0) } else { 0.0 };
+        let cut = ((p * f64::from(BUCKETS)) / 100.0).round() as u16;
+        (BucketRange { from: 0, to: cut }, BucketRange { from: cut, to: BUCKETS })
+    }
+}
+
+/// The rollout bucket of a session key (sticky: the same key always lands in the same bucket).
+/// Requests without a session key use their own random seed.
+pub fn bucket_of(session_key: &[u8]) -> u16 {
+    let h = xxhash_rust::xxh64::xxh64(session_key, 0x5eed_0b0c_4e75);
+    (h % u64::from(BUCKETS)) as u16
+}
+
+/// The bucket of a request without a session key: spread by its seed.
+pub fn bucket_of_seed(seed: u64) -> u16 {
+    (SplitMix64::new(seed).next_u64() % u64::from(BUCKETS)) as u16
+}
+
+/// Combine built-in totals with every entry's weighted, clamped scores; an entry whose score
+/// count does not match the candidates is ignored (and reported in the second value).
+pub fn combine(ctx: &ScoringContext, sheet: &ScoreSheet) -> (Vec<f64>, usize) {
+    let mut totals: Vec<f64> = ctx.candidates.iter().map(|c| c.score).collect();
+    let mut ignored = 0;
+    for e in &sheet.entries {
+        if e.scores.len() != totals.len() || !e.weight.is_finite() {
+            ignored += 1;
+            continue;
+        }
+        for (t, s) in totals.iter_mut().zip(&e.scores) {
+            let s = if s.is_finite() { f64::from(*s).clamp(0.0, 1.0) } else { 0.0 };
+            *t += e.weight * s;
+        }
+    }
+    (totals, ignored)
+}
+
+/// Pick endpoints (primary + fallbacks) from the combined scores, with the context's seed.
+pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet) -> (Vec<&'a str>, usize) {
+    let (totals, ignored) = combine(ctx, sheet);
+    let order = crate::picker::max_score(&totals, usize::from(ctx.max_endpoints.max(1)), ctx.seed);
+    let addrs = order.iter().filter_map(|&i| ctx.candidates.get(i).map(|c| c.address.as_str())).collect();
+    (addrs, ignored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> ScoringContext {
+        ScoringContext {
+            bucket: 4242,
+            seed: 7,
+            max_endpoints: 2,
+            model: "tinyllama".into(),
+            prompt_tokens: 900,
+            max_tokens: 64,
+            stream: true,
+            candidates: (0..3)
+                .map(|i| Candidate {
+                    address: format!("10.0.0.{i}:8000"),
+                    labels: vec![("attache.io/accelerator".into(), ["h100", "l4", "a10g"][i].into())],
+                    waiting: i as f32,
+                    ttft_ms: 100.0 * (i + 1) as f32,
+                    prefix_hit: 0.5,
+                    score: 1.0,
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn context_and_sheet_round_trip() {
+        let c = ctx();
+        let bytes = c.encode();
+        assert_eq!(ScoringContext::decode(&bytes).unwrap(), c);
+        let mut s = ScoreSheet::default();
+        s.put(ScoreEntry {
+            slot: "slo".into(),
+            arm: Arm::Canary,
+            version: "ab12".into(),
+            weight: 2.0,
+            scores: vec![0.1, 0.9, 0.5],
+        });
+        assert_eq!(ScoreSheet::decode(&s.encode()).unwrap(), s);
+        assert_eq!(ScoreSheet::decode(b"").unwrap(), ScoreSheet::default());
+    }
+
+    #[test]
+    fn garbage_is_an_error_never_a_panic() {
+        let bytes = ctx().encode();
+        for cut in 0..bytes.len() {
+            assert!(ScoringContext::decode(&bytes[..cut]).is_err(), "prefix of {cut} bytes decoded");
+        }
+        let mut extra = bytes.clone();
+        extra.push(0);
+        assert_eq!(ScoringContext::decode(&extra), Err(DecodeError::Trailing(1)));
+        assert!(matches!(ScoringContext::decode(&[0x00, 1]), Err(DecodeError::BadMagic(0))));
+        assert!(matches!(ScoreSheet::decode(&[SHEET_MAGIC, 9]), Err(DecodeError::BadVersion(9))));
+        // A huge declared count with no data behind it must not allocate or loop long.
+        let mut lying = vec![CONTEXT_MAGIC, VERSION];
+        lying.extend_from_slice(&[0; 2 + 8 + 1 + 2 + 4 + 4 + 1]);
+        lying.extend_from_slice(&u16::MAX.to_le_bytes());
+        assert!(matches!(ScoringContext::decode(&lying), Err(DecodeError::Truncated(_))));
+    }
+
+    #[test]
+    fn weighted_scores_change_the_pick_and_bad_entries_are_ignored() {
+        let c = ctx();
+        let mut s = ScoreSheet::default();
+        // Equal built-in totals: the scorer decides.
+        s.put(ScoreEntry {
+            slot: "slo".into(),
+            arm: Arm::Stable,
+            version: "v1".into(),
+            weight: 1.0,
+            scores: vec![0.0, 0.0, 1.0],
+        });
+        assert_eq!(pick(&c, &s).0[0], "10.0.0.2:8000");
+        // Replacing the slot's entry (canary after stable) keeps one entry per slot.
+        s.put(ScoreEntry {
+            slot: "slo".into(),
+            arm: Arm::Canary,
+            version: "v2".into(),
+            weight: 1.0,
+            scores: vec![1.0, 0.0, 0.0],
+        });
+        assert_eq!(s.entries.len(), 1);
+        assert_eq!(pick(&c, &s).0[0], "10.0.0.0:8000");
+        // Out-of-range and NaN scores are clamped, a wrong-length entry is ignored.
+        s.put(ScoreEntry {
+            slot: "x".into(),
+            arm: Arm::Stable,
+            version: "v".into(),
+            weight: 5.0,
+            scores: vec![f32::NAN, 9.0, -3.0],
+        });
+        s.put(ScoreEntry {
+            slot: "bad".into(),
+            arm: Arm::Stable,
+            version: "v".into(),
+            weight: 100.0,
+            scores: vec![1.0],
+        });
+        let (totals, ignored) = combine(&c, &s);
+        assert_eq!(ignored, 1);
+        assert_eq!(totals, vec![2.0, 6.0, 1.0]);
+        assert_eq!(pick(&c, &s).0, vec!["10.0.0.1:8000", "10.0.0.0:8000"]);
+    }
+
+    #[test]
+    fn buckets_are_sticky_and_split_by_percent() {
+        assert_eq!(bucket_of(b"session-1"), bucket_of(b"session-1"));
+        let n = 20_000u32;
+        let canary =
+            (0..n).filter(|i| BucketRange::split(5.0).0.contains(bucket_of(format!("s{i}").as_bytes()))).count();
+        let share = canary as f64 / f64::from(n);
+        assert!((0.04..0.06).contains(&share), "5% canary got {share}");
+        let (c, s) = BucketRange::split(5.0);
+        assert_eq!((c.to, s.from, s.to), (500, 500, BUCKETS));
+        assert!(!BucketRange::NONE.contains(0) && BucketRange::ALL.contains(BUCKETS - 1));
+        assert_eq!(BucketRange::split(f64::NAN).0, BucketRange::NONE);
+        assert_eq!(BucketRange::split(250.0).0, BucketRange::ALL);
+    }
+}

@@ -1,0 +1,30 @@
+//! Test fixture: a scorer with a latent bug (panics, i.e. traps, after `trap_after` requests).
+
+use std::cell::Cell;
+
+use attache_scorer_sdk::{scorer, Candidate, Params, Request, Scorer};
+
+pub struct TrapAfter {
+    left: Cell<u64>,
+}
+
+impl Scorer for TrapAfter {
+    fn configure(params: &Params) -> Result<Self, String> {
+        let n = params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (requests) is required")?;
+        Ok(Self { left: Cell::new(n) })
+    }
+
+    fn score(&self, _request: &Request, endpoint: &Candidate) -> f32 {
+        let left = self.left.get();
+        if left == 0 {
+            panic!("latent bug in the test scorer");
+        }
+        if endpoint.address.is_empty() {
+            return 0.0;
+        }
+        self.left.set(left - 1);
+        0.5
+    }
+}
+
+scorer!(TrapAfter);
