@@ -109,28 +109,25 @@ enum PolicyCmd {
         weight: f64,
     },
     /// Make the slot's canary its stable version.
-    Promote {
-        #[command(flatten)]
-        server: Server,
-        #[arg(long)]
-        slot: String,
-        #[arg(long, default_value = "")]
-        reason: String,
-    },
+    Promote(SlotAction),
     /// Drop the slot's canary (or, without one, return to the previous stable version).
-    Rollback {
-        #[command(flatten)]
-        server: Server,
-        #[arg(long)]
-        slot: String,
-        #[arg(long, default_value = "")]
-        reason: String,
-    },
+    Rollback(SlotAction),
     /// Versions, canary counters, controller verdicts, Envoy ACKs and transitions.
     Status {
         #[command(flatten)]
         server: Server,
     },
+}
+
+#[derive(clap::Args)]
+struct SlotAction {
+    #[command(flatten)]
+    server: Server,
+    #[arg(long)]
+    slot: String,
+    /// Recorded in the transition log.
+    #[arg(long, default_value = "")]
+    reason: String,
 }
 
 #[derive(clap::Args)]
@@ -167,11 +164,11 @@ async fn api(server: &Server, req: reqwest::RequestBuilder) -> anyhow::Result<()
 }
 
 /// `promote` or `rollback` a slot.
-async fn transition(server: &Server, slot: &str, action: &str, reason: &str) -> anyhow::Result<()> {
+async fn transition(a: &SlotAction, action: &str) -> anyhow::Result<()> {
     let req = reqwest::Client::new()
-        .post(server.url(&format!("/v1/policy/slots/{slot}/{action}")))
-        .json(&serde_json::json!({"reason": reason}));
-    api(server, req).await
+        .post(a.server.url(&format!("/v1/policy/slots/{}/{action}", a.slot)))
+        .json(&serde_json::json!({"reason": a.reason}));
+    api(&a.server, req).await
 }
 
 async fn policy(cmd: PolicyCmd) -> anyhow::Result<()> {
@@ -218,8 +215,8 @@ async fn policy(cmd: PolicyCmd) -> anyhow::Result<()> {
             let req = reqwest::Client::new().post(server.url(&format!("/v1/policy/slots/{slot}/rollout"))).json(&body);
             api(&server, req).await?;
         }
-        PolicyCmd::Promote { server, slot, reason } => transition(&server, &slot, "promote", &reason).await?,
-        PolicyCmd::Rollback { server, slot, reason } => transition(&server, &slot, "rollback", &reason).await?,
+        PolicyCmd::Promote(a) => transition(&a, "promote").await?,
+        PolicyCmd::Rollback(a) => transition(&a, "rollback").await?,
         PolicyCmd::Status { server } => {
             api(&server, reqwest::Client::new().get(server.url("/v1/policy/status"))).await?;
         }

@@ -166,6 +166,8 @@ pub struct Stack {
     pub scorer_slots: Vec<String>,
     /// The host's `policy:` configuration (JSON), if the policy service should run.
     pub host_policy: Option<serde_json::Value>,
+    /// Pod labels per engine (by index in `engine_addrs`), written to the endpoints file.
+    pub endpoint_labels: Vec<Vec<(String, String)>>,
 }
 
 /// An engine this stack does not start, and where its KV events are published.
@@ -217,6 +219,7 @@ impl Stack {
             extra_procs: Vec::new(),
             scorer_slots: Vec::new(),
             host_policy: None,
+            endpoint_labels: Vec::new(),
         })
     }
 
@@ -308,6 +311,11 @@ impl Stack {
                 "  - address: {a}\n    models: [{}]\n    role: both\n    engine: vllm\n",
                 self.sim_opts.model
             ));
+            let index = self.engine_addrs().iter().position(|x| x == a).unwrap_or(usize::MAX);
+            if let Some(labels) = self.endpoint_labels.get(index).filter(|l| !l.is_empty()) {
+                let kv: Vec<String> = labels.iter().map(|(k, v)| format!("\"{k}\": \"{v}\"")).collect();
+                y.push_str(&format!("    labels: {{{}}}\n", kv.join(", ")));
+            }
             if let Some(e) = self.external.iter().find(|e| &e.address == a) {
                 if let Some(p) = &e.kv_publisher {
                     y.push_str(&format!("    kv_events: {{publisher: \"{p}\""));

@@ -27,3 +27,40 @@ fn the_scheduler_filter_passes_admission() {
     let r = admit(&wasm, &bad);
     assert!(matches!(r, Err(AdmissionError::ConfigureRejected)), "{:?}", r.map(|r| r.logs));
 }
+
+/// The example scorers, built with the scorer SDK, pass the host's scorer admission: they read
+/// the recorded scheduling contexts from filter state and score every candidate.
+#[test]
+fn the_example_scorers_pass_scorer_admission() {
+    use attache_host::policy::admission::{check_scorer_outputs, scorer_samples};
+    let paths = Paths::discover().expect("paths");
+    for (module, params) in [
+        ("attache_scorer_slo_ttft", serde_json::json!({"ttft_slo_ms": 400})),
+        ("attache_scorer_cost_aware", serde_json::json!({"costs": {"l4": 1.0, "a100": 2.5, "h100": 4.0}})),
+    ] {
+        let wasm = std::fs::read(paths.module(module)).expect("built scorer (cargo xtask build)");
+        let cfg = AdmissionConfig {
+            plugin_config: serde_json::json!({"slot": "x", "params": params}).to_string().into_bytes(),
+            samples: scorer_samples(),
+            check_outputs: Some(check_scorer_outputs),
+            ..AdmissionConfig::default()
+        };
+        let r = admit(&wasm, &cfg).unwrap_or_else(|e| panic!("{module} refused: {e}"));
+        println!("{module} admitted: slowest sample {} us", r.max_request_us);
+        // Its own parameter checks run in on_configure.
+        let bad = AdmissionConfig {
+            plugin_config: br#"{"slot": "x", "params": {"ttft_slo_ms": -1, "costs": {}}}"#.to_vec(),
+            ..cfg
+        };
+        assert!(matches!(admit(&wasm, &bad), Err(AdmissionError::ConfigureRejected)), "{module}");
+    }
+    // A module that runs but writes no scores (the scheduler filter's passthrough root) is refused.
+    let wasm = std::fs::read(&paths.wasm).expect("scheduler filter");
+    let cfg = AdmissionConfig {
+        plugin_config: br#"{"role": "passthrough"}"#.to_vec(),
+        samples: scorer_samples(),
+        check_outputs: Some(check_scorer_outputs),
+        ..AdmissionConfig::default()
+    };
+    assert!(matches!(admit(&wasm, &cfg), Err(AdmissionError::NoScores { sample: 0, .. })));
+}

@@ -277,14 +277,10 @@ impl HttpContext for SchedulerHttp {
         let Some(hits) = self.handed_off.take() else {
             return Action::Continue;
         };
-        // A scorer that is still marked as scoring when the response starts trapped: Envoy
-        // answered 503 for it. Say that the request is safe to retry (nothing reached an engine).
+        // A scorer still marked as scoring when the response starts trapped on this request
+        // (scorer slots fail open: the scheduler's pick served it).
         let scoring = host::property(scoring::SCORING_PROPERTY).unwrap_or_default();
         let trapped = std::str::from_utf8(&scoring).ok().filter(|s| !s.is_empty()).map(str::to_owned);
-        if trapped.is_some() {
-            host::set_response_header("retry-after", "0");
-            host::set_response_header("x-attache-retryable", "scorer-trap");
-        }
         let status = host::response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
         let picked = host::property(PICKED_PROPERTY).and_then(|b| String::from_utf8(b).ok());
         let prefix_hit = picked

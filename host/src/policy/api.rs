@@ -138,14 +138,24 @@ async fn rollout(
     Ok(Json(json!({"transition": t})))
 }
 
+/// `promote` or `rollback` on an operator's request.
+async fn transition(
+    svc: &PolicyService,
+    slot: &str,
+    body: &Bytes,
+    op: fn(&PolicyService, &str, &str, &str) -> Result<super::rollout::Transition, ApiError>,
+) -> Result<Json<Value>, ApiError> {
+    let b: ReasonBody = json_body(body)?;
+    let reason = if b.reason.is_empty() { "operator request".to_owned() } else { b.reason };
+    Ok(Json(json!({"transition": op(svc, slot, "operator", &reason)?})))
+}
+
 async fn promote(
     State(svc): State<Arc<PolicyService>>,
     Path(slot): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let b: ReasonBody = json_body(&body)?;
-    let reason = if b.reason.is_empty() { "operator request".to_owned() } else { b.reason };
-    Ok(Json(json!({"transition": svc.promote(&slot, "operator", &reason)?})))
+    transition(&svc, &slot, &body, PolicyService::promote).await
 }
 
 async fn rollback(
@@ -153,9 +163,7 @@ async fn rollback(
     Path(slot): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let b: ReasonBody = json_body(&body)?;
-    let reason = if b.reason.is_empty() { "operator request".to_owned() } else { b.reason };
-    Ok(Json(json!({"transition": svc.rollback(&slot, "operator", &reason)?})))
+    transition(&svc, &slot, &body, PolicyService::rollback).await
 }
 
 async fn status(State(svc): State<Arc<PolicyService>>) -> Json<Value> {

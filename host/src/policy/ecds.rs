@@ -18,7 +18,7 @@ use envoy_types::pb::envoy::config::core::v3::{
     async_data_source, data_source, AsyncDataSource, DataSource, TypedExtensionConfig,
 };
 use envoy_types::pb::envoy::extensions::filters::http::wasm::v3::Wasm;
-use envoy_types::pb::envoy::extensions::wasm::v3::{plugin_config, FailurePolicy, PluginConfig, VmConfig};
+use envoy_types::pb::envoy::extensions::wasm::v3::{plugin_config, PluginConfig, VmConfig};
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse, Resource,
 };
@@ -40,18 +40,6 @@ pub const TYPED_EXTENSION_CONFIG: &str = "type.googleapis.com/envoy.config.core.
 const WASM_FILTER: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
 const STRING_VALUE: &str = "type.googleapis.com/google.protobuf.StringValue";
 
-/// How Envoy treats a scorer that traps (`failure_policy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TrapPolicy {
-    /// The request that trapped gets 503 (marked retryable); later requests skip the scorer
-    /// until the controller rolls it back. The scheduler's own pick still routes them.
-    #[default]
-    FailOpen,
-    /// The request that trapped gets 503; Envoy reloads the VM for the next request.
-    FailReload,
-}
-
 /// The resources to serve, by name: (version, resource).
 #[derive(Debug, Default)]
 pub struct Published {
@@ -60,9 +48,18 @@ pub struct Published {
 }
 
 /// Build the Wasm filter resource of one slot filter from the module bytes.
-pub fn resource(spec: &FilterSpec, module: &[u8], policy: TrapPolicy) -> (String, Any) {
+///
+/// Scorer slots always fail open. Envoy 1.40 applies `failure_policy: FAIL_OPEN` to new
+/// streams only: streams already inside the VM when it traps are failed mid-response. The
+/// deprecated `fail_open` flag also lets those continue (proxy-wasm's `CHECK_FAIL`), so a trap
+/// fails no request: the scheduler's own pick routes whatever the scorer did not score.
+/// `FAIL_RELOAD` was measured to answer 503 to every request through the slot on that worker
+/// until the VM reloaded (hundreds in the 1 s backoff at 4 concurrent clients), so it is not
+/// offered.
+pub fn resource(spec: &FilterSpec, module: &[u8]) -> (String, Any) {
     let config = spec.plugin_config();
     let short = spec.deployed.sha256.get(..16).unwrap_or(&spec.deployed.sha256);
+    #[allow(deprecated)] // `fail_open`: see below
     let wasm = Wasm {
         config: Some(PluginConfig {
             name: spec.resource.clone(),
@@ -71,10 +68,7 @@ pub fn resource(spec: &FilterSpec, module: &[u8], policy: TrapPolicy) -> (String
                 type_url: STRING_VALUE.into(),
                 value: StringValue { value: config.clone() }.encode_to_vec(),
             }),
-            failure_policy: match policy {
-                TrapPolicy::FailOpen => FailurePolicy::FailOpen as i32,
-                TrapPolicy::FailReload => FailurePolicy::FailReload as i32,
-            },
+            fail_open: true,
             vm: Some(plugin_config::Vm::VmConfig(VmConfig {
                 // One VM per module version: the id names the code it runs.
                 vm_id: format!("attache.scorer.{short}"),
@@ -94,7 +88,7 @@ pub fn resource(spec: &FilterSpec, module: &[u8], policy: TrapPolicy) -> (String
         name: spec.resource.clone(),
         typed_config: Some(Any { type_url: WASM_FILTER.into(), value: wasm.encode_to_vec() }),
     };
-    let version = sha256_hex(format!("{}|{config}|{policy:?}", spec.deployed.sha256).as_bytes());
+    let version = sha256_hex(format!("{}|{config}", spec.deployed.sha256).as_bytes());
     (
         version.get(..16).unwrap_or(&version).to_owned(),
         Any { type_url: TYPED_EXTENSION_CONFIG.into(), value: typed.encode_to_vec() },

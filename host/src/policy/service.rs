@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::admission::{self, AdmissionConfig};
-use super::ecds::{self, Acks, Published, TrapPolicy};
+use super::ecds::{self, Acks, Published};
 use super::rollout::{self, Deployed, RolloutError, RolloutFiles, RolloutState, Transition};
 use super::signing::TrustStore;
 use super::store::{ModuleRecord, ModuleStore, UploadError};
@@ -67,9 +67,6 @@ pub struct PolicyConfig {
     /// File holding the admin API bearer token (else `ATTACHE_ADMIN_TOKEN`).
     #[serde(default)]
     pub admin_token_file: Option<PathBuf>,
-    /// What Envoy does when a scorer traps.
-    #[serde(default)]
-    pub on_trap: TrapPolicy,
     /// Envoy admin base URLs whose stats the controller reads (`http://127.0.0.1:9901`).
     #[serde(default)]
     pub envoy_admin: Vec<String>,
@@ -345,7 +342,7 @@ impl PolicyService {
                 cache.insert(sha.clone(), self.store.load(&sha)?);
             }
             let bytes = cache.get(&sha).map(Vec::as_slice).unwrap_or_default();
-            resources.insert(spec.resource.clone(), ecds::resource(&spec, bytes, self.cfg.on_trap));
+            resources.insert(spec.resource.clone(), ecds::resource(&spec, bytes));
         }
         self.published.send_replace(Arc::new(Published { revision: state.revision, resources }));
         Ok(())

@@ -1,4 +1,6 @@
-//! Test fixture: a scorer with a latent bug (panics, i.e. traps, after `trap_after` requests).
+//! Test fixture: a scorer with a latent bug: it panics (traps) once it has scored `trap_after`
+//! candidates in one VM. Admission's samples score 37 candidates, so a larger `trap_after`
+//! passes admission and fails later, in Envoy.
 
 use std::cell::Cell;
 
@@ -10,7 +12,7 @@ pub struct TrapAfter {
 
 impl Scorer for TrapAfter {
     fn configure(params: &Params) -> Result<Self, String> {
-        let n = params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (requests) is required")?;
+        let n = params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (scores) is required")?;
         Ok(Self { left: Cell::new(n) })
     }
 

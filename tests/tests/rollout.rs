@@ -1,0 +1,481 @@
+//! Policies as signed Wasm modules, end to end through the real Envoy 1.40: custom scorers
+//! built with the scorer SDK are signed and uploaded with the `attache` CLI, delivered to
+//! Envoy's scorer slots over ECDS, canaried per session, promoted and rolled back, under a
+//! steady request loop that counts every failure.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use attache_e2e::client;
+use attache_e2e::{EnvoyKind, Stack};
+use common::*;
+use serde_json::{json, Value};
+
+const TOKEN: &str = "e2e-admin-token-0123456789";
+
+struct PolicyStack {
+    s: Stack,
+    keys: PathBuf,
+}
+
+/// Simulator, host with the policy service, Envoy with scorer `slots`.
+fn policy_stack(name: &str, slots: &[&str], auto: Value, labels: Vec<Vec<(String, String)>>) -> PolicyStack {
+    let mut s = Stack::new(name).expect("stack");
+    let keys = s.workdir.join("keys");
+    let token_file = s.workdir.join("admin.token");
+    std::fs::write(&token_file, TOKEN).expect("token");
+    let out = Command::new(&s.paths.host_bin).args(["policy", "keygen", "--out"]).arg(&keys).output().expect("keygen");
+    assert!(out.status.success(), "keygen: {}", String::from_utf8_lossy(&out.stderr));
+    s.host_policy = Some(json!({
+        "store_dir": s.workdir.join("policies"),
+        "trust": keys.join("attache.pub"),
+        "admin_token_file": token_file,
+        "envoy_admin": [format!("http://127.0.0.1:{}", s.envoy_admin_port)],
+        "auto": auto,
+    }));
+    s.scorer_slots = slots.iter().map(|x| x.to_string()).collect();
+    s.endpoint_labels = labels;
+    let opts = small_pool();
+    let engines = usize::from(opts.engines);
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+    s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
+    PolicyStack { s, keys }
+}
+
+fn manual() -> Value {
+    json!({"enabled": false})
+}
+
+/// Run the `attache` CLI against this stack's host; (success, stdout, stderr).
+async fn cli(p: &PolicyStack, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = Command::new(&p.s.paths.host_bin);
+    cmd.arg("policy").args(args);
+    let server = format!("http://127.0.0.1:{}", p.s.host_admin_port);
+    if ["upload", "list", "rollout", "promote", "rollback", "status"].contains(&args[0]) {
+        cmd.args(["--server", &server]).env("ATTACHE_ADMIN_TOKEN", TOKEN);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output()).await.expect("join").expect("attache cli");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Sign a built module with this stack's key; returns the signed file.
+async fn signed(p: &PolicyStack, crate_name: &str) -> PathBuf {
+    let input = p.s.paths.module(crate_name);
+    let out = p.s.workdir.join(format!("{crate_name}.signed.wasm"));
+    let key = p.keys.join("attache.key");
+    let (ok, _, err) = cli(
+        p,
+        &["sign", "--key", key.to_str().unwrap(), "--in", input.to_str().unwrap(), "--out", out.to_str().unwrap()],
+    )
+    .await;
+    assert!(ok, "sign: {err}");
+    out
+}
+
+/// Upload via the CLI; returns the module's sha256.
+async fn upload(p: &PolicyStack, slot: &str, version: &str, file: &std::path::Path, params: Value) -> String {
+    let params = params.to_string();
+    let (ok, out, err) =
+        cli(p, &["upload", "--slot", slot, "--version", version, "--in", file.to_str().unwrap(), "--params", &params])
+            .await;
+    assert!(ok, "upload {version}: {err}");
+    let v: Value = serde_json::from_str(&out).expect("upload answer");
+    v["sha256"].as_str().expect("sha256").to_owned()
+}
+
+async fn status(p: &PolicyStack) -> Value {
+    let (ok, out, err) = cli(p, &["status"]).await;
+    assert!(ok, "status: {err}");
+    serde_json::from_str(&out).expect("status JSON")
+}
+
+/// Status and transport error of failed requests, for assertion messages.
+fn failures(served: &[Served]) -> Vec<String> {
+    served.iter().filter(|r| !r.ok).map(|r| format!("session {}: {} {:?}", r.session, r.status, r.error)).collect()
+}
+
+/// One request of the loop.
+#[derive(Debug, Clone)]
+struct Served {
+    session: usize,
+    status: u16,
+    ok: bool,
+    scorers: String,
+    /// When the answer completed.
+    at: Instant,
+    error: Option<String>,
+}
+
+/// A bounded request loop: `workers` concurrent clients cycling over `sessions` session ids,
+/// until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    served: Arc<Mutex<Vec<Served>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(s: &Stack, workers: usize, sessions: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let url = s.url("/v1/chat/completions");
+        let tasks = (0..workers)
+            .map(|w| {
+                let (stop, served, url) = (stop.clone(), served.clone(), url.clone());
+                tokio::spawn(async move {
+                    let http = reqwest::Client::new();
+                    let mut n = w;
+                    while !stop.load(Ordering::Relaxed) {
+                        let session = n % sessions;
+                        n += workers;
+                        let sid = format!("session-{session}");
+                        let body = client::chat_body(MODEL, &format!("prefix of {sid}"), "hello", 2);
+                        let o = client::post(&http, &url, body, &[("x-session-id", &sid)]).await;
+                        served.lock().unwrap().push(Served {
+                            session,
+                            status: o.status,
+                            ok: o.ok() && o.error.is_none(),
+                            scorers: o.header("x-attache-scorers").unwrap_or("").to_owned(),
+                            at: Instant::now(),
+                            error: o.error.clone(),
+                        });
+                    }
+                })
+            })
+            .collect();
+        Self { stop, served, tasks }
+    }
+
+    fn snapshot(&self) -> Vec<Served> {
+        self.served.lock().unwrap().clone()
+    }
+
+    async fn finish(self) -> Vec<Served> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("load task");
+        }
+        self.served.lock().unwrap().clone()
+    }
+}
+
+/// Wait until a response completed after `since` matches `pred`; returns when it completed.
+async fn wait_served(
+    load: &Load,
+    since: Instant,
+    timeout: Duration,
+    pred: impl Fn(&Served) -> bool,
+) -> Option<Instant> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Some(r) = load.snapshot().iter().find(|r| r.at > since && pred(r)) {
+            return Some(r.at);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    None
+}
+
+fn short(sha: &str) -> &str {
+    &sha[..12]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upload_canary_promote_and_rollback_under_load_fail_no_request() {
+    let p = policy_stack("rollout", &["slo"], manual(), Vec::new());
+    let slo = signed(&p, "attache_scorer_slo_ttft").await;
+    let cost = signed(&p, "attache_scorer_cost_aware").await;
+    let v1 = upload(&p, "slo", "v1", &slo, json!({"ttft_slo_ms": 500})).await;
+    let v2 = upload(&p, "slo", "v2", &cost, json!({"costs": {"l4": 1.0, "h100": 4.0}})).await;
+    let (ok, list, _) = cli(&p, &["list", "--slot", "slo"]).await;
+    assert!(ok && list.contains(&v1) && list.contains(&v2), "{list}");
+
+    let load = Load::start(&p.s, 4, 400);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Canary at 20%: some sessions get v1 as canary, the rest nothing yet.
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", "v1", "--canary", "20%"]).await;
+    assert!(ok, "rollout: {err}");
+    let t = Instant::now();
+    let canary_v1 = format!("slo=canary@{}", short(&v1));
+    assert!(
+        wait_served(&load, t, Duration::from_secs(10), |r| r.scorers == canary_v1).await.is_some(),
+        "canary never acted"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let window: Vec<Served> = load.snapshot().into_iter().filter(|r| r.at > t + Duration::from_secs(1)).collect();
+    let share = window.iter().filter(|r| r.scorers == canary_v1).count() as f64 / window.len() as f64;
+    println!("canary share at 20%: {share:.3} of {} requests", window.len());
+    assert!((0.08..0.35).contains(&share), "canary share {share} far from 20%");
+    // Sticky per session: a session is either always on the canary or never.
+    let mut arms: HashMap<usize, HashSet<bool>> = HashMap::new();
+    for r in &window {
+        arms.entry(r.session).or_default().insert(r.scorers == canary_v1);
+    }
+    assert!(arms.values().all(|a| a.len() == 1), "a session switched arms during the canary");
+
+    // Promote: every session gets v1, now as the stable version.
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "slo", "--reason", "e2e"]).await;
+    assert!(ok, "promote: {err}");
+    let promoted = Instant::now();
+    let stable_v1 = format!("slo=stable@{}", short(&v1));
+    let first = wait_served(&load, promoted, Duration::from_secs(10), |r| r.scorers == stable_v1)
+        .await
+        .expect("no request served by the promoted version");
+    println!(
+        "promote -> first response served by the promoted version: {:.1} ms",
+        (first - promoted).as_secs_f64() * 1000.0
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after: Vec<Served> = load.snapshot().into_iter().filter(|r| r.at > promoted + Duration::from_secs(1)).collect();
+    assert!(after.iter().all(|r| r.scorers == stable_v1), "after promotion every request runs v1 as stable");
+
+    // A second canary (v2, 50%), then roll it back: v1 serves everyone again.
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", &v2, "--canary", "50"]).await;
+    assert!(ok, "rollout v2: {err}");
+    let t2 = Instant::now();
+    let canary_v2 = format!("slo=canary@{}", short(&v2));
+    assert!(wait_served(&load, t2, Duration::from_secs(10), |r| r.scorers == canary_v2).await.is_some());
+    let (ok, _, err) = cli(&p, &["rollback", "--slot", "slo", "--reason", "e2e"]).await;
+    assert!(ok, "rollback: {err}");
+    let rolled = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let served = load.finish().await;
+    let late: Vec<&Served> = served.iter().filter(|r| r.at > rolled + Duration::from_secs(1)).collect();
+    assert!(!late.is_empty() && late.iter().all(|r| r.scorers == stable_v1), "after rollback only v1 serves");
+
+    let failed = failures(&served);
+    println!("request loop: {} requests, {} failed", served.len(), failed.len());
+    assert!(served.len() > 300, "the loop should have kept the proxy busy: {}", served.len());
+    assert!(
+        failed.is_empty(),
+        "requests failed during upload/canary/promote/rollback: {:?}",
+        &failed[..failed.len().min(5)]
+    );
+
+    let st = status(&p).await;
+    let actions: Vec<&str> =
+        st["transitions"].as_array().unwrap().iter().map(|t| t["action"].as_str().unwrap()).collect();
+    assert_eq!(actions, vec!["rollout", "promote", "rollout", "rollback"], "{st}");
+    assert_eq!(st["slots"]["slo"]["stable"]["sha256"], json!(v1));
+    assert!(st["slots"]["slo"]["canary"].is_null());
+    // Envoy acknowledged the versions it runs.
+    let node = &st["envoy"]["attache-gateway"];
+    assert!(node["attache.scorer.slo"]["acked"].is_string(), "{st}");
+}
+
+/// Upload a buggy scorer next to a stable one, canary it under load, and wait for the
+/// controller to roll it back; returns the stack, the request log, the versions and when the
+/// rollback was seen.
+async fn trap_rollout() -> (PolicyStack, Vec<Served>, String, String, Instant) {
+    let auto = json!({"enabled": true, "promote": false, "interval_ms": 200, "min_requests": 100000, "max_traps": 0});
+    let p = policy_stack("trap", &["slo"], auto, Vec::new());
+    let slo = signed(&p, "attache_scorer_slo_ttft").await;
+    let v1 = upload(&p, "slo", "v1", &slo, json!({})).await;
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", "v1", "--canary", "100%"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "slo"]).await;
+    assert!(ok, "{err}");
+
+    // A scorer with a latent bug: it traps after N scores per VM. With N below what
+    // admission's samples score (37), admission refuses it...
+    let trap = signed(&p, "attache_test_trap_scorer").await;
+    let (ok, _, err) = cli(
+        &p,
+        &[
+            "upload",
+            "--slot",
+            "slo",
+            "--version",
+            "v2-caught",
+            "--in",
+            trap.to_str().unwrap(),
+            "--params",
+            r#"{"trap_after": 10}"#,
+        ],
+    )
+    .await;
+    assert!(!ok && err.contains("admission_refused") && err.contains("trapped"), "{err}");
+    // ...above it, the bug passes admission and shows in Envoy (4 candidates per request: on
+    // the 11th canary request of each worker).
+    let bad = upload(&p, "slo", "v2-buggy", &trap, json!({"trap_after": 40})).await;
+
+    let load = Load::start(&p.s, 4, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", "v2-buggy", "--canary", "50%"]).await;
+    assert!(ok, "{err}");
+    let started = Instant::now();
+
+    // The controller sees the trap in Envoy's stats and rolls back by itself.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let rolled_back = loop {
+        let st = status(&p).await;
+        let t = st["transitions"].as_array().unwrap().last().cloned().unwrap_or_default();
+        if t["action"] == "rollback" {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "no automatic rollback: {st}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(rolled_back["by"], "controller");
+    assert!(rolled_back["reason"].as_str().unwrap().contains("trapped"), "{rolled_back}");
+    println!(
+        "trap -> automatic rollback seen after {:.2} s: {}",
+        started.elapsed().as_secs_f64(),
+        rolled_back["reason"]
+    );
+    let rolled = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let served = load.finish().await;
+    let after: Vec<&Served> = served.iter().filter(|r| r.at > rolled + Duration::from_secs(1)).collect();
+    assert!(!after.is_empty() && after.iter().all(|r| r.ok), "failures after the rollback");
+    assert!(after.iter().all(|r| r.scorers == format!("slo=stable@{}", short(&v1))), "only v1 acts after the rollback");
+    (p, served, v1, bad, rolled)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trapping_canary_fails_open_and_is_rolled_back() {
+    let (p, served, _v1, _bad, _) = trap_rollout().await;
+    // Scorer slots fail open: the request that trapped, the requests in flight through the
+    // trapped VM and later ones until the rollback were routed by the scheduler's own pick.
+    let failed = failures(&served);
+    assert!(failed.is_empty(), "with fail_open nothing may fail: {failed:?}");
+    let st = status(&p).await;
+    let traps = st["slots"]["slo"]["counters"]["canary"]["traps"].as_u64().unwrap_or(0);
+    assert!(traps >= 1, "the trap was not counted: {st}");
+    println!("trap test: {} requests, {traps} trapped in the canary, 0 failed", served.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
+    let labels = (0..4)
+        .map(|i| vec![("attache.io/accelerator".to_owned(), if i == 0 { "l4" } else { "h100" }.to_owned())])
+        .collect();
+    let p = policy_stack("refusals", &["cost"], manual(), labels);
+    let cost = signed(&p, "attache_scorer_cost_aware").await;
+    let v1 = upload(&p, "cost", "v1", &cost, json!({"costs": {"l4": 1.0, "h100": 4.0}})).await;
+
+    // Before: unrelated prefixes spread over the pool.
+    let http = fresh_client();
+    let spread = |ports: &[Option<u16>]| ports.iter().flatten().collect::<HashSet<_>>().len();
+    let mut before = Vec::new();
+    for g in 0..16 {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("before-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        before.push(o.engine_port);
+    }
+    assert!(spread(&before) >= 3, "{before:?}");
+
+    // The cost scorer (weight 10) at 100%: the cheap l4 engine takes the traffic.
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "cost", "--module", "v1", "--canary", "100%", "--weight", "10"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "cost"]).await;
+    assert!(ok, "{err}");
+    let l4 = p.s.engine_addrs()[0].rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let header = format!("cost=stable@{}", short(&v1));
+    let mut on_l4 = 0;
+    let mut saw_header = false;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !saw_header && Instant::now() < deadline {
+        let o = send(&p.s, &http, chat("warm-up", "hi", 2), &[]).await;
+        saw_header = o.header("x-attache-scorers") == Some(header.as_str());
+    }
+    assert!(saw_header, "the promoted cost scorer never acted");
+    for g in 0..16 {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("after-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        on_l4 += usize::from(o.engine_port == Some(l4));
+    }
+    assert!(on_l4 >= 14, "cost scorer should steer to the l4 engine: {on_l4}/16");
+
+    // Refusals, each with its own error; nothing changes.
+    let before_status = status(&p).await;
+    let raw = p.s.paths.module("attache_scorer_cost_aware");
+    let mut tampered = std::fs::read(&cost).unwrap();
+    let n = tampered.len();
+    tampered[n - 1] ^= 0x55;
+    let tampered_path = p.s.workdir.join("tampered.wasm");
+    std::fs::write(&tampered_path, tampered).unwrap();
+    let other_keys = p.s.workdir.join("other-keys");
+    let (ok, _, err) = cli(&p, &["keygen", "--out", other_keys.to_str().unwrap()]).await;
+    assert!(ok, "{err}");
+    let wrong_key_path = p.s.workdir.join("wrong-key.wasm");
+    let key = other_keys.join("attache.key");
+    let (ok, _, err) = cli(
+        &p,
+        &[
+            "sign",
+            "--key",
+            key.to_str().unwrap(),
+            "--in",
+            raw.to_str().unwrap(),
+            "--out",
+            wrong_key_path.to_str().unwrap(),
+        ],
+    )
+    .await;
+    assert!(ok, "{err}");
+    // A valid, signed WebAssembly module that is not a proxy-wasm filter.
+    let empty = p.s.workdir.join("empty.wasm");
+    std::fs::write(&empty, b"\0asm\x01\0\0\0").unwrap();
+    let no_abi = p.s.workdir.join("no-abi.signed.wasm");
+    let key = p.keys.join("attache.key");
+    let (ok, _, err) = cli(
+        &p,
+        &["sign", "--key", key.to_str().unwrap(), "--in", empty.to_str().unwrap(), "--out", no_abi.to_str().unwrap()],
+    )
+    .await;
+    assert!(ok, "{err}");
+
+    let admin = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{}/v1/policy/modules?slot=cost&version=bad", p.s.host_admin_port);
+    for (file, code, words) in [
+        (&raw, "unsigned", "not signed"),
+        (&tampered_path, "tampered", "modified after it was signed"),
+        (&wrong_key_path, "untrusted_key", "no key in the trust store"),
+        (&no_abi, "admission_refused", "ABI version"),
+    ] {
+        let r = admin.post(&url).bearer_auth(TOKEN).body(std::fs::read(file).unwrap()).send().await.unwrap();
+        let status_code = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        assert_eq!((status_code, body["error"].as_str().unwrap()), (422, code), "{body}");
+        assert!(body["message"].as_str().unwrap().contains(words), "{body}");
+        // The CLI fails with the same message.
+        let (ok, _, err) =
+            cli(&p, &["upload", "--slot", "cost", "--version", "bad", "--in", file.to_str().unwrap()]).await;
+        assert!(!ok && err.contains(code), "{err}");
+    }
+    // No token, wrong token: 401.
+    for auth in [None, Some("wrong-token-wrong-token")] {
+        let mut req = admin.get(format!("http://127.0.0.1:{}/v1/policy/status", p.s.host_admin_port));
+        if let Some(t) = auth {
+            req = req.bearer_auth(t);
+        }
+        assert_eq!(req.send().await.unwrap().status().as_u16(), 401);
+    }
+    let after_status = status(&p).await;
+    assert_eq!(after_status["revision"], before_status["revision"]);
+    assert_eq!(after_status["slots"], before_status["slots"]);
+    let (ok, list, _) = cli(&p, &["list"]).await;
+    assert!(ok);
+    let listed: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(listed["modules"].as_array().unwrap().len(), 1, "refused modules are not stored: {list}");
+    // Envoy still runs v1.
+    let o = send(&p.s, &http, chat(&long_prefix("after-refusals"), "hi", 2), &[]).await;
+    assert!(o.ok());
+    assert_eq!(o.header("x-attache-scorers"), Some(header.as_str()));
+    assert_eq!(o.engine_port, Some(l4));
+}
