@@ -1,6 +1,7 @@
 //! `attache-bench`: the demo and the side-by-side benchmarks.
 
 mod kv_ingest;
+mod policy;
 mod run;
 mod shared_prefix;
 mod workload;
@@ -28,6 +29,8 @@ enum Cmd {
     Demo(DemoArgs),
     /// llm-d's shared-prefix workload on 8 engines: round-robin vs approximate vs precise.
     SharedPrefix(shared_prefix::Args),
+    /// Custom scorer filters: per-request cost, upload time, promote -> first served request.
+    Policy(policy::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -138,5 +141,6 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Demo(a) => demo(a).await,
         Cmd::KvIngest { out } => kv_ingest::run(&out),
         Cmd::SharedPrefix(a) => shared_prefix::run(a).await,
+        Cmd::Policy(a) => policy::run(a).await,
     }
 }
