@@ -345,9 +345,10 @@ async fn per_worker_streams_work_without_the_bootstrap_singleton() {
     s.start_host().expect("host");
     s.start_envoy(EnvoyKind::AttachePerWorker, &Stack::default_scheduler_config(), 2).expect("envoy");
     s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
-    // Envoy's main thread plus its two workers each hold a stream.
+    // Envoy's main thread plus its two workers each hold a snapshot stream; the fourth is
+    // Envoy's ECDS stream for the scheduler slot.
     let streams = s.envoy_stat("cluster.attache_host.upstream_rq_active");
-    assert_eq!(streams, 3, "one snapshot stream per worker plus the main thread");
+    assert_eq!(streams, 4, "one snapshot stream per worker plus the main thread, and ECDS");
     let http = fresh_client();
     let prefix = long_prefix("per-worker");
     let mut ports = HashSet::new();
