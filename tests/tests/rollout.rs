@@ -479,3 +479,37 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
     assert_eq!(o.header("x-attache-scorers"), Some(header.as_str()));
     assert_eq!(o.engine_port, Some(l4));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_canary_is_promoted_by_the_controller() {
+    let auto = json!({"enabled": true, "promote": true, "interval_ms": 200, "min_requests": 40, "min_duration_ms": 2000,
+                      "max_added_latency_ms": 1000});
+    let p = policy_stack("autopromote", &["slo"], auto, Vec::new());
+    let slo = signed(&p, "attache_scorer_slo_ttft").await;
+    let v1 = upload(&p, "slo", "v1", &slo, json!({})).await;
+    let load = Load::start(&p.s, 4, 200);
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", "v1", "--canary", "30%"]).await;
+    assert!(ok, "{err}");
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(30);
+    let promoted = loop {
+        let st = status(&p).await;
+        let t = st["transitions"].as_array().unwrap().last().cloned().unwrap_or_default();
+        if t["action"] == "promote" {
+            break t;
+        }
+        assert!(t["action"] != "rollback", "a healthy canary was rolled back: {t}");
+        assert!(Instant::now() < deadline, "no automatic promotion: {st}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let took = started.elapsed();
+    assert_eq!(promoted["by"], "controller");
+    assert!(promoted["reason"].as_str().unwrap().starts_with("healthy over"), "{promoted}");
+    assert!(took >= Duration::from_secs(2), "promoted before min_duration_ms: {took:?}");
+    println!("canary promoted by the controller after {:.1} s: {}", took.as_secs_f64(), promoted["reason"]);
+    let at = Instant::now();
+    let stable = format!("slo=stable@{}", short(&v1));
+    assert!(wait_served(&load, at, Duration::from_secs(10), |r| r.scorers == stable).await.is_some());
+    let served = load.finish().await;
+    assert!(failures(&served).is_empty(), "{:?}", failures(&served));
+}
