@@ -14,6 +14,7 @@ pub mod config;
 pub mod endpoint;
 pub mod error;
 pub mod filter;
+pub mod flow;
 pub mod index;
 pub mod picker;
 pub mod precise;
