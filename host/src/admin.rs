@@ -92,6 +92,8 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
         "version": s.version,
         "host_epoch": s.host_epoch,
         "generated_unix_ms": s.generated_unix_ms,
+        "saturation": s.saturation,
+        "objectives": s.objectives,
         "endpoints": s.endpoints.iter().map(|e| json!({
             "id": e.id,
             "address": e.address,

@@ -34,6 +34,9 @@ pub struct HostConfig {
     pub kv_events_bind: Option<String>,
     /// Most blocks the precise index holds (CLOCK eviction beyond).
     pub kv_index_capacity: usize,
+    /// Flow control inputs pushed with each snapshot: the saturation detector and the
+    /// InferenceObjective priority table.
+    pub flow: FlowInputs,
     /// Policy modules: store, trust store, admin token, rollout controller. Off when absent.
     pub policy: Option<crate::policy::service::PolicyConfig>,
 }
@@ -52,8 +55,20 @@ impl Default for HostConfig {
             kv_events_bind: None,
             kv_index_capacity: 1_000_000,
             policy: None,
+            flow: FlowInputs::default(),
         }
     }
+}
+
+/// `flow:` in the host configuration.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FlowInputs {
+    /// llm-d's utilization detector settings (queue 5, KV 0.8, metrics older than 200 ms
+    /// count as saturated).
+    pub saturation: attache_policies::flow::SaturationConfig,
+    /// InferenceObjective name → priority (higher first; negative is sheddable).
+    pub objectives: std::collections::BTreeMap<String, i32>,
 }
 
 impl HostConfig {

@@ -284,7 +284,9 @@ async fn apply_discovery(
 
 async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
-    let state = Arc::new(RwLock::new(PoolState::default()));
+    let mut pool = PoolState::default();
+    pool.flow = cfg.flow.clone();
+    let state = Arc::new(RwLock::new(pool));
     let client = reqwest::Client::builder().pool_max_idle_per_host(2).build()?;
 
     // Validate the endpoints file before binding any port.

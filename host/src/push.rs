@@ -48,8 +48,10 @@ pub fn spawn_publisher(
             tick.tick().await;
             let st = state.read().await;
             let snap = st.snapshot(version + 1, epoch, Instant::now(), unready_after);
-            let ready: Vec<bool> = snap.endpoints.iter().map(|e| e.ready).collect();
-            // Readiness can change with time alone (metrics age out), so compare it too.
+            let mut ready: Vec<bool> = snap.endpoints.iter().map(|e| e.ready).collect();
+            ready.push(snap.saturation.is_some_and(|s| s >= 1.0));
+            // Readiness and saturation can change with time alone (metrics age out), so
+            // compare them too.
             if st.generation == seen_generation && ready == last_ready {
                 continue;
             }

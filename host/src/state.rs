@@ -8,6 +8,25 @@ use attache_proto::v1;
 use crate::discovery::StaticEndpoint;
 use crate::prom::EngineMetrics;
 
+/// The saturation detector over the snapshot's endpoints (policies::flow::pool_saturation).
+fn saturation(endpoints: &[v1::Endpoint], cfg: &attache_policies::flow::SaturationConfig) -> Option<f64> {
+    let eps: Vec<attache_policies::Endpoint> = endpoints
+        .iter()
+        .map(|e| attache_policies::Endpoint {
+            ready: e.ready,
+            metrics: e.has_metrics.then_some(attache_policies::EndpointMetrics {
+                waiting: e.waiting,
+                running: e.running,
+                kv_usage: e.kv_usage,
+                age_ms: e.metrics_age_ms,
+                ttft_ms: e.ttft_ms,
+            }),
+            ..Default::default()
+        })
+        .collect();
+    attache_policies::flow::pool_saturation(&eps, cfg)
+}
+
 /// Weight of the newest TTFT sample in the endpoint's running mean.
 const TTFT_EWMA: f64 = 0.3;
 
@@ -32,6 +51,8 @@ pub struct PoolState {
     /// Stable small ids per address, used by the precise index and its deltas.
     ids: BTreeMap<String, u16>,
     next_id: u16,
+    /// Saturation detector settings and the objective table, pushed with each snapshot.
+    pub flow: crate::config::FlowInputs,
 }
 
 impl PoolState {
@@ -113,7 +134,7 @@ impl PoolState {
     /// Build the wire snapshot. An endpoint whose last good scrape is older than
     /// `unready_after` (or that never answered) is marked not ready.
     pub fn snapshot(&self, version: u64, epoch: u64, now: Instant, unready_after: Duration) -> v1::Snapshot {
-        let endpoints = self
+        let endpoints: Vec<v1::Endpoint> = self
             .endpoints
             .values()
             .map(|e| {
@@ -139,11 +160,14 @@ impl PoolState {
                 }
             })
             .collect();
+        let saturation = saturation(&endpoints, &self.flow.saturation);
         v1::Snapshot {
             version,
             host_epoch: epoch,
             generated_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
             endpoints,
+            saturation,
+            objectives: self.flow.objectives.iter().map(|(k, v)| (k.clone(), *v)).collect(),
         }
     }
 }
@@ -182,6 +206,26 @@ mod tests {
         assert!(p.generation > g);
         assert_eq!(p.endpoints.len(), 1);
         assert!(p.endpoints["1.1.1.1:1"].metrics.is_some(), "metrics survive rediscovery");
+    }
+
+    #[test]
+    fn snapshots_carry_saturation_and_objectives() {
+        let mut p = PoolState::default();
+        assert_eq!(p.snapshot(1, 1, Instant::now(), Duration::from_secs(1)).saturation, None, "no endpoints");
+        p.flow.objectives.insert("chat".into(), 10);
+        p.set_endpoints(vec![spec("1.1.1.1:1"), spec("1.1.1.2:1")]);
+        let t = Instant::now();
+        p.record_scrape("1.1.1.1:1", Ok(EngineMetrics { waiting: 10.0, kv_usage: 0.4, ..Default::default() }), t);
+        p.record_scrape("1.1.1.2:1", Ok(EngineMetrics { waiting: 0.0, kv_usage: 0.4, ..Default::default() }), t);
+        let s = p.snapshot(2, 1, t, Duration::from_secs(1));
+        // (max(10/5, 0.4/0.8) + max(0, 0.5)) / 2
+        assert!((s.saturation.unwrap() - 1.25).abs() < 1e-9, "{:?}", s.saturation);
+        assert_eq!(s.objectives.get("chat"), Some(&10));
+        // Metrics older than 200 ms count as fully saturated.
+        let later = t + Duration::from_millis(500);
+        p.record_scrape("1.1.1.2:1", Ok(EngineMetrics::default()), later);
+        let s = p.snapshot(3, 1, later, Duration::from_secs(1));
+        assert!((s.saturation.unwrap() - 0.5).abs() < 1e-9, "(1.0 stale + 0.0) / 2: {:?}", s.saturation);
     }
 
     #[test]

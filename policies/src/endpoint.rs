@@ -77,6 +77,12 @@ impl Endpoint {
 pub struct PoolState {
     pub version: u64,
     pub endpoints: Vec<Endpoint>,
+    /// The host's saturation detector ([`crate::flow::pool_saturation`]); >= 1.0 is saturated.
+    #[serde(default)]
+    pub saturation: Option<f64>,
+    /// InferenceObjective name → priority, as the host pushed it.
+    #[serde(default)]
+    pub objectives: std::collections::BTreeMap<String, i32>,
 }
 
 impl PoolState {

@@ -194,6 +194,8 @@ mod tests {
 
     fn pool(n: usize) -> PoolState {
         PoolState {
+            saturation: None,
+            objectives: Default::default(),
             version: 1,
             endpoints: (0..n)
                 .map(|i| Endpoint {

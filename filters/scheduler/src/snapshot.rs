@@ -48,6 +48,8 @@ pub fn to_pool(s: &v1::Snapshot) -> PoolState {
                 },
             })
             .collect(),
+        saturation: s.saturation,
+        objectives: s.objectives.iter().map(|(k, v)| (k.clone(), *v)).collect(),
     }
 }
 
@@ -226,6 +228,8 @@ mod tests {
                 },
                 v1::Endpoint { address: "1.2.3.5:80".into(), ..Default::default() },
             ],
+            saturation: Some(1.5),
+            objectives: [("chat".to_owned(), 10)].into(),
         };
         let p = to_pool(&s);
         assert_eq!(p.version, 7);
@@ -233,6 +237,7 @@ mod tests {
         assert_eq!(p.endpoints[0].metrics.unwrap().waiting, 3.0);
         assert!(p.endpoints[1].metrics.is_none());
         assert!(!p.endpoints[1].ready);
+        assert_eq!((p.saturation, p.objectives.get("chat")), (Some(1.5), Some(&10)));
         assert_ne!(version_key(&s), version_key(&v1::Snapshot { version: 8, ..s.clone() }));
     }
 }
