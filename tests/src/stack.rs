@@ -166,6 +166,8 @@ pub struct Stack {
     pub scorer_slots: Vec<String>,
     /// The host's `policy:` configuration (JSON), if the policy service should run.
     pub host_policy: Option<serde_json::Value>,
+    /// The host's `flow:` configuration (JSON): saturation detector and objectives.
+    pub host_flow: Option<serde_json::Value>,
     /// Pod labels per engine (by index in `engine_addrs`), written to the endpoints file.
     pub endpoint_labels: Vec<Vec<(String, String)>>,
 }
@@ -219,6 +221,7 @@ impl Stack {
             extra_procs: Vec::new(),
             scorer_slots: Vec::new(),
             host_policy: None,
+            host_flow: None,
             endpoint_labels: Vec::new(),
         })
     }
@@ -347,10 +350,17 @@ impl Stack {
         }
         let mut cmd = Command::new(&self.paths.host_bin);
         cmd.arg("host");
-        if let Some(policy) = &self.host_policy {
+        if self.host_policy.is_some() || self.host_flow.is_some() {
+            let mut config = serde_json::json!({});
+            if let Some(policy) = &self.host_policy {
+                config["policy"] = policy.clone();
+            }
+            if let Some(flow) = &self.host_flow {
+                config["flow"] = flow.clone();
+            }
             let path = self.workdir.join("host.yaml");
             // YAML is a superset of JSON.
-            std::fs::write(&path, serde_json::json!({"policy": policy}).to_string())?;
+            std::fs::write(&path, config.to_string())?;
             cmd.arg("--config").arg(path);
         }
         let p = self.spawn(

@@ -72,6 +72,8 @@ pub struct FilterConfig {
     pub subscribe: Option<SubscribeConfig>,
     /// Custom scorers and rollout.
     pub scoring: ScoringConfig,
+    /// Flow control: request classes and shedding (policies::flow).
+    pub flow: attache_policies::flow::FlowConfig,
 }
 
 impl FilterConfig {

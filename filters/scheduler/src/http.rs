@@ -3,6 +3,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use attache_policies::flow;
 use attache_policies::index;
 use attache_policies::precise;
 use attache_policies::request::Prompt;
@@ -39,6 +40,8 @@ pub struct SchedulerHttp {
     /// Set when a scoring context went to scorer filters: each candidate's expected prefix hit,
     /// to grade the arm that acted once the response starts.
     handed_off: Option<Vec<(String, f32)>>,
+    /// The request headers flow control classifies on (objective, tenant, API key).
+    flow_headers: Vec<(String, String)>,
 }
 
 /// The candidates as custom scorer filters see them (policies::scoring).
@@ -74,15 +77,20 @@ impl SchedulerHttp {
             session: None,
             started_us: 0,
             handed_off: None,
+            flow_headers: Vec::new(),
         }
     }
 
     fn reject(&mut self, err: ErrorResponse) -> Action {
+        self.reject_with(err, &[])
+    }
+
+    fn reject_with(&mut self, err: ErrorResponse, extra: &[(&str, &str)]) -> Action {
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.metrics.error(err.reason);
         }
         host::log(LogLevel::Debug, &format!("attache[{}]: {} {}", self.id, err.status, err.reason));
-        host::send_json(err.status, err.reason, &err.body, &[]);
+        host::send_json(err.status, err.reason, &err.body, extra);
         self.answered = true;
         Action::Pause
     }
@@ -98,6 +106,35 @@ impl SchedulerHttp {
         };
         let w = &mut *guard;
         w.cache.refresh(host::now_ms());
+        if w.config.flow.enabled {
+            // Classify (objective header or body priority; tenant header or API-key hash) and
+            // shed sheddable requests while the host says the pool is saturated.
+            let headers = &self.flow_headers;
+            let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+            match flow::classify(&w.config.flow, Some(&w.cache.pool.objectives), header, req.priority) {
+                Err(e) => {
+                    drop(guard);
+                    let msg =
+                        format!("{e}; objectives come from InferenceObjective resources or the host's flow.objectives");
+                    return self.reject_with(
+                        ErrorResponse::new(400, "unknown_objective", "invalid_request_error", None, &msg),
+                        &[("x-attache-dropped-reason", "unknown_objective")],
+                    );
+                }
+                Ok(class) if class.sheddable() && w.cache.pool.saturation.is_some_and(|s| s >= 1.0) => {
+                    drop(guard);
+                    let msg = format!(
+                        "the pool is saturated and priority {} requests are sheddable; retry later",
+                        class.priority
+                    );
+                    return self.reject_with(
+                        ErrorResponse::new(429, "sheddable", "rate_limit_error", None, &msg),
+                        &[("retry-after", "1"), ("x-attache-dropped-reason", flow::Shed::Sheddable.reason())],
+                    );
+                }
+                Ok(_) => {}
+            }
+        }
         let hashes =
             prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
         let seed = hashes.first().copied().unwrap_or(u64::from(self.id));
@@ -230,6 +267,14 @@ impl HttpContext for SchedulerHttp {
         let path = host::request_header(":path").unwrap_or_default();
         self.api = if method == "POST" { Api::from_path(&path) } else { None };
         if let Ok(w) = self.worker.try_borrow() {
+            let f = &w.config.flow;
+            if f.enabled {
+                for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
+                    if let Some(v) = host::request_header(h) {
+                        self.flow_headers.push((h.clone(), v));
+                    }
+                }
+            }
             if w.config.scoring.context {
                 self.started_us = host::now_us();
                 self.session = w.config.scoring.session_headers.iter().find_map(|h| host::request_header(h));
