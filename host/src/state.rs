@@ -161,10 +161,19 @@ impl PoolState {
             })
             .collect();
         let saturation = saturation(&endpoints, &self.flow.saturation);
+        let generated_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let oldest_fresh = endpoints
+            .iter()
+            .filter(|e| e.has_metrics && e.metrics_age_ms < self.flow.saturation.stale_ms)
+            .map(|e| e.metrics_age_ms)
+            .max()
+            .unwrap_or(0);
         v1::Snapshot {
             version,
             host_epoch: epoch,
-            generated_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            generated_unix_ms,
+            dispatch_cost: attache_policies::flow::dispatch_cost(endpoints.len(), &self.flow.saturation),
+            observed_unix_ms: generated_unix_ms.saturating_sub(oldest_fresh),
             endpoints,
             saturation,
             objectives: self.flow.objectives.iter().map(|(k, v)| (k.clone(), *v)).collect(),

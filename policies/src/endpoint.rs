@@ -66,9 +66,9 @@ impl Endpoint {
         self.models.iter().any(|m| m == model)
     }
 
-    /// Metrics if they are fresh enough to act on.
+    /// Metrics if they are fresh enough to act on: younger than `stale_ms` (so 0 means none is).
     pub fn fresh_metrics(&self, stale_ms: u64) -> Option<&EndpointMetrics> {
-        self.metrics.as_ref().filter(|m| m.age_ms <= stale_ms)
+        self.metrics.as_ref().filter(|m| m.age_ms < stale_ms)
     }
 }
 
@@ -83,6 +83,19 @@ pub struct PoolState {
     /// InferenceObjective name → priority, as the host pushed it.
     #[serde(default)]
     pub objectives: std::collections::BTreeMap<String, i32>,
+    /// Saturation one more dispatched request adds ([`crate::flow::dispatch_cost`]).
+    #[serde(default)]
+    pub dispatch_cost: f64,
+    /// When the engine metrics behind `saturation` were scraped, ms since the epoch.
+    #[serde(default)]
+    pub observed_ms: u64,
+}
+
+impl PoolState {
+    /// Whether any endpoint is ready to serve.
+    pub fn has_ready(&self) -> bool {
+        self.endpoints.iter().any(|e| e.ready)
+    }
 }
 
 impl PoolState {

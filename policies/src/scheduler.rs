@@ -194,8 +194,6 @@ mod tests {
 
     fn pool(n: usize) -> PoolState {
         PoolState {
-            saturation: None,
-            objectives: Default::default(),
             version: 1,
             endpoints: (0..n)
                 .map(|i| Endpoint {
@@ -207,6 +205,7 @@ mod tests {
                     ..Default::default()
                 })
                 .collect(),
+            ..Default::default()
         }
     }
 
