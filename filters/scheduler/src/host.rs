@@ -74,3 +74,23 @@ pub fn shared_data(key: &str) -> Option<Vec<u8>> {
 pub fn set_shared_data(key: &str, value: &[u8]) -> bool {
     hostcalls::set_shared_data(key, Some(value), None).is_ok()
 }
+
+/// A shared-data value and its CAS token.
+pub fn shared_data_cas(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+    hostcalls::get_shared_data(key).unwrap_or((None, None))
+}
+
+/// Write `value` if the value's CAS is still `cas`; false on a mismatch or an error.
+pub fn set_shared_data_cas(key: &str, value: &[u8], cas: Option<u32>) -> bool {
+    hostcalls::set_shared_data(key, Some(value), cas).is_ok()
+}
+
+/// Make `context_id` (an HTTP stream of this VM) the target of the following host calls.
+pub fn set_effective_context(context_id: u32) -> bool {
+    hostcalls::set_effective_context(context_id).is_ok()
+}
+
+/// Let a paused request continue (Envoy resumes it once the current VM call returns).
+pub fn resume_request() -> bool {
+    hostcalls::resume_http_request().is_ok()
+}

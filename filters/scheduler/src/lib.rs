@@ -14,12 +14,14 @@
 //! goes through the fallible `hostcalls` wrappers in [`host`].
 
 pub mod config;
+pub mod flow;
 pub mod host;
 pub mod http;
 pub mod kv_table;
 pub mod metrics;
 pub mod picker;
 pub mod root;
+pub mod route;
 pub mod snapshot;
 
 #[cfg(target_arch = "wasm32")]

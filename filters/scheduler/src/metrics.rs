@@ -29,6 +29,33 @@ pub struct Metrics {
     score_precise: Option<u32>,
     /// Per rollout arm (`<slot>.<arm>`): requests, 5xx, traps, latency sum, hit sum.
     rollout: HashMap<String, [Option<u32>; 5]>,
+    flow: FlowMetrics,
+}
+
+/// Flow-control metrics. Queue depths are gauges every worker moves up and down, so Envoy's
+/// one stat per name sums them over workers.
+#[derive(Default)]
+struct FlowMetrics {
+    enqueued: Option<u32>,
+    dispatched: Option<u32>,
+    disconnected: Option<u32>,
+    queued: Option<u32>,
+    wait_ms: Option<u32>,
+    saturation: Option<u32>,
+    shed: HashMap<&'static str, Option<u32>>,
+    bands: HashMap<i32, Option<u32>>,
+    tenants: HashMap<String, Option<u32>>,
+}
+
+/// Tenants with their own queue-depth gauge per worker; the rest share `other`.
+const MAX_TENANT_GAUGES: usize = 64;
+
+fn band_name(priority: i32) -> String {
+    if priority < 0 {
+        format!("minus{}", priority.unsigned_abs())
+    } else {
+        priority.to_string()
+    }
 }
 
 /// What one request tells about the scorer arm that acted on it.
@@ -74,7 +101,77 @@ impl Metrics {
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
             score_precise: define(MetricType::Histogram, "attache.scorer.precise.score_milli"),
+            flow: FlowMetrics {
+                enqueued: define(MetricType::Counter, "attache.flow.enqueued"),
+                dispatched: define(MetricType::Counter, "attache.flow.dispatched"),
+                disconnected: define(MetricType::Counter, "attache.flow.disconnected"),
+                queued: define(MetricType::Gauge, "attache.flow.queued"),
+                wait_ms: define(MetricType::Histogram, "attache.flow.wait_ms"),
+                saturation: define(MetricType::Gauge, "attache.flow.saturation_permille"),
+                ..Default::default()
+            },
             ..Default::default()
+        }
+    }
+
+    fn flow_gauges(&mut self, priority: i32, tenant: &str) -> [Option<u32>; 3] {
+        let f = &mut self.flow;
+        let band = *f
+            .bands
+            .entry(priority)
+            .or_insert_with(|| define(MetricType::Gauge, &format!("attache.flow.band.{}.queued", band_name(priority))));
+        let tenant_key = if f.tenants.contains_key(tenant) || f.tenants.len() < MAX_TENANT_GAUGES {
+            tenant.to_owned()
+        } else {
+            "other".to_owned()
+        };
+        let t = *f.tenants.entry(tenant_key.clone()).or_insert_with(|| {
+            define(MetricType::Gauge, &format!("attache.flow.tenant.{}.queued", sanitize(&tenant_key)))
+        });
+        [f.queued, band, t]
+    }
+
+    /// A request entered the flow-control queue.
+    pub fn flow_enqueued(&mut self, priority: i32, tenant: &str) {
+        inc(self.flow.enqueued, 1);
+        for g in self.flow_gauges(priority, tenant) {
+            inc(g, 1);
+        }
+    }
+
+    /// A request left the queue (dispatched, expired or gone).
+    pub fn flow_left(&mut self, priority: i32, tenant: &str) {
+        for g in self.flow_gauges(priority, tenant) {
+            inc(g, -1);
+        }
+    }
+
+    pub fn flow_dispatched(&mut self, waited_ms: u64) {
+        inc(self.flow.dispatched, 1);
+        if let Some(id) = self.flow.wait_ms {
+            let _ = hostcalls::record_metric(id, waited_ms);
+        }
+    }
+
+    pub fn flow_disconnected(&mut self) {
+        inc(self.flow.disconnected, 1);
+    }
+
+    /// A request flow control answered itself: `attache.flow.shed.<reason>`.
+    pub fn flow_shed(&mut self, shed: attache_policies::flow::Shed) {
+        let reason = shed.reason();
+        let id = *self
+            .flow
+            .shed
+            .entry(reason)
+            .or_insert_with(|| define(MetricType::Counter, &format!("attache.flow.shed.{reason}")));
+        inc(id, 1);
+    }
+
+    /// The worker's latest saturation estimate (all workers write the one gauge).
+    pub fn flow_saturation(&mut self, s: Option<f64>) {
+        if let (Some(id), Some(s)) = (self.flow.saturation, s) {
+            let _ = hostcalls::record_metric(id, (s * 1000.0).round().clamp(0.0, 1e9) as u64);
         }
     }
 

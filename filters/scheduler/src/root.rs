@@ -14,6 +14,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
 use crate::config::{FilterConfig, Role, SubscribeConfig};
+use crate::flow::FlowState;
 use crate::host;
 use crate::http::SchedulerHttp;
 use crate::kv_table;
@@ -33,6 +34,8 @@ pub struct Worker {
     /// The model's tokenizer and chat template, for precise routing of text and chat prompts
     /// (None if not configured or if it failed its start-up check).
     pub tokenizer: Option<PromptTokenizer>,
+    /// Flow control: this worker's queue, saturation gate and fairness board.
+    pub flow: FlowState,
 }
 
 impl Worker {
@@ -65,6 +68,7 @@ impl Worker {
         };
         Self {
             tokenizer,
+            flow: FlowState::new(config.flow.enabled),
             scheduler: Scheduler::new(config.scheduler.clone()),
             state: SchedulerState::new(&config.scheduler),
             cache: SnapshotCache::default(),
@@ -168,20 +172,37 @@ impl RootContext for AttacheRoot {
             (Role::Agent, None) => Some(SubscribeConfig::default()),
             (_, None) => None,
         };
+        // Flow control re-checks its queue each tick; the snapshot stream checks its health.
+        let flow_tick = (config.role == Role::Scheduler && config.flow.enabled).then_some(config.flow.tick_ms.max(1));
         self.worker = Some(Rc::new(RefCell::new(Worker::new(config))));
+        let mut tick_ms = flow_tick;
         if let Some(cfg) = sub_cfg {
             let mut sub = Subscriber::new(cfg);
-            let _ = hostcalls::set_tick_period(Duration::from_millis(sub.tick_ms()));
+            tick_ms = Some(tick_ms.map_or(sub.tick_ms(), |t| t.min(sub.tick_ms())));
             sub.ensure_open(&self.node(), host::now_ms());
             self.subscriber = Some(sub);
+        }
+        if let Some(ms) = tick_ms {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
         }
         true
     }
 
     fn on_tick(&mut self) {
-        let node = self.node();
-        if let Some(sub) = self.subscriber.as_mut() {
-            sub.ensure_open(&node, host::now_ms());
+        if self.subscriber.is_some() {
+            let node = self.node();
+            if let Some(sub) = self.subscriber.as_mut() {
+                sub.ensure_open(&node, host::now_ms());
+            }
+        }
+        if self.role == Role::Scheduler {
+            if let Some(w) = &self.worker {
+                if let Ok(mut w) = w.try_borrow_mut() {
+                    if w.config.flow.enabled {
+                        crate::flow::tick(&mut w);
+                    }
+                }
+            }
         }
     }
 

@@ -49,6 +49,8 @@ pub fn to_pool(s: &v1::Snapshot) -> PoolState {
             })
             .collect(),
         saturation: s.saturation,
+        dispatch_cost: s.dispatch_cost,
+        observed_ms: s.observed_unix_ms,
         objectives: s.objectives.iter().map(|(k, v)| (k.clone(), *v)).collect(),
     }
 }
@@ -230,8 +232,11 @@ mod tests {
             ],
             saturation: Some(1.5),
             objectives: [("chat".to_owned(), 10)].into(),
+            dispatch_cost: 0.1,
+            observed_unix_ms: 42,
         };
         let p = to_pool(&s);
+        assert_eq!((p.dispatch_cost, p.observed_ms), (0.1, 42));
         assert_eq!(p.version, 7);
         assert_eq!(p.endpoints[0].role, Role::Decode);
         assert_eq!(p.endpoints[0].metrics.unwrap().waiting, 3.0);

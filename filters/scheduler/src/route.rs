@@ -1,0 +1,162 @@
+//! Route one parsed request: run the policies pipeline on the worker's snapshot, set the
+//! destination header, hand the scoring context to custom scorers, and account the pick.
+//! Called from the request's own body callback, or from the flow-control queue (with the
+//! request made the effective context first).
+
+use attache_policies::index;
+use attache_policies::precise;
+use attache_policies::request::{InferenceRequest, Prompt};
+use attache_policies::scoring::{self, ScoringContext};
+use attache_policies::{prefix, Decision, ErrorResponse, PoolState, SchedulingInput};
+use proxy_wasm::types::LogLevel;
+
+use crate::host;
+use crate::http::{RequestState, DESTINATION_HEADER};
+use crate::kv_table;
+use crate::root::Worker;
+use crate::snapshot::SharedAffinity;
+
+/// The candidates as custom scorer filters see them (policies::scoring).
+fn scoring_candidates(decision: &Decision, pool: &PoolState) -> Vec<scoring::Candidate> {
+    decision
+        .all
+        .iter()
+        .map(|s| {
+            let ep = pool.endpoints.iter().find(|e| e.address == s.address);
+            let m = ep.and_then(|e| e.metrics.as_ref());
+            scoring::Candidate {
+                address: s.address.clone(),
+                labels: ep.map(|e| e.labels.clone()).unwrap_or_default(),
+                waiting: m.map(|m| m.waiting as f32).unwrap_or(0.0),
+                running: m.map(|m| m.running as f32).unwrap_or(0.0),
+                kv_usage: m.map(|m| m.kv_usage as f32).unwrap_or(0.0),
+                ttft_ms: m.map(|m| m.ttft_ms as f32).unwrap_or(0.0),
+                prefix_hit: s.prefix.max(s.precise) as f32,
+                score: s.total,
+            }
+        })
+        .collect()
+}
+
+/// Token ids as the engine computes them (policies::prompt_tokens): token-id prompts as
+/// given, text completions with BOS, conversations rendered with the model's chat template.
+fn prompt_ids(w: &mut Worker, req: &InferenceRequest, id: u32) -> Option<Vec<u32>> {
+    let pc = &w.config.scheduler.precise;
+    match (pc.enabled, &req.prompt, w.tokenizer.as_mut()) {
+        (false, _, _) => None,
+        (true, Prompt::Tokens(ids), _) if req.messages.is_empty() => {
+            Some(attache_policies::prompt_tokens::given_ids(ids, pc.max_tokens))
+        }
+        (true, _, Some(t)) => match t.request(req, pc.max_tokens) {
+            Ok(ids) => Some(ids),
+            Err(e) => {
+                host::log(LogLevel::Debug, &format!("attache[{id}]: no precise scores: {e}"));
+                w.metrics.prompt_untokenized();
+                None
+            }
+        },
+        (true, _, None) => {
+            w.metrics.prompt_untokenized();
+            None
+        }
+    }
+}
+
+/// Pick the endpoints for `req` and set the destination header on the effective context.
+pub fn route(
+    w: &mut Worker,
+    st: &mut RequestState,
+    req: &InferenceRequest,
+    body_len: usize,
+) -> Result<(), ErrorResponse> {
+    let id = st.id;
+    let hashes = prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
+    let seed = hashes.first().copied().unwrap_or(u64::from(id));
+    let slots = w.config.scheduler.prefix.shared_slots;
+    let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes));
+    let ids = prompt_ids(w, req, id);
+    let ids_len = ids.as_ref().map(Vec::len);
+    let pc = &w.config.scheduler.precise;
+    let precise_scores = ids.map(|ids| {
+        let seed = prefix::chain_seed(&req.model, None);
+        let reader = kv_table::Reader::new(pc.slots);
+        precise::scores(
+            &w.cache.pool.endpoints,
+            &pc.tier_weights,
+            |bs| prefix::token_block_keys(seed, &ids, bs),
+            |k| reader.holders(k),
+        )
+    });
+    let input = SchedulingInput {
+        model: &req.model,
+        block_hashes: &hashes,
+        inflight: &w.inflight,
+        seed,
+        extra_matches: shared.as_ref(),
+        precise: precise_scores.as_ref(),
+    };
+    let decision = w.scheduler.schedule(&input, &w.cache.pool, &mut w.state).map_err(|e| ErrorResponse::from(&e))?;
+    if !host::set_request_header(DESTINATION_HEADER, &decision.header_value()) {
+        return Err(ErrorResponse::new(
+            500,
+            "header_write_failed",
+            "InternalServerError",
+            None,
+            "could not set the destination header",
+        ));
+    }
+    if w.config.scoring.context {
+        let session = st.session.as_deref().or(req.user.as_deref());
+        let bucket = session.map_or_else(|| scoring::bucket_of_seed(seed), |s| scoring::bucket_of(s.as_bytes()));
+        let prompt_tokens = ids_len.unwrap_or(body_len / 4).min(u32::MAX as usize) as u32;
+        let ctx = ScoringContext {
+            bucket,
+            seed,
+            max_endpoints: w.config.scheduler.max_endpoints.min(255) as u8,
+            model: req.model.clone(),
+            prompt_tokens,
+            max_tokens: req.max_tokens.unwrap_or(0).min(u64::from(u32::MAX)) as u32,
+            stream: req.stream,
+            candidates: scoring_candidates(&decision, &w.cache.pool),
+        };
+        if host::set_property(scoring::CONTEXT_PROPERTY, &ctx.encode()) {
+            st.handed_off = Some(ctx.candidates.into_iter().map(|c| (c.address, c.prefix_hit)).collect());
+        }
+    }
+    w.scheduler.commit(&decision, &hashes, &mut w.state);
+    if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
+        index::shared_record(&mut SharedAffinity, slots, &hashes, primary);
+    }
+    if let Some(best) = decision.scores.first() {
+        if precise_scores.is_some() {
+            w.metrics.precise_score(best.precise);
+        }
+        w.metrics.scheduled(
+            &best.address,
+            best.prefix,
+            best.queue,
+            best.kv_cache,
+            best.matched_blocks,
+            decision.total_blocks,
+        );
+        *w.inflight.entry(best.address.clone()).or_insert(0) += 1;
+        st.dispatched = Some(best.address.clone());
+        host::log(
+            LogLevel::Debug,
+            &format!(
+                "attache[{id}]: model={} -> {} (prefix={:.3} queue={:.3} kv={:.3} total={:.3} matched={}/{} candidates={} snapshot={})",
+                req.model,
+                decision.header_value(),
+                best.prefix,
+                best.queue,
+                best.kv_cache,
+                best.total,
+                best.matched_blocks,
+                decision.total_blocks,
+                decision.candidates,
+                w.cache.pool.version
+            ),
+        );
+    }
+    Ok(())
+}
