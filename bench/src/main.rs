@@ -1,5 +1,6 @@
 //! `attache-bench`: the demo and the side-by-side benchmarks.
 
+mod flow_control;
 mod kv_ingest;
 mod policy;
 mod run;
@@ -31,6 +32,8 @@ enum Cmd {
     SharedPrefix(shared_prefix::Args),
     /// Custom scorer filters: per-request cost, upload time, promote -> first served request.
     Policy(policy::Args),
+    /// Flow control: bursty agents vs interactive chat (TTFT vs idle), and tenant fairness.
+    FlowControl(flow_control::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -142,5 +145,6 @@ async fn main() -> anyhow::Result<()> {
         Cmd::KvIngest { out } => kv_ingest::run(&out),
         Cmd::SharedPrefix(a) => shared_prefix::run(a).await,
         Cmd::Policy(a) => policy::run(a).await,
+        Cmd::FlowControl(a) => flow_control::run(a).await,
     }
 }

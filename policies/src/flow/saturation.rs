@@ -55,7 +55,7 @@ pub fn dispatch_cost(endpoints: usize, cfg: &SaturationConfig) -> f64 {
 const MAX_EVENTS: usize = 8192;
 
 /// One scheduler instance's estimate of saturation between snapshots: the host's figure plus
-/// what this instance dispatched (minus what completed) since the engines were scraped.
+/// what this instance dispatched, minus what completed, since the engines were scraped.
 ///
 /// Other instances' dispatches are not seen until the next snapshot, so with `W` workers and
 /// replicas dispatching at once the pool can overshoot by at most `W` times the headroom for one
@@ -89,8 +89,10 @@ impl Gate {
         while self.events.front().is_some_and(|(t, _)| *t <= observed_ms) {
             self.events.pop_front();
         }
+        // A completion lets a request waiting on the engine start (or frees its KV), so it
+        // counts down as a dispatch counts up; never below an empty pool.
         let net: i64 = self.events.iter().map(|(_, d)| i64::from(*d)).sum();
-        host + cost * net.max(0) as f64
+        (host + cost * net as f64).max(0.0)
     }
 }
 
@@ -129,9 +131,12 @@ mod tests {
         assert!((g.estimate(0.5, 50, cost) - 0.7).abs() < 1e-9);
         // A snapshot scraped at 115 already counts the first two dispatches.
         assert!((g.estimate(0.6, 115, cost) - 0.6).abs() < 1e-9, "net of +1 -1 since 115");
-        // Completions never push the estimate below the host's figure.
+        // Completions free room the metrics have not seen yet either, down to an empty pool.
         g.completed(140);
-        assert!((g.estimate(0.6, 115, cost) - 0.6).abs() < 1e-9);
-        assert!(g.events.len() <= 3);
+        assert!((g.estimate(0.6, 115, cost) - 0.5).abs() < 1e-9);
+        for t in 150..170 {
+            g.completed(t);
+        }
+        assert_eq!(g.estimate(0.6, 115, cost), 0.0);
     }
 }
