@@ -93,6 +93,8 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
         "host_epoch": s.host_epoch,
         "generated_unix_ms": s.generated_unix_ms,
         "saturation": s.saturation,
+        "dispatch_cost": s.dispatch_cost,
+        "observed_unix_ms": s.observed_unix_ms,
         "objectives": s.objectives,
         "endpoints": s.endpoints.iter().map(|e| json!({
             "id": e.id,
@@ -108,6 +110,11 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
             "metrics_age_ms": e.metrics_age_ms,
             "block_size": e.block_size,
             "num_gpu_blocks": e.num_gpu_blocks,
+            "ttft_ms": e.ttft_ms,
+            "labels": e.labels,
+            "lora_running": e.lora_running,
+            "lora_waiting": e.lora_waiting,
+            "max_lora": e.max_lora,
         })).collect::<Vec<_>>(),
     })
 }

@@ -157,6 +157,9 @@ impl PoolState {
                     engine: e.spec.engine.clone(),
                     ttft_ms: e.ttft_ms.unwrap_or(0.0),
                     labels: e.spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                    lora_running: m.running_loras.clone(),
+                    lora_waiting: m.waiting_loras.clone(),
+                    max_lora: m.max_lora.unwrap_or(0),
                 }
             })
             .collect();

@@ -15,11 +15,14 @@ pub struct ScorerWeights {
     pub no_hit_lru: f64,
     /// Precise prefix affinity, from the engines' KV events (used when `precise.enabled`).
     pub precise_prefix: f64,
+    /// `lora-affinity`: for a request naming a LoRA adapter, endpoints with it loaded, then
+    /// with a free adapter slot, then with it waiting (`vllm:lora_requests_info`).
+    pub lora: f64,
 }
 
 impl Default for ScorerWeights {
     fn default() -> Self {
-        Self { prefix: 3.0, queue: 2.0, kv_cache: 2.0, no_hit_lru: 1.0, precise_prefix: 3.0 }
+        Self { prefix: 3.0, queue: 2.0, kv_cache: 2.0, no_hit_lru: 1.0, precise_prefix: 3.0, lora: 5.0 }
     }
 }
 
@@ -147,6 +150,8 @@ pub struct SchedulerConfig {
     pub max_endpoints: usize,
     /// Request bodies larger than this get 413.
     pub max_body_bytes: usize,
+    /// Prefill/decode disaggregation.
+    pub pd: crate::pd::PdConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -158,6 +163,7 @@ impl Default for SchedulerConfig {
             precise: PreciseConfig::default(),
             max_endpoints: 3,
             max_body_bytes: 4 * 1024 * 1024,
+            pd: crate::pd::PdConfig::default(),
         }
     }
 }

@@ -59,11 +59,30 @@ pub struct Endpoint {
     /// Pod labels, sorted by key (for scorers, e.g. `attache.io/accelerator`).
     #[serde(default)]
     pub labels: Vec<(String, String)>,
+    /// LoRA adapters (`vllm:lora_requests_info`), when the engine serves them.
+    #[serde(default)]
+    pub lora: Option<LoraState>,
+}
+
+/// An engine's LoRA adapters, from the newest `vllm:lora_requests_info` series.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LoraState {
+    /// Adapters loaded and running requests.
+    pub running: Vec<String>,
+    /// Adapters that requests wait for.
+    pub waiting: Vec<String>,
+    /// Adapter slots (`--max-loras`).
+    pub max_lora: u32,
 }
 
 impl Endpoint {
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| m == model)
+    }
+
+    /// The base model: the first of `models`; the others are LoRA adapters.
+    pub fn base_model(&self) -> Option<&str> {
+        self.models.first().map(String::as_str)
     }
 
     /// Metrics if they are fresh enough to act on: younger than `stale_ms` (so 0 means none is).

@@ -15,6 +15,11 @@ pub fn by_health(endpoints: &[Endpoint], candidates: &mut Vec<usize>) {
     candidates.retain(|&i| endpoints.get(i).is_some_and(|e| e.ready && e.role != Role::Prefill));
 }
 
+/// Keep ready endpoints of the prefill role (the P/D prefill profile).
+pub fn prefill_role(endpoints: &[Endpoint], candidates: &mut Vec<usize>) {
+    candidates.retain(|&i| endpoints.get(i).is_some_and(|e| e.ready && e.role == Role::Prefill));
+}
+
 /// Whether an endpoint's fresh metrics say it is saturated.
 pub fn is_saturated(e: &Endpoint, cfg: &SaturationConfig) -> bool {
     match e.fresh_metrics(cfg.metrics_stale_ms) {

@@ -16,6 +16,7 @@ pub mod error;
 pub mod filter;
 pub mod flow;
 pub mod index;
+pub mod pd;
 pub mod picker;
 pub mod precise;
 pub mod prefix;
@@ -25,6 +26,7 @@ pub mod rng;
 pub mod scheduler;
 pub mod scorer;
 pub mod scoring;
+pub mod session;
 pub mod tokenizer;
 
 pub use config::SchedulerConfig;

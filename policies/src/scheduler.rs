@@ -2,11 +2,11 @@
 
 use hashbrown::HashMap;
 
-use crate::config::SchedulerConfig;
+use crate::config::{SchedulerConfig, ScorerWeights};
 use crate::endpoint::PoolState;
 use crate::error::ScheduleError;
 use crate::index::ApproxPrefixIndex;
-use crate::{filter, picker, scorer};
+use crate::{filter, pd, picker, scorer};
 
 /// What the scheduler needs to know about one request.
 pub struct SchedulingInput<'a> {
@@ -23,6 +23,11 @@ pub struct SchedulingInput<'a> {
     /// Precise prefix scores from the engines' KV events ([`crate::precise::scores`]):
     /// endpoint id → (score, matched blocks).
     pub precise: Option<&'a HashMap<u32, (f64, usize)>>,
+    /// Prompt length in tokens (exact when tokenized, else estimated), for the P/D decision.
+    pub prompt_tokens: usize,
+    /// The endpoint this request's session or conversation is bound to
+    /// ([`crate::session`]): it becomes the primary while it is a candidate.
+    pub sticky: Option<&'a str>,
 }
 
 /// One scored candidate, for the decision log and metrics.
@@ -34,8 +39,11 @@ pub struct ScoredEndpoint {
     pub kv_cache: f64,
     pub no_hit_lru: f64,
     pub precise: f64,
+    pub lora: f64,
     pub total: f64,
     pub matched_blocks: usize,
+    /// Prompt tokens this endpoint is expected to hold (approximate or precise, the larger).
+    pub cached_tokens: usize,
 }
 
 /// The scheduler's verdict.
@@ -54,12 +62,21 @@ pub struct Decision {
     pub total_blocks: usize,
     /// No candidate held any of the request's prefix.
     pub cold: bool,
+    /// The prefill endpoint, when the P/D decider split the request (`x-prefiller-host-port`).
+    pub prefill: Option<ScoredEndpoint>,
+    /// The primary is the request's sticky endpoint.
+    pub sticky: bool,
 }
 
 impl Decision {
     /// `x-gateway-destination-endpoint` value: `ip:port[,fallback…]`.
     pub fn header_value(&self) -> String {
         self.endpoints.join(",")
+    }
+
+    /// `x-prefiller-host-port` value, when the request is disaggregated.
+    pub fn prefiller(&self) -> Option<&str> {
+        self.prefill.as_ref().map(|p| p.address.as_str())
     }
 }
 
@@ -91,7 +108,72 @@ impl Scheduler {
         SchedulerState::new(&self.config)
     }
 
-    /// Choose endpoints for a request.
+    /// Score `cands` with one profile's weights; returns every candidate scored, in pool
+    /// order, and whether none of them holds any of the prompt.
+    fn score(
+        &self,
+        eps: &[crate::Endpoint],
+        cands: &[usize],
+        input: &SchedulingInput<'_>,
+        matches: &HashMap<String, usize>,
+        state: &SchedulerState,
+        w: &ScorerWeights,
+    ) -> (Vec<ScoredEndpoint>, bool) {
+        let chosen: Vec<&crate::Endpoint> = cands.iter().filter_map(|&i| eps.get(i)).collect();
+        let matched: Vec<usize> = chosen
+            .iter()
+            .map(|e| {
+                let local = matches.get(&e.address).copied().unwrap_or(0);
+                let extra = input.extra_matches.and_then(|m| m.get(&e.address)).copied().unwrap_or(0);
+                local.max(extra)
+            })
+            .collect();
+        let precise: Vec<(f64, usize)> =
+            chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0))).collect();
+        let cold = matched.iter().all(|&m| m == 0) && precise.iter().all(|&(p, _)| p <= 0.0);
+        let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
+        let sat = &self.config.saturation;
+        let s_prefix = scorer::prefix(&matched, input.block_hashes.len());
+        let s_queue = scorer::queue(&chosen, &inflight, sat);
+        let s_kv = scorer::kv_cache(&chosen, sat);
+        let s_lru = scorer::no_hit_lru(&chosen, cold, &state.no_hit_lru);
+        let s_lora = scorer::lora(&chosen, input.model);
+        let block_tokens = self.config.prefix.block_size_tokens;
+        let scored = chosen
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let (prefix, queue, kv_cache) = (*s_prefix.get(i)?, *s_queue.get(i)?, *s_kv.get(i)?);
+                let (no_hit_lru, lora, (precise, precise_blocks)) = (*s_lru.get(i)?, *s_lora.get(i)?, *precise.get(i)?);
+                let matched_blocks = *matched.get(i)?;
+                let total = w.prefix * prefix
+                    + w.queue * queue
+                    + w.kv_cache * kv_cache
+                    + w.no_hit_lru * no_hit_lru
+                    + w.precise_prefix * precise
+                    + w.lora * lora;
+                let cached_tokens = (matched_blocks * block_tokens).max(precise_blocks * e.block_size as usize);
+                Some(ScoredEndpoint {
+                    address: e.address.clone(),
+                    prefix,
+                    queue,
+                    kv_cache,
+                    no_hit_lru,
+                    precise,
+                    lora,
+                    total,
+                    matched_blocks,
+                    cached_tokens: cached_tokens.min(input.prompt_tokens),
+                })
+            })
+            .collect();
+        (scored, cold)
+    }
+
+    /// Choose endpoints for a request: the decode profile (every endpoint that serves whole
+    /// requests or decodes) picks the primary and fallbacks; if the prompt's uncached tokens
+    /// there reach the P/D threshold and the pool has prefill endpoints, the prefill profile
+    /// picks one (`reference/llmd.md` §1.4).
     pub fn schedule(
         &self,
         input: &SchedulingInput<'_>,
@@ -102,74 +184,54 @@ impl Scheduler {
         if eps.is_empty() {
             return Err(ScheduleError::NoEndpoints);
         }
-        let mut cands: Vec<usize> = (0..eps.len()).collect();
-        filter::by_model(eps, &mut cands, input.model);
-        if cands.is_empty() {
+        let mut serving: Vec<usize> = (0..eps.len()).collect();
+        filter::by_model(eps, &mut serving, input.model);
+        if serving.is_empty() {
             return Err(ScheduleError::UnknownModel(input.model.to_owned()));
         }
+        let mut cands = serving.clone();
         filter::by_health(eps, &mut cands);
         if cands.is_empty() {
             return Err(ScheduleError::NoEndpoints);
         }
         filter::by_saturation(eps, &mut cands, &self.config.saturation);
-
-        let chosen: Vec<&crate::Endpoint> = cands.iter().filter_map(|&i| eps.get(i)).collect();
         let matches =
             if input.block_hashes.is_empty() { HashMap::new() } else { state.index.match_lengths(input.block_hashes) };
-        let matched: Vec<usize> = chosen
-            .iter()
-            .map(|e| {
-                let local = matches.get(&e.address).copied().unwrap_or(0);
-                let extra = input.extra_matches.and_then(|m| m.get(&e.address)).copied().unwrap_or(0);
-                local.max(extra)
-            })
-            .collect();
-        let s_precise: Vec<f64> =
-            chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).map(|p| p.0).unwrap_or(0.0)).collect();
-        let cold = matched.iter().all(|&m| m == 0) && s_precise.iter().all(|&p| p <= 0.0);
-        let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
-        let sat = &self.config.saturation;
-        let w = &self.config.weights;
-        let s_prefix = scorer::prefix(&matched, input.block_hashes.len());
-        let s_queue = scorer::queue(&chosen, &inflight, sat);
-        let s_kv = scorer::kv_cache(&chosen, sat);
-        let s_lru = scorer::no_hit_lru(&chosen, cold, &state.no_hit_lru);
-        let at = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
-        let totals: Vec<f64> = (0..chosen.len())
-            .map(|i| {
-                w.prefix * at(&s_prefix, i)
-                    + w.queue * at(&s_queue, i)
-                    + w.kv_cache * at(&s_kv, i)
-                    + w.no_hit_lru * at(&s_lru, i)
-                    + w.precise_prefix * at(&s_precise, i)
-            })
-            .collect();
-        let order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
-        let all: Vec<ScoredEndpoint> = (0..chosen.len())
-            .filter_map(|i| {
-                Some(ScoredEndpoint {
-                    address: chosen.get(i)?.address.clone(),
-                    prefix: *s_prefix.get(i)?,
-                    queue: *s_queue.get(i)?,
-                    kv_cache: *s_kv.get(i)?,
-                    no_hit_lru: *s_lru.get(i)?,
-                    precise: *s_precise.get(i)?,
-                    total: *totals.get(i)?,
-                    matched_blocks: *matched.get(i)?,
-                })
-            })
-            .collect();
-        let scores: Vec<ScoredEndpoint> = order.iter().filter_map(|&i| all.get(i).cloned()).collect();
-        if scores.is_empty() {
-            return Err(ScheduleError::NoEndpoints);
+        let (all, cold) = self.score(eps, &cands, input, &matches, state, &self.config.weights);
+        let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
+        let mut order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
+        // Session affinity: the sticky endpoint leads while it is a candidate (ready, serving
+        // the model, not saturated); the scored order supplies the fallbacks.
+        let sticky = input.sticky.and_then(|a| all.iter().position(|s| s.address == a));
+        if let Some(pos) = sticky {
+            order.retain(|&i| i != pos);
+            order.insert(0, pos);
+            order.truncate(self.config.max_endpoints.max(1));
         }
+        let scores: Vec<ScoredEndpoint> = order.iter().filter_map(|&i| all.get(i).cloned()).collect();
+        let Some(primary) = scores.first() else {
+            return Err(ScheduleError::NoEndpoints);
+        };
+        let prefill = if pd::should_disaggregate(&self.config.pd, input.prompt_tokens, primary.cached_tokens) {
+            let mut p = serving;
+            filter::prefill_role(eps, &mut p);
+            p.retain(|&i| eps.get(i).is_some_and(|e| e.address != primary.address));
+            filter::by_saturation(eps, &mut p, &self.config.saturation);
+            let (ps, _) = self.score(eps, &p, input, &matches, state, &self.config.pd.prefill_weights);
+            let totals: Vec<f64> = ps.iter().map(|s| s.total).collect();
+            picker::max_score(&totals, 1, input.seed).first().and_then(|&i| ps.get(i).cloned())
+        } else {
+            None
+        };
         Ok(Decision {
             endpoints: scores.iter().map(|s| s.address.clone()).collect(),
             scores,
+            candidates: all.len(),
             all,
-            candidates: chosen.len(),
             total_blocks: input.block_hashes.len(),
             cold,
+            prefill,
+            sticky: sticky.is_some(),
         })
     }
 
@@ -181,6 +243,10 @@ impl Scheduler {
             if decision.cold {
                 state.no_hit_lru.record(primary);
             }
+        }
+        // The prefill endpoint computed the prompt and keeps it in its prefix cache too.
+        if let Some(p) = &decision.prefill {
+            state.index.record(block_hashes, &p.address);
         }
     }
 }
@@ -221,6 +287,8 @@ mod tests {
                     seed,
                     extra_matches: None,
                     precise: None,
+                    prompt_tokens: prompt.len() / 4,
+                    sticky: None,
                 },
                 pool,
                 ix,
@@ -298,6 +366,8 @@ mod tests {
                 seed,
                 extra_matches: Some(&extra),
                 precise: None,
+                prompt_tokens: 0,
+                sticky: None,
             };
             let d = s.schedule(&input, &p, &mut fresh).unwrap();
             assert_eq!(d.endpoints[0], target);
@@ -322,6 +392,8 @@ mod tests {
             seed: 5,
             extra_matches: None,
             precise: Some(&precise),
+            prompt_tokens: 0,
+            sticky: None,
         };
         let d = s.schedule(&input, &p, &mut st).unwrap();
         assert_eq!(d.endpoints[0], p.endpoints[2].address);
@@ -341,6 +413,8 @@ mod tests {
             seed: 0,
             extra_matches: None,
             precise: None,
+            prompt_tokens: 0,
+            sticky: None,
         };
         assert_eq!(s.schedule(&input, &PoolState::default(), &mut ix), Err(ScheduleError::NoEndpoints));
         let bad = SchedulingInput { model: "zzz", ..input };
@@ -351,5 +425,69 @@ mod tests {
         let d = s.schedule(&input, &pool(5), &mut ix).unwrap();
         assert_eq!(d.endpoints.len(), 3);
         assert_eq!(d.header_value().split(',').count(), 3);
+    }
+
+    #[test]
+    fn long_uncached_prompts_get_a_prefill_endpoint_and_short_or_cached_ones_do_not() {
+        let s = Scheduler::default();
+        let mut p = pool(4);
+        p.endpoints[0].role = Role::Prefill;
+        p.endpoints[1].role = Role::Prefill;
+        p.endpoints[2].role = Role::Decode;
+        let mut st = s.new_state();
+        // 64 blocks of 64 tokens: every block full, so a repeat is fully cached.
+        let long = "abcd".repeat(64 * 64);
+        let d = run(&s, &p, &mut st, &long, 1);
+        let decode = p.endpoints.iter().find(|e| e.address == d.endpoints[0]).unwrap();
+        assert_ne!(decode.role, Role::Prefill, "the primary decodes");
+        let pre = d.prefill.as_ref().expect("split");
+        let pre_ep = p.endpoints.iter().find(|e| e.address == pre.address).unwrap();
+        assert_eq!(pre_ep.role, Role::Prefill);
+        assert_eq!(d.prefiller(), Some(pre.address.as_str()));
+        // The same prompt again: the decode endpoint holds it now.
+        let again = run(&s, &p, &mut st, &long, 2);
+        assert_eq!(again.endpoints[0], d.endpoints[0]);
+        assert!(again.prefill.is_none(), "fully cached: no split ({} cached)", again.scores[0].cached_tokens);
+        // Short prompts are prefilled where they decode.
+        assert!(run(&s, &p, &mut st, "hi there", 3).prefill.is_none());
+        // P/D off, or no prefill endpoint: never split.
+        let off = Scheduler::new(SchedulerConfig {
+            pd: pd::PdConfig { threshold_tokens: 0, ..Default::default() },
+            ..Default::default()
+        });
+        assert!(run(&off, &p, &mut off.new_state(), &long, 1).prefill.is_none());
+        assert!(run(&s, &pool(4), &mut s.new_state(), &long, 1).prefill.is_none());
+    }
+
+    #[test]
+    fn a_sticky_endpoint_leads_while_it_is_healthy_and_not_saturated() {
+        let s = Scheduler::default();
+        let mut p = pool(4);
+        let mut st = s.new_state();
+        let inflight = HashMap::new();
+        let target = p.endpoints[3].address.clone();
+        let input = |sticky: Option<&'static str>| SchedulingInput {
+            model: "m",
+            block_hashes: &[],
+            inflight: &inflight,
+            seed: 9,
+            extra_matches: None,
+            precise: None,
+            prompt_tokens: 10,
+            sticky,
+        };
+        let t: &'static str = Box::leak(target.clone().into_boxed_str());
+        for _ in 0..5 {
+            let d = s.schedule(&input(Some(t)), &p, &mut st).unwrap();
+            assert_eq!(d.endpoints[0], target);
+            assert!(d.sticky && d.endpoints.len() == 3 && !d.endpoints[1..].contains(&target));
+        }
+        // Saturated or gone: routed elsewhere, not sticky.
+        p.endpoints[3].metrics = Some(EndpointMetrics { waiting: 50.0, ..Default::default() });
+        let d = s.schedule(&input(Some(t)), &p, &mut st).unwrap();
+        assert!(d.endpoints[0] != target && !d.sticky);
+        p.endpoints[3].ready = false;
+        assert_ne!(s.schedule(&input(Some(t)), &p, &mut st).unwrap().endpoints[0], target);
+        assert!(!s.schedule(&input(Some("10.9.9.9:1")), &p, &mut st).unwrap().sticky, "unknown endpoint");
     }
 }

@@ -48,6 +48,23 @@ pub fn kv_cache(endpoints: &[&Endpoint], cfg: &SaturationConfig) -> Vec<f64> {
         .collect()
 }
 
+/// `lora-affinity-scorer` (llm-d's tiers): for a request naming an adapter, 1.0 where the
+/// adapter is loaded and running, 0.8 where a slot is free to load it, 0.6 where requests wait
+/// for it, else 0. A request for an endpoint's base model scores 0 everywhere (no preference).
+pub fn lora(endpoints: &[&Endpoint], model: &str) -> Vec<f64> {
+    endpoints
+        .iter()
+        .map(|e| match &e.lora {
+            _ if e.base_model() == Some(model) => 0.0,
+            None => 0.0,
+            Some(l) if l.running.iter().any(|a| a == model) => 1.0,
+            Some(l) if (l.running.len() + l.waiting.len()) < l.max_lora as usize => 0.8,
+            Some(l) if l.waiting.iter().any(|a| a == model) => 0.6,
+            Some(_) => 0.0,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -78,6 +95,30 @@ mod tests {
         assert!(
             (kv[0] - 0.8).abs() < 1e-9 && (kv[1] - 0.5).abs() < 1e-9 && kv[2] == 0.0 && kv[3] == UNKNOWN_LOAD_SCORE
         );
+    }
+
+    #[test]
+    fn lora_tiers() {
+        use crate::endpoint::LoraState;
+        let with = |running: &[&str], waiting: &[&str], max_lora: u32| Endpoint {
+            models: vec!["base".into(), "sql".into(), "tweet".into()],
+            lora: Some(LoraState {
+                running: running.iter().map(|s| s.to_string()).collect(),
+                waiting: waiting.iter().map(|s| s.to_string()).collect(),
+                max_lora,
+            }),
+            ..Default::default()
+        };
+        let (active, free, waiting, full, none) = (
+            with(&["sql"], &[], 2),
+            with(&["tweet"], &[], 2),
+            with(&["tweet"], &["sql"], 2),
+            with(&["tweet", "x"], &[], 2),
+            Endpoint { models: vec!["base".into(), "sql".into()], ..Default::default() },
+        );
+        let eps = [&active, &free, &waiting, &full, &none];
+        assert_eq!(lora(&eps, "sql"), vec![1.0, 0.8, 0.6, 0.0, 0.0]);
+        assert_eq!(lora(&eps, "base"), vec![0.0; 5], "the base model has no LoRA preference");
     }
 }
 

@@ -8,7 +8,7 @@ use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api, Prompt};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -29,6 +29,29 @@ pub struct AppState {
     pub port: u16,
     /// The model's real tokenizer (and chat template), if given; else the byte-level fallback.
     pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<PromptTokenizer>>>,
+    /// This engine's stored Responses API conversations (vLLM keeps them in the server's
+    /// memory: `previous_response_id` only works on the engine that produced the response).
+    pub responses: ResponseStore,
+}
+
+/// Response id → the conversation's tokens (prompt and output), most recent 4,096.
+#[derive(Clone)]
+pub struct ResponseStore(std::sync::Arc<std::sync::Mutex<lru::LruCache<String, Vec<u32>>>>);
+
+impl Default for ResponseStore {
+    fn default() -> Self {
+        let cap = std::num::NonZeroUsize::new(4096).unwrap_or(std::num::NonZeroUsize::MIN);
+        Self(std::sync::Arc::new(std::sync::Mutex::new(lru::LruCache::new(cap))))
+    }
+}
+
+impl ResponseStore {
+    fn get(&self, id: &str) -> Option<Vec<u32>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
+    }
+    fn put(&self, id: String, tokens: Vec<u32>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).put(id, tokens);
+    }
 }
 
 pub fn router(state: AppState) -> Router {
@@ -47,9 +70,14 @@ fn now_s() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// A unique id: time, process and a counter, hashed.
 fn rand_hex() -> String {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("{:016x}", xxhash_rust::xxh64::xxh64(&n.to_le_bytes(), std::process::id() as u64))
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut b = n.to_le_bytes().to_vec();
+    b.extend_from_slice(&seq.to_le_bytes());
+    format!("{:016x}", xxhash_rust::xxh64::xxh64(&b, u64::from(std::process::id())))
 }
 
 /// vLLM's error body.
@@ -79,29 +107,95 @@ struct StreamOptions {
 struct Extra {
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// vLLM's P/D connector parameters (NIXL shape, `reference/engines.md` §6.4).
+    #[serde(default)]
+    kv_transfer_params: Option<Value>,
 }
 
-async fn completions(State(st): State<AppState>, body: Bytes) -> Response {
-    let r = handle(&st, Api::Completions, &body).await;
+/// llm-d's P/D header, read by the decode pod's sidecar (emulated here).
+const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+
+async fn completions(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let r = handle(&st, Api::Completions, &headers, &body).await;
     with_engine_headers(r, &st)
 }
 
-async fn chat(State(st): State<AppState>, body: Bytes) -> Response {
-    let r = handle(&st, Api::ChatCompletions, &body).await;
+async fn chat(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let r = handle(&st, Api::ChatCompletions, &headers, &body).await;
     with_engine_headers(r, &st)
 }
 
-async fn responses(State(st): State<AppState>, body: Bytes) -> Response {
-    let r = handle(&st, Api::Responses, &body).await;
+async fn responses(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let r = handle(&st, Api::Responses, &headers, &body).await;
     with_engine_headers(r, &st)
+}
+
+fn api_path(api: Api) -> &'static str {
+    match api {
+        Api::Completions => "/v1/completions",
+        Api::ChatCompletions => "/v1/chat/completions",
+        Api::Responses => "/v1/responses",
+    }
+}
+
+/// The decode-side sidecar's prefill call (llm-d's `connector_nixlv2.go`): the original body
+/// with `kv_transfer_params.do_remote_decode`, not streamed, one output token, sent to the
+/// prefill engine. Returns the prompt tokens whose KV the prefill engine now holds, or why not.
+async fn remote_prefill(prefiller: &str, api: Api, body: &[u8]) -> Result<usize, String> {
+    let mut v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    let obj = v.as_object_mut().ok_or("body is not an object")?;
+    obj.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    obj.insert("stream".into(), json!(false));
+    obj.remove("stream_options");
+    if api == Api::Responses {
+        obj.insert("max_output_tokens".into(), json!(1));
+    } else {
+        obj.insert("max_tokens".into(), json!(1));
+        if obj.contains_key("max_completion_tokens") {
+            obj.insert("max_completion_tokens".into(), json!(1));
+        }
+    }
+    let url = format!("http://{prefiller}{}", api_path(api));
+    let http =
+        reqwest::Client::builder().timeout(std::time::Duration::from_secs(120)).build().map_err(|e| e.to_string())?;
+    let resp = http
+        .post(&url)
+        .header("content-type", "application/json")
+        .header("x-request-id", format!("prefill-{}", rand_hex()))
+        .body(v.to_string())
+        .send()
+        .await
+        .map_err(|e| format!("prefill call to {url}: {e}"))?;
+    if !resp.status().is_success() {
+        return Err(format!("prefill call to {url}: status {}", resp.status()));
+    }
+    let r: Value = resp.json().await.map_err(|e| format!("prefill response: {e}"))?;
+    let p = &r["kv_transfer_params"];
+    let complete = ["remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port"]
+        .iter()
+        .all(|k| !p[*k].is_null());
+    if p["do_remote_prefill"] != json!(true) || !complete {
+        return Err(format!("prefill response without usable kv_transfer_params: {p}"));
+    }
+    p["remote_num_tokens"].as_u64().map(|n| n as usize).ok_or_else(|| "no remote_num_tokens".to_owned())
 }
 
 async fn models(State(st): State<AppState>) -> Response {
     let cfg = st.engine.config();
-    let body = json!({"object": "list", "data": [{
+    let mut data = vec![json!({
         "id": cfg.model, "object": "model", "created": now_s(), "owned_by": "vllm",
         "root": cfg.model, "parent": null, "max_model_len": cfg.max_model_len,
-    }]});
+    })];
+    // LoRA modules are listed with the base model as parent, as vLLM does.
+    data.extend(cfg.lora_adapters.iter().map(|a| {
+        json!({"id": a, "object": "model", "created": now_s(), "owned_by": "vllm", "root": a,
+               "parent": cfg.model, "max_model_len": cfg.max_model_len})
+    }));
+    let body = json!({"object": "list", "data": data});
     with_engine_headers(
         (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
         &st,
@@ -163,20 +257,27 @@ async fn tokenize(State(st): State<AppState>, body: Bytes) -> Response {
 async fn metrics_handler(State(st): State<AppState>) -> Response {
     let text = {
         let s = st.engine.lock();
-        let g = Gauges { running: s.num_running(), waiting: s.num_waiting(), kv_usage: s.pool.usage() };
+        let g = Gauges {
+            running: s.num_running(),
+            waiting: s.num_waiting(),
+            kv_usage: s.pool.usage(),
+            running_loras: s.active_loras(),
+            waiting_loras: s.waiting_loras(),
+        };
         metrics::render(&s.cfg, &s.stats, &g)
     };
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }
 
-async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
+async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Response {
     let req = match request::parse(api, body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
     };
     let extra: Extra = serde_json::from_slice(body).unwrap_or_default();
     let cfg = st.engine.config();
-    if req.model != cfg.model {
+    let lora = cfg.lora_adapters.iter().find(|a| **a == req.model).cloned();
+    if req.model != cfg.model && lora.is_none() {
         return error(
             StatusCode::NOT_FOUND,
             "NotFoundError",
@@ -195,6 +296,24 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
             Prompt::Tokens(t) => t.clone(),
         },
     };
+    // Responses API: continue a conversation this engine stored, as vLLM does.
+    let prompt = match (&req.previous_response_id, api) {
+        (Some(prev), Api::Responses) => match st.responses.get(prev) {
+            Some(mut earlier) => {
+                earlier.extend_from_slice(&prompt);
+                earlier
+            }
+            None => {
+                return error(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    Some("previous_response_id"),
+                    &format!("Response with id '{prev}' not found."),
+                )
+            }
+        },
+        _ => prompt,
+    };
     let max_tokens = req.max_tokens.unwrap_or(16) as usize;
     if prompt.len() + max_tokens > cfg.max_model_len {
         let msg = format!(
@@ -206,15 +325,46 @@ async fn handle(st: &AppState, api: Api, body: &[u8]) -> Response {
         );
         return error(StatusCode::BAD_REQUEST, "BadRequestError", Some("input_tokens"), &msg);
     }
+    // P/D, decode side: run the prefill on the named engine first, then pull its KV.
+    let prefiller = headers.get(PREFILLER_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    let mut remote_tokens = 0;
+    if let Some(p) = &prefiller {
+        st.engine.lock().stats.remote_prefill_requests += 1;
+        match remote_prefill(p, api, body).await {
+            Ok(n) => remote_tokens = n,
+            Err(e) => {
+                // As llm-d's sidecar does on prefill errors: decode alone, prefilling here.
+                tracing::warn!(prefiller = %p, error = %e, "remote prefill failed; prefilling locally");
+                st.engine.lock().stats.remote_prefill_fallbacks += 1;
+            }
+        }
+    }
+    // P/D, prefill side: answer with the parameters a decode engine needs to pull the KV.
+    let remote_decode = extra.kv_transfer_params.as_ref().is_some_and(|p| p["do_remote_decode"] == json!(true));
+    let transfer = remote_decode.then(|| {
+        st.engine.lock().stats.remote_decode_requests += 1;
+        let bs = cfg.block_size.max(1);
+        json!({"do_remote_prefill": true, "do_remote_decode": false,
+               "remote_block_ids": [(0..prompt.len().div_ceil(bs)).collect::<Vec<usize>>()],
+               "remote_engine_id": st.name, "remote_request_id": format!("cmpl-{}", rand_hex()),
+               "remote_host": "127.0.0.1", "remote_port": st.port, "remote_num_tokens": prompt.len(),
+               "tp_size": 1, "dcp_size": 1, "pp_size": 1})
+    });
+    let store = (api == Api::Responses).then(|| (st.responses.clone(), prompt.clone()));
     let (tx, rx) = mpsc::unbounded_channel();
-    st.engine.submit(SimRequest { prompt, max_tokens, tx });
+    st.engine.submit(SimRequest { prompt, max_tokens, tx, remote_tokens, lora });
     let include_usage = extra.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let model = req.model.clone();
-    match (api, req.stream) {
-        (Api::Responses, _) => non_stream(api, model, rx).await,
-        (_, false) => non_stream(api, model, rx).await,
+    let mut r = match (api, req.stream && !remote_decode) {
+        (Api::Responses, _) => non_stream(api, model, rx, transfer, store).await,
+        (_, false) => non_stream(api, model, rx, transfer, None).await,
         (_, true) => stream(api, model, rx, include_usage),
+    };
+    if let Some(v) = prefiller.and_then(|p| HeaderValue::from_str(&p).ok()) {
+        // Lets tests see that this engine decoded for a remote prefill.
+        r.headers_mut().insert("x-attache-sim-prefiller", v);
     }
+    r
 }
 
 fn usage_json(u: &Usage) -> Value {
@@ -227,12 +377,24 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-async fn non_stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>) -> Response {
+async fn non_stream(
+    api: Api,
+    model: String,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    kv_transfer: Option<Value>,
+    store: Option<(ResponseStore, Vec<u32>)>,
+) -> Response {
     let mut text = String::new();
     let mut usage = None;
+    let mut output: Vec<u32> = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            TokenEvent::Tokens(ts, _) => ts.into_iter().for_each(|t| text.push_str(tokenizer::decode_token(t))),
+            TokenEvent::Tokens(ts, _) => {
+                ts.iter().for_each(|t| text.push_str(tokenizer::decode_token(*t)));
+                if store.is_some() {
+                    output.extend(ts);
+                }
+            }
             TokenEvent::Done(u) => {
                 usage = Some(u);
                 break;
@@ -243,13 +405,19 @@ async fn non_stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<Tok
         return error(StatusCode::INTERNAL_SERVER_ERROR, "InternalServerError", None, "engine dropped the request");
     };
     let created = now_s();
+    let kv_transfer = kv_transfer.unwrap_or(Value::Null);
+    let response_id = format!("resp_{}", rand_hex());
+    if let Some((responses, mut tokens)) = store {
+        tokens.extend(output);
+        responses.put(response_id.clone(), tokens);
+    }
     let body = match api {
         Api::Completions => json!({
             "id": format!("cmpl-{}", rand_hex()), "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null,
                          "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null, "routed_experts": null}],
             "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage_json(&u),
-            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
+            "kv_transfer_params": kv_transfer.clone(), "ec_transfer_params": null, "metrics": null,
         }),
         Api::ChatCompletions => json!({
             "id": format!("chatcmpl-{}", rand_hex()), "object": "chat.completion", "created": created, "model": model,
@@ -258,10 +426,10 @@ async fn non_stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<Tok
                          "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null, "token_ids": null, "routed_experts": null}],
             "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage_json(&u),
             "prompt_logprobs": null, "prompt_token_ids": null, "prompt_text": null,
-            "kv_transfer_params": null, "ec_transfer_params": null, "metrics": null,
+            "kv_transfer_params": kv_transfer.clone(), "ec_transfer_params": null, "metrics": null,
         }),
         Api::Responses => json!({
-            "id": format!("resp_{}", rand_hex()), "object": "response", "created_at": created, "model": model,
+            "id": response_id, "object": "response", "created_at": created, "model": model,
             "status": "completed",
             "output": [{"type": "message", "id": format!("msg_{}", rand_hex()), "role": "assistant", "status": "completed",
                         "content": [{"type": "output_text", "text": text, "annotations": []}]}],

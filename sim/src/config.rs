@@ -25,12 +25,18 @@ pub struct EngineConfig {
     pub num_cpu_blocks: usize,
     /// Cost of reloading a token's KV from the CPU tier, as a fraction of prefilling it.
     pub cpu_reload_cost: f64,
+    /// Cost of pulling a token's KV from a prefill engine (P/D), as a fraction of prefilling it.
+    pub kv_transfer_cost: f64,
     /// Multiply the modelled prefill / decode step times (calibrate the latency model to other
     /// hardware; 1.0 = Dynamo mocker's default polynomials).
     pub prefill_scale: f64,
     pub decode_scale: f64,
     /// Tokens per hand-off to the API layer after the first (vLLM's `--stream-interval`).
     pub stream_interval: usize,
+    /// LoRA adapters this engine can serve (`--lora-modules`), and how many can be active at
+    /// once (`--max-loras`): a request for an adapter that is not active waits for a free slot.
+    pub lora_adapters: Vec<String>,
+    pub max_loras: usize,
 }
 
 impl Default for EngineConfig {
@@ -46,9 +52,12 @@ impl Default for EngineConfig {
             enable_prefix_caching: true,
             num_cpu_blocks: 0,
             cpu_reload_cost: 0.2,
+            kv_transfer_cost: 0.1,
             prefill_scale: 1.0,
             decode_scale: 1.0,
             stream_interval: 1,
+            lora_adapters: Vec::new(),
+            max_loras: 1,
         }
     }
 }

@@ -42,6 +42,11 @@ pub struct SimRequest {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub tx: mpsc::UnboundedSender<TokenEvent>,
+    /// Leading prompt tokens whose KV a prefill engine computed and this engine pulls
+    /// (P/D decode side): they are transferred, not prefilled here.
+    pub remote_tokens: usize,
+    /// The LoRA adapter the request names (None: the base model).
+    pub lora: Option<String>,
 }
 
 struct Seq {
@@ -50,6 +55,9 @@ struct Seq {
     prefill: Vec<u32>,
     prompt_len: usize,
     max_tokens: usize,
+    /// Leading prompt tokens to pull from a prefill engine instead of computing.
+    remote_tokens: usize,
+    lora: Option<String>,
     output: Vec<u32>,
     tx: mpsc::UnboundedSender<TokenEvent>,
     blocks: Vec<BlockId>,
@@ -102,6 +110,20 @@ impl EngineState {
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
+    /// Adapters of running requests (vLLM's `running_lora_adapters`).
+    pub fn active_loras(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.running.iter().filter_map(|s| s.lora.clone()).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+    /// Adapters of waiting requests (`waiting_lora_adapters`).
+    pub fn waiting_loras(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.waiting.iter().filter_map(|s| s.lora.clone()).collect();
+        v.sort();
+        v.dedup();
+        v
+    }
 }
 
 /// A shared handle on one simulated engine.
@@ -121,6 +143,10 @@ enum Planned {
     },
     /// KV loaded back from the CPU tier for a newly admitted request.
     Reload {
+        tokens: usize,
+    },
+    /// KV pulled from a prefill engine (P/D) for a newly admitted request.
+    Transfer {
         tokens: usize,
     },
 }
@@ -174,6 +200,8 @@ impl Engine {
             prefill: req.prompt,
             prompt_len,
             max_tokens: req.max_tokens.max(1),
+            remote_tokens: req.remote_tokens,
+            lora: req.lora,
             output: Vec::new(),
             tx: req.tx,
             blocks: Vec::new(),
@@ -210,6 +238,8 @@ impl Engine {
                         Planned::Decode { .. } => d += 1,
                         // Loading KV from the CPU tier costs a fraction of recomputing it.
                         Planned::Reload { tokens } => p += (*tokens as f64 * st.cfg.cpu_reload_cost).ceil() as usize,
+                        // Pulling KV over the interconnect costs a fraction of computing it.
+                        Planned::Transfer { tokens } => p += (*tokens as f64 * st.cfg.kv_transfer_cost).ceil() as usize,
                     }
                 }
                 let ms = latency::scaled_step_ms(p, d, st.pool.usage(), st.cfg.prefill_scale, st.cfg.decode_scale)
@@ -350,6 +380,14 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
     while budget > 0 && st.running.len() < st.cfg.max_num_seqs {
         let caching = st.cfg.enable_prefix_caching;
         let seed = st.seed;
+        // LoRA: an adapter that is not active needs a free slot (vLLM's `max_loras`); the
+        // request waits at the head of the queue until one frees.
+        if let Some(a) = st.waiting.front().and_then(|s| s.lora.clone()) {
+            let active = st.active_loras();
+            if !active.contains(&a) && active.len() >= st.cfg.max_loras {
+                break;
+            }
+        }
         let Some(seq) = st.waiting.front_mut() else { break };
         let len = seq.prefill.len();
         // Hash the prompt once while it waits, not at every step that cannot admit it.
@@ -387,6 +425,15 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         seq.digests = seq.prefill_digests.take().unwrap_or_default();
         seq.stored = hit;
         seq.num_computed = hit * bs;
+        // P/D: full blocks the prefill engine computed and this engine does not hold are pulled,
+        // not prefilled; the last prompt token is always computed here.
+        let remote_blocks = seq.remote_tokens.min(len.saturating_sub(1)) / bs;
+        if remote_blocks > hit {
+            let pulled = (remote_blocks - hit) * bs;
+            seq.num_computed += pulled;
+            st.stats.kv_transfer_tokens += pulled as u64;
+            planned.push(Planned::Transfer { tokens: pulled });
+        }
         let n = (len - seq.num_computed).min(budget);
         budget -= n;
         if st.pool.cpu_len() > 0 || reloaded > 0 {
@@ -512,7 +559,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
     for p in planned {
         let id = match p {
             Planned::Prefill { id, .. } | Planned::Decode { id } => *id,
-            Planned::Reload { .. } => continue,
+            Planned::Reload { .. } | Planned::Transfer { .. } => continue,
         };
         let Some(&idx) = index.get(&id) else {
             continue;
@@ -533,7 +580,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
                 store_full_blocks(st, idx);
                 f
             }
-            Planned::Reload { .. } => false,
+            Planned::Reload { .. } | Planned::Transfer { .. } => false,
         };
         if finished {
             done.push(id);
@@ -565,7 +612,7 @@ mod tests {
 
     async fn run_one(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (Vec<u32>, Usage) {
         let (tx, mut rx) = mpsc::unbounded_channel();
-        e.submit(SimRequest { prompt, max_tokens, tx });
+        e.submit(SimRequest { prompt, max_tokens, tx, remote_tokens: 0, lora: None });
         let mut toks = Vec::new();
         while let Some(ev) = rx.recv().await {
             match ev {

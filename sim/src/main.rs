@@ -44,6 +44,15 @@ struct Args {
     /// Cost of reloading a token from the CPU tier, as a fraction of prefilling it.
     #[arg(long, default_value_t = 0.2)]
     cpu_reload_cost: f64,
+    /// Cost of pulling a token's KV from a prefill engine (P/D), as a fraction of prefilling it.
+    #[arg(long, default_value_t = 0.1)]
+    kv_transfer_cost: f64,
+    /// LoRA adapters every engine serves (comma-separated names), and how many can be active at
+    /// once per engine.
+    #[arg(long, value_delimiter = ',')]
+    lora_modules: Vec<String>,
+    #[arg(long, default_value_t = 1)]
+    max_loras: usize,
     /// Multiply modelled prefill step time (hardware calibration; 1.0 = Dynamo's polynomial).
     #[arg(long, default_value_t = 1.0)]
     prefill_scale: f64,
@@ -119,6 +128,9 @@ async fn main() -> anyhow::Result<()> {
             enable_prefix_caching: !a.no_prefix_caching,
             num_cpu_blocks: a.num_cpu_blocks,
             cpu_reload_cost: a.cpu_reload_cost,
+            kv_transfer_cost: a.kv_transfer_cost,
+            lora_adapters: a.lora_modules.clone(),
+            max_loras: a.max_loras.max(1),
             prefill_scale: a.prefill_scale,
             decode_scale: a.decode_scale,
             stream_interval: a.stream_interval,
@@ -140,7 +152,13 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::spawn(engine.clone().run());
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), port)).await?;
-        let app = api::router(AppState { engine, name: format!("sim-{port}"), port, tokenizer: tokenizer.clone() });
+        let app = api::router(AppState {
+            engine,
+            name: format!("sim-{port}"),
+            port,
+            tokenizer: tokenizer.clone(),
+            responses: api::ResponseStore::default(),
+        });
         info!(port, "engine listening");
         servers.push(tokio::spawn(async move { axum::serve(listener, app).await }));
     }

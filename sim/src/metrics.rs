@@ -53,6 +53,14 @@ pub struct Stats {
     pub external_queries: u64,
     /// Real milliseconds the engine loop fell behind its step deadlines (machine too slow).
     pub lost_ms: f64,
+    /// Prompt tokens whose KV was pulled from a prefill engine (P/D decode side).
+    pub kv_transfer_tokens: u64,
+    /// Requests served as the prefill half of a P/D pair (`do_remote_decode`).
+    pub remote_decode_requests: u64,
+    /// Requests that arrived with `x-prefiller-host-port` (P/D decode side), and of those, the
+    /// ones whose prefill call failed and were prefilled here instead.
+    pub remote_prefill_requests: u64,
+    pub remote_prefill_fallbacks: u64,
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub preemptions: u64,
@@ -83,6 +91,10 @@ impl Stats {
             external_hits: 0,
             external_queries: 0,
             lost_ms: 0.0,
+            kv_transfer_tokens: 0,
+            remote_decode_requests: 0,
+            remote_prefill_requests: 0,
+            remote_prefill_fallbacks: 0,
             prompt_tokens: 0,
             generation_tokens: 0,
             preemptions: 0,
@@ -111,6 +123,9 @@ pub struct Gauges {
     pub running: usize,
     pub waiting: usize,
     pub kv_usage: f64,
+    /// Adapters of running and of waiting requests (LoRA engines only).
+    pub running_loras: Vec<String>,
+    pub waiting_loras: Vec<String>,
 }
 
 fn fmt_f(v: f64) -> String {
@@ -188,6 +203,10 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
     w.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions);
     // Simulator-only: real time the engine loop fell behind its step deadlines.
     let _ = writeln!(w.out, "attache_sim_lost_ms_total {}", fmt_f(s.lost_ms));
+    let _ = writeln!(w.out, "attache_sim_kv_transfer_tokens_total {}", s.kv_transfer_tokens);
+    let _ = writeln!(w.out, "attache_sim_remote_decode_requests_total {}", s.remote_decode_requests);
+    let _ = writeln!(w.out, "attache_sim_remote_prefill_requests_total {}", s.remote_prefill_requests);
+    let _ = writeln!(w.out, "attache_sim_remote_prefill_fallbacks_total {}", s.remote_prefill_fallbacks);
     w.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens);
     w.counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", s.prefix_hits);
     w.counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens);
@@ -217,6 +236,18 @@ pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
         "Histogram of time spent in DECODE phase for request.",
         &s.decode_time,
     );
+    if !cfg.lora_adapters.is_empty() {
+        // vLLM: no model_name/engine labels; the value is the update time; one series.
+        w.head("vllm:lora_requests_info", "gauge", "Running stats on lora requests.");
+        let _ = writeln!(
+            w.out,
+            "vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {}",
+            cfg.max_loras,
+            g.running_loras.join(","),
+            g.waiting_loras.join(","),
+            fmt_f(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0))
+        );
+    }
     w.head("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
     let _ = writeln!(
         w.out,

@@ -104,6 +104,9 @@ pub struct SimOpts {
     /// Multipliers of the modelled prefill and decode step times.
     pub prefill_scale: f64,
     pub decode_scale: f64,
+    /// LoRA adapters every engine serves, and how many each can run at once.
+    pub lora_modules: Vec<String>,
+    pub max_loras: usize,
 }
 
 impl Default for SimOpts {
@@ -123,6 +126,8 @@ impl Default for SimOpts {
             stream_interval: 1,
             prefill_scale: 1.0,
             decode_scale: 1.0,
+            lora_modules: Vec::new(),
+            max_loras: 1,
         }
     }
 }
@@ -170,6 +175,8 @@ pub struct Stack {
     pub host_flow: Option<serde_json::Value>,
     /// Pod labels per engine (by index in `engine_addrs`), written to the endpoints file.
     pub endpoint_labels: Vec<Vec<(String, String)>>,
+    /// `llm-d.ai/role` per engine (`prefill`, `decode`, `both`); engines not listed are `both`.
+    pub endpoint_roles: Vec<String>,
 }
 
 /// An engine this stack does not start, and where its KV events are published.
@@ -223,6 +230,7 @@ impl Stack {
             host_policy: None,
             host_flow: None,
             endpoint_labels: Vec::new(),
+            endpoint_roles: Vec::new(),
         })
     }
 
@@ -248,6 +256,63 @@ impl Stack {
             .collect()
     }
 
+    /// Start one more simulated engine in its own process (so a test can kill just that
+    /// engine), listed after the others; returns its address. Call before `start_host`, or
+    /// the host picks it up when it re-reads the endpoints file.
+    pub fn start_extra_engine(&mut self) -> anyhow::Result<String> {
+        let port = free_port();
+        let opts = self.sim_opts.clone();
+        let name = format!("sim-extra-{port}");
+        let p = self.spawn(&name, &mut self.sim_command(&opts, 1, port))?;
+        self.extra_procs.push(p);
+        if !wait_until(Duration::from_secs(20), || port_open(port)) {
+            bail!("extra engine did not listen on {port}");
+        }
+        let address = format!("127.0.0.1:{port}");
+        self.external.push(ExternalEngine { address: address.clone(), kv_publisher: None, kv_replay: None });
+        self.write_endpoints(&self.engine_addrs())?;
+        Ok(address)
+    }
+
+    /// Kill an engine started with [`Stack::start_extra_engine`].
+    pub fn kill_extra_engine(&mut self, address: &str) {
+        let port = address.rsplit(':').next().unwrap_or_default();
+        if let Some(p) = self.extra_procs.iter_mut().find(|p| p.name == format!("sim-extra-{port}")) {
+            p.kill();
+        }
+    }
+
+    /// The simulator's command line for `engines` engines from `base_port`, with `opts`.
+    fn sim_command(&self, opts: &SimOpts, engines: u16, base_port: u16) -> Command {
+        let mut cmd = Command::new(&self.paths.sim_bin);
+        cmd.arg("--engines").arg(engines.to_string()).arg("--base-port").arg(base_port.to_string());
+        cmd.arg("--model").arg(&opts.model);
+        for (flag, v) in [
+            ("--block-size", opts.block_size.to_string()),
+            ("--num-gpu-blocks", opts.num_gpu_blocks.to_string()),
+            ("--max-num-seqs", opts.max_num_seqs.to_string()),
+            ("--time-scale", opts.time_scale.to_string()),
+            ("--num-cpu-blocks", opts.num_cpu_blocks.to_string()),
+            ("--max-num-batched-tokens", opts.max_num_batched_tokens.to_string()),
+            ("--stream-interval", opts.stream_interval.to_string()),
+            ("--prefill-scale", opts.prefill_scale.to_string()),
+            ("--decode-scale", opts.decode_scale.to_string()),
+        ] {
+            cmd.arg(flag).arg(v);
+        }
+        if let Some(t) = &opts.tokenizer {
+            cmd.arg("--tokenizer").arg(t);
+        }
+        if let Some(t) = &opts.chat_template {
+            cmd.arg("--chat-template").arg(t);
+        }
+        if !opts.lora_modules.is_empty() {
+            cmd.arg("--lora-modules").arg(opts.lora_modules.join(","));
+            cmd.arg("--max-loras").arg(opts.max_loras.max(1).to_string());
+        }
+        cmd
+    }
+
     /// Start (or restart, with cold caches) the simulated engines.
     pub fn start_sim(&mut self, opts: SimOpts) -> anyhow::Result<()> {
         if let Some(mut p) = self.sim.take() {
@@ -257,46 +322,14 @@ impl Stack {
             self.sim_base_port = free_port_range(opts.engines);
         }
         self.sim_opts = opts.clone();
-        let mut cmd = Command::new(&self.paths.sim_bin);
+        let mut cmd = self.sim_command(&opts, opts.engines, self.sim_base_port);
         if opts.kv_events {
             if self.kv_base_port == 0 {
                 self.kv_base_port = free_port_range(2 * opts.engines);
             }
             cmd.arg("--kv-events-port-base").arg(self.kv_base_port.to_string());
         }
-        if let Some(t) = &opts.tokenizer {
-            cmd.arg("--tokenizer").arg(t);
-        }
-        if let Some(t) = &opts.chat_template {
-            cmd.arg("--chat-template").arg(t);
-        }
-        let p = self.spawn(
-            "sim",
-            cmd.arg("--engines")
-                .arg(opts.engines.to_string())
-                .arg("--base-port")
-                .arg(self.sim_base_port.to_string())
-                .arg("--model")
-                .arg(&opts.model)
-                .arg("--block-size")
-                .arg(opts.block_size.to_string())
-                .arg("--num-gpu-blocks")
-                .arg(opts.num_gpu_blocks.to_string())
-                .arg("--max-num-seqs")
-                .arg(opts.max_num_seqs.to_string())
-                .arg("--time-scale")
-                .arg(opts.time_scale.to_string())
-                .arg("--num-cpu-blocks")
-                .arg(opts.num_cpu_blocks.to_string())
-                .arg("--max-num-batched-tokens")
-                .arg(opts.max_num_batched_tokens.to_string())
-                .arg("--stream-interval")
-                .arg(opts.stream_interval.to_string())
-                .arg("--prefill-scale")
-                .arg(opts.prefill_scale.to_string())
-                .arg("--decode-scale")
-                .arg(opts.decode_scale.to_string()),
-        )?;
+        let p = self.spawn("sim", &mut cmd)?;
         self.sim = Some(p);
         let ports: Vec<u16> = (0..opts.engines).map(|i| self.sim_base_port + i).collect();
         if !wait_until(Duration::from_secs(20), || ports.iter().all(|p| port_open(*p))) {
@@ -310,11 +343,14 @@ impl Stack {
     pub fn write_endpoints(&self, addrs: &[String]) -> anyhow::Result<()> {
         let mut y = String::from("endpoints:\n");
         for a in addrs {
-            y.push_str(&format!(
-                "  - address: {a}\n    models: [{}]\n    role: both\n    engine: vllm\n",
-                self.sim_opts.model
-            ));
             let index = self.engine_addrs().iter().position(|x| x == a).unwrap_or(usize::MAX);
+            let role = self.endpoint_roles.get(index).map(String::as_str).unwrap_or("both");
+            let mut models = vec![self.sim_opts.model.clone()];
+            models.extend(self.sim_opts.lora_modules.iter().cloned());
+            y.push_str(&format!(
+                "  - address: {a}\n    models: [{}]\n    role: {role}\n    engine: vllm\n",
+                models.join(", ")
+            ));
             if let Some(labels) = self.endpoint_labels.get(index).filter(|l| !l.is_empty()) {
                 let kv: Vec<String> = labels.iter().map(|(k, v)| format!("\"{k}\": \"{v}\"")).collect();
                 y.push_str(&format!("    labels: {{{}}}\n", kv.join(", ")));

@@ -74,6 +74,8 @@ pub struct FilterConfig {
     pub scoring: ScoringConfig,
     /// Flow control: request classes and shedding (policies::flow).
     pub flow: attache_policies::flow::FlowConfig,
+    /// Session and Responses API affinity (policies::session).
+    pub sessions: attache_policies::session::SessionConfig,
 }
 
 impl FilterConfig {

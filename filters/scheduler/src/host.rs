@@ -94,3 +94,13 @@ pub fn set_effective_context(context_id: u32) -> bool {
 pub fn resume_request() -> bool {
     hostcalls::resume_http_request().is_ok()
 }
+
+/// A property by path (e.g. `["upstream", "address"]`).
+pub fn property_path(path: &[&str]) -> Option<Vec<u8>> {
+    hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+/// The first `size` bytes of the response body chunk being processed.
+pub fn response_body(size: usize) -> Option<Vec<u8>> {
+    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten()
+}

@@ -5,8 +5,10 @@ use std::cell::RefCell;
 use std::rc::Rc;
 
 use attache_policies::flow::{self, RequestClass, Shed};
+use attache_policies::pd::PREFILLER_HEADER;
 use attache_policies::request::{self, Api, InferenceRequest};
 use attache_policies::scoring::{self, ScoreSheet};
+use attache_policies::session;
 use attache_policies::{ErrorResponse, RequestError};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
@@ -15,13 +17,12 @@ use crate::flow::Pumped;
 use crate::host;
 use crate::root::Worker;
 use crate::route::route;
+use crate::sticky::SharedSticky;
 
 /// The header Envoy's override_host LB policy (or an ORIGINAL_DST cluster) routes on.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 /// Filter-state key the picker sets to the primary endpoint it chose.
 pub const PICKED_PROPERTY: &str = "attache_picked";
-/// llm-d's P/D header; only the scheduler may set it.
-pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 /// Why flow control answered a request itself.
 pub const DROPPED_REASON_HEADER: &str = "x-attache-dropped-reason";
 
@@ -53,6 +54,14 @@ pub struct RequestState {
     pub flow_headers: Vec<(String, String)>,
     /// Waiting in the flow-control queue.
     pub parked: Option<Parked>,
+    /// Session affinity: the session's table key (from the session header), and the endpoint
+    /// the session, its token or the previous response is bound to.
+    pub session_key: Option<u64>,
+    pub sticky: Option<String>,
+    /// The endpoint to name in the response's session token.
+    pub session_token: Option<String>,
+    /// A Responses API response: bind its id to the endpoint that served it.
+    pub learn_response: Option<String>,
 }
 
 pub type SharedRequest = Rc<RefCell<RequestState>>;
@@ -79,6 +88,29 @@ pub fn shed_response(shed: Shed, detail: &str) -> (ErrorResponse, [(&'static str
     (err, [("retry-after", "1"), (DROPPED_REASON_HEADER, shed.reason())])
 }
 
+/// Find the endpoint this request's session or conversation is bound to (the session token
+/// wins, then the session header's binding, then `previous_response_id`'s).
+fn resolve_sticky(w: &Worker, st: &mut RequestState, req: &InferenceRequest) {
+    let sc = &w.config.sessions;
+    if !sc.enabled {
+        return;
+    }
+    let now = host::now_ms();
+    if st.sticky.is_none() {
+        if let Some(k) = st.session_key {
+            st.sticky = session::lookup(&mut SharedSticky, sc.slots, k, now);
+        }
+    }
+    if st.sticky.is_none() {
+        if let Some(id) = &req.previous_response_id {
+            st.sticky = session::lookup(&mut SharedSticky, sc.slots, session::response_key(id), now);
+        }
+    }
+    if req.api == Api::Responses {
+        st.learn_response = Some(String::new());
+    }
+}
+
 impl SchedulerHttp {
     pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
         let st = RequestState {
@@ -91,6 +123,10 @@ impl SchedulerHttp {
             handed_off: None,
             flow_headers: Vec::new(),
             parked: None,
+            session_key: None,
+            sticky: None,
+            session_token: None,
+            learn_response: None,
         };
         Self { id, worker, st: Rc::new(RefCell::new(st)) }
     }
@@ -132,6 +168,9 @@ impl SchedulerHttp {
         };
         let w = &mut *guard;
         w.cache.refresh(host::now_ms());
+        if let Ok(mut st) = self.st.try_borrow_mut() {
+            resolve_sticky(w, &mut st, &req);
+        }
         if !w.config.flow.enabled {
             let Ok(mut st) = self.st.try_borrow_mut() else {
                 return Action::Continue;
@@ -162,7 +201,13 @@ impl SchedulerHttp {
             flow::classify(&w.config.flow, Some(&w.cache.pool.objectives), header, req.priority)
         };
         let class = match class {
-            Ok(c) => c,
+            // Turn priority: a later turn of a session already bound goes ahead of new sessions'
+            // first turns within its tenant.
+            Ok(mut c) => {
+                c.continuing = w.config.sessions.turn_priority
+                    && self.st.try_borrow().is_ok_and(|st| st.sticky.is_some() || req.previous_response_id.is_some());
+                c
+            }
             Err(e) => {
                 drop(guard);
                 let msg =
@@ -228,6 +273,12 @@ impl HttpContext for SchedulerHttp {
         let api = if method == "POST" { Api::from_path(&path) } else { None };
         if let (Ok(w), Ok(mut st)) = (self.worker.try_borrow(), self.st.try_borrow_mut()) {
             st.api = api;
+            let sc = &w.config.sessions;
+            if sc.enabled && api.is_some() {
+                st.sticky = host::request_header(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
+                st.session_key =
+                    sc.headers.iter().find_map(|h| host::request_header(h)).map(|id| session::session_key(&id));
+            }
             let f = &w.config.flow;
             if f.enabled {
                 for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
@@ -287,6 +338,18 @@ impl HttpContext for SchedulerHttp {
         let Ok(mut st) = self.st.try_borrow_mut() else {
             return Action::Continue;
         };
+        if let Some(ep) = st.session_token.take() {
+            let name = self.worker.try_borrow().map(|w| w.config.sessions.token_header.clone()).unwrap_or_default();
+            if !name.is_empty() {
+                host::set_response_header(&name, &session::token_for(&ep));
+            }
+        }
+        if st.learn_response.is_some() {
+            // The endpoint that actually served it (a fallback, if the primary failed).
+            let served = host::property_path(&["upstream", "address"]).and_then(|b| String::from_utf8(b).ok());
+            let ok = host::response_header(":status").is_some_and(|s| s == "200");
+            st.learn_response = served.or_else(|| st.dispatched.clone()).filter(|_| ok);
+        }
         let Some(hits) = st.handed_off.take() else {
             return Action::Continue;
         };
@@ -319,6 +382,24 @@ impl HttpContext for SchedulerHttp {
             if let (Some(slot), Some(arm)) = (parts.next(), parts.next()) {
                 w.metrics.rollout(slot, arm, &outcome(true));
             }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        let Ok(mut st) = self.st.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        // Learn `previous_response_id` → endpoint from the first bytes of a Responses body.
+        let Some(served) = st.learn_response.take() else {
+            return Action::Continue;
+        };
+        let id = host::response_body(body_size.min(4096)).and_then(|b| crate::sticky::response_id(&b));
+        if let (Some(id), Ok(mut w)) = (id, self.worker.try_borrow_mut()) {
+            let sc = &w.config.sessions;
+            let (slots, ttl) = (sc.slots, sc.ttl_ms);
+            session::bind(&mut SharedSticky, slots, session::response_key(&id), &served, host::now_ms(), ttl);
+            w.metrics.response_learned();
         }
         Action::Continue
     }

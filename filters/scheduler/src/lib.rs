@@ -23,6 +23,7 @@ pub mod picker;
 pub mod root;
 pub mod route;
 pub mod snapshot;
+pub mod sticky;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{

@@ -30,6 +30,9 @@ pub struct Metrics {
     /// Per rollout arm (`<slot>.<arm>`): requests, 5xx, traps, latency sum, hit sum.
     rollout: HashMap<String, [Option<u32>; 5]>,
     flow: FlowMetrics,
+    disaggregated: Option<u32>,
+    sticky_hits: Option<u32>,
+    responses_learned: Option<u32>,
 }
 
 /// Flow-control metrics. Queue depths are gauges every worker moves up and down, so Envoy's
@@ -101,6 +104,9 @@ impl Metrics {
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
             score_precise: define(MetricType::Histogram, "attache.scorer.precise.score_milli"),
+            disaggregated: define(MetricType::Counter, "attache.pd.disaggregated"),
+            sticky_hits: define(MetricType::Counter, "attache.session.sticky_hits"),
+            responses_learned: define(MetricType::Counter, "attache.session.responses_learned"),
             flow: FlowMetrics {
                 enqueued: define(MetricType::Counter, "attache.flow.enqueued"),
                 dispatched: define(MetricType::Counter, "attache.flow.dispatched"),
@@ -195,6 +201,34 @@ impl Metrics {
         }
         inc(self.prefix_blocks_matched, matched as i64);
         inc(self.prefix_blocks_total, total as i64);
+    }
+
+    /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and
+    /// `attache.endpoint.<ip_port>.prefills`).
+    pub fn disaggregated(&mut self, prefill: &str) {
+        inc(self.disaggregated, 1);
+        let key = format!("prefill:{prefill}");
+        let id = match self.picks.get(&key) {
+            Some(id) => Some(*id),
+            None => {
+                let id = define(MetricType::Counter, &format!("attache.endpoint.{}.prefills", sanitize(prefill)));
+                if let Some(id) = id {
+                    self.picks.insert(key, id);
+                }
+                id
+            }
+        };
+        inc(id, 1);
+    }
+
+    /// A request went to its session's (or conversation's) sticky endpoint.
+    pub fn sticky_hit(&mut self) {
+        inc(self.sticky_hits, 1);
+    }
+
+    /// A Responses API response id was bound to the endpoint that served it.
+    pub fn response_learned(&mut self) {
+        inc(self.responses_learned, 1);
     }
 
     /// An index delta from the host was applied.

@@ -4,9 +4,11 @@
 //! request made the effective context first).
 
 use attache_policies::index;
+use attache_policies::pd::PREFILLER_HEADER;
 use attache_policies::precise;
 use attache_policies::request::{InferenceRequest, Prompt};
 use attache_policies::scoring::{self, ScoringContext};
+use attache_policies::session;
 use attache_policies::{prefix, Decision, ErrorResponse, PoolState, SchedulingInput};
 use proxy_wasm::types::LogLevel;
 
@@ -15,6 +17,7 @@ use crate::http::{RequestState, DESTINATION_HEADER};
 use crate::kv_table;
 use crate::root::Worker;
 use crate::snapshot::SharedAffinity;
+use crate::sticky::SharedSticky;
 
 /// The candidates as custom scorer filters see them (policies::scoring).
 fn scoring_candidates(decision: &Decision, pool: &PoolState) -> Vec<scoring::Candidate> {
@@ -94,6 +97,8 @@ pub fn route(
         seed,
         extra_matches: shared.as_ref(),
         precise: precise_scores.as_ref(),
+        prompt_tokens: ids_len.unwrap_or_else(|| req.prompt.approx_tokens()),
+        sticky: st.sticky.as_deref(),
     };
     let decision = w.scheduler.schedule(&input, &w.cache.pool, &mut w.state).map_err(|e| ErrorResponse::from(&e))?;
     if !host::set_request_header(DESTINATION_HEADER, &decision.header_value()) {
@@ -104,6 +109,19 @@ pub fn route(
             None,
             "could not set the destination header",
         ));
+    }
+    if let Some(prefiller) = decision.prefiller() {
+        // P/D: the decode endpoint's sidecar runs the prefill there first (llm-d's contract).
+        if !host::set_request_header(PREFILLER_HEADER, prefiller) {
+            return Err(ErrorResponse::new(
+                500,
+                "header_write_failed",
+                "InternalServerError",
+                None,
+                "could not set the prefiller header",
+            ));
+        }
+        w.metrics.disaggregated(prefiller);
     }
     if w.config.scoring.context {
         let session = st.session.as_deref().or(req.user.as_deref());
@@ -121,6 +139,20 @@ pub fn route(
         };
         if host::set_property(scoring::CONTEXT_PROPERTY, &ctx.encode()) {
             st.handed_off = Some(ctx.candidates.into_iter().map(|c| (c.address, c.prefix_hit)).collect());
+        }
+    }
+    // Session affinity: bind the session to its primary (refreshing the TTL), and name the
+    // primary in the response's session token.
+    let sc = &w.config.sessions;
+    if sc.enabled {
+        if let Some(primary) = decision.endpoints.first() {
+            if let Some(k) = st.session_key {
+                session::bind(&mut SharedSticky, sc.slots, k, primary, host::now_ms(), sc.ttl_ms);
+            }
+            st.session_token = Some(primary.clone());
+        }
+        if decision.sticky {
+            w.metrics.sticky_hit();
         }
     }
     w.scheduler.commit(&decision, &hashes, &mut w.state);

@@ -6,6 +6,7 @@
 //! big-endian. Workers read the small version key per request and decode the snapshot only
 //! when it changes (a 1 MB shared-data read costs ~90 µs; `reference/envoy-wasm.md` §9.7).
 
+use attache_policies::endpoint::LoraState;
 use attache_policies::{Endpoint, EndpointMetrics, PoolState, Role};
 use attache_proto::v1;
 use prost::Message;
@@ -46,6 +47,11 @@ pub fn to_pool(s: &v1::Snapshot) -> PoolState {
                     l.sort();
                     l
                 },
+                lora: (e.max_lora > 0).then(|| LoraState {
+                    running: e.lora_running.clone(),
+                    waiting: e.lora_waiting.clone(),
+                    max_lora: e.max_lora,
+                }),
             })
             .collect(),
         saturation: s.saturation,

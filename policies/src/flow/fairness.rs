@@ -183,7 +183,16 @@ mod tests {
                 for t in ["a", "b", "c", "d"] {
                     id += 1;
                     let q = if t == "a" { &mut w1 } else { &mut w2 };
-                    q.enqueue(&cfg, id, &RequestClass { priority: 0, tenant: t.into() }, 1, 100, 0, ()).unwrap();
+                    q.enqueue(
+                        &cfg,
+                        id,
+                        &RequestClass { priority: 0, tenant: t.into(), continuing: false },
+                        1,
+                        100,
+                        0,
+                        (),
+                    )
+                    .unwrap();
                 }
             }
             let mut board = Board::default();

@@ -122,6 +122,9 @@ pub struct RequestClass {
     /// Higher is more important; negative is sheddable.
     pub priority: i32,
     pub tenant: String,
+    /// A later turn of a session already under way: it goes ahead of its tenant's requests
+    /// that start new sessions (turn priority), in arrival order among such turns.
+    pub continuing: bool,
 }
 
 impl RequestClass {
@@ -160,7 +163,7 @@ pub fn classify<'a>(
             None => DEFAULT_TENANT.into(),
         },
     };
-    Ok(RequestClass { priority, tenant })
+    Ok(RequestClass { priority, tenant, continuing: false })
 }
 
 impl FlowConfig {
@@ -180,7 +183,7 @@ mod tests {
     use super::*;
 
     fn class(p: i32, t: &str) -> RequestClass {
-        RequestClass { priority: p, tenant: t.into() }
+        RequestClass { priority: p, tenant: t.into(), continuing: false }
     }
 
     #[test]

@@ -49,6 +49,7 @@ impl Shed {
 #[derive(Debug)]
 struct Item<T> {
     id: u64,
+    continuing: bool,
     bytes: usize,
     tokens: u64,
     enqueued_ms: u64,
@@ -168,14 +169,22 @@ impl<T> FlowQueue<T> {
         if flow.is_empty() {
             band.order.push_back(class.tenant.clone());
         }
-        flow.push_back(Item {
+        let item = Item {
             id,
+            continuing: class.continuing,
             bytes,
             tokens: tokens.max(1),
             enqueued_ms: now_ms,
             deadline_ms: now_ms.saturating_add(cfg.ttl_ms),
             value,
-        });
+        };
+        if class.continuing {
+            // Behind the other continuing turns, ahead of new sessions.
+            let at = flow.iter().take_while(|i| i.continuing).count();
+            flow.insert(at, item);
+        } else {
+            flow.push_back(item);
+        }
         band.requests += 1;
         band.bytes += bytes;
         self.requests += 1;
@@ -256,8 +265,8 @@ impl<T> FlowQueue<T> {
         let mut dead = Vec::new();
         for (p, b) in &self.bands {
             for (t, f) in &b.flows {
-                // Deadlines rise along a tenant's FCFS queue (one TTL for all).
-                for i in f.iter().take_while(|i| i.deadline_ms <= now_ms) {
+                // Turn priority reorders a tenant's queue, so check every item.
+                for i in f.iter().filter(|i| i.deadline_ms <= now_ms) {
                     dead.push((*p, t.clone(), i.id));
                 }
             }
@@ -280,7 +289,7 @@ mod tests {
     use super::*;
 
     fn class(p: i32, t: &str) -> RequestClass {
-        RequestClass { priority: p, tenant: t.into() }
+        RequestClass { priority: p, tenant: t.into(), continuing: false }
     }
 
     /// Pop everything, charging each tenant its tokens (one worker, no rivals).
@@ -316,6 +325,18 @@ mod tests {
         assert_eq!(order[0], hi, "strict priority first");
         assert_eq!(&order[1..], &[a[0], b[0], a[1], b[1], a[2], a[3]], "tenants alternate, each FCFS");
         assert!(q.is_empty() && q.bytes() == 0);
+    }
+
+    #[test]
+    fn later_turns_of_a_session_go_ahead_of_new_sessions_in_their_tenant() {
+        let cfg = FlowConfig::default();
+        let mut q = FlowQueue::default();
+        let turn = RequestClass { continuing: true, ..class(0, "a") };
+        for (id, c) in [(1, class(0, "a")), (2, class(0, "a")), (3, turn.clone()), (4, turn), (5, class(0, "a"))] {
+            q.enqueue(&cfg, id, &c, 1, 10, 0, id).unwrap();
+        }
+        let order: Vec<u64> = drain(&mut q).into_iter().map(|p| p.value).collect();
+        assert_eq!(order, vec![3, 4, 1, 2, 5]);
     }
 
     #[test]
