@@ -57,6 +57,8 @@ struct Seq {
     max_tokens: usize,
     /// Leading prompt tokens to pull from a prefill engine instead of computing.
     remote_tokens: usize,
+    /// When the pulled KV has arrived (the request is not scheduled before).
+    transfer_until: Option<Instant>,
     lora: Option<String>,
     output: Vec<u32>,
     tx: mpsc::UnboundedSender<TokenEvent>,
@@ -110,6 +112,11 @@ impl EngineState {
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
+    /// Time until the next KV transfer of a running request lands.
+    pub fn next_transfer(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.running.iter().filter_map(|s| s.transfer_until).filter(|t| *t > now).min().map(|t| t - now)
+    }
     /// Adapters of running requests (vLLM's `running_lora_adapters`).
     pub fn active_loras(&self) -> Vec<String> {
         let mut v: Vec<String> = self.running.iter().filter_map(|s| s.lora.clone()).collect();
@@ -143,10 +150,6 @@ enum Planned {
     },
     /// KV loaded back from the CPU tier for a newly admitted request.
     Reload {
-        tokens: usize,
-    },
-    /// KV pulled from a prefill engine (P/D) for a newly admitted request.
-    Transfer {
         tokens: usize,
     },
 }
@@ -201,6 +204,7 @@ impl Engine {
             prompt_len,
             max_tokens: req.max_tokens.max(1),
             remote_tokens: req.remote_tokens,
+            transfer_until: None,
             lora: req.lora,
             output: Vec::new(),
             tx: req.tx,
@@ -238,8 +242,6 @@ impl Engine {
                         Planned::Decode { .. } => d += 1,
                         // Loading KV from the CPU tier costs a fraction of recomputing it.
                         Planned::Reload { tokens } => p += (*tokens as f64 * st.cfg.cpu_reload_cost).ceil() as usize,
-                        // Pulling KV over the interconnect costs a fraction of computing it.
-                        Planned::Transfer { tokens } => p += (*tokens as f64 * st.cfg.kv_transfer_cost).ceil() as usize,
                     }
                 }
                 let ms = latency::scaled_step_ms(p, d, st.pool.usage(), st.cfg.prefill_scale, st.cfg.decode_scale)
@@ -250,7 +252,10 @@ impl Engine {
                 (planned, ms)
             };
             if planned.is_empty() {
-                let _ = tokio::time::timeout(Duration::from_millis(50), self.wake.notified()).await;
+                // Idle, or only waiting for KV transfers: sleep until woken or the next transfer lands.
+                let wait =
+                    self.lock().next_transfer().map_or(Duration::from_millis(50), |d| d.min(Duration::from_millis(50)));
+                let _ = tokio::time::timeout(wait, self.wake.notified()).await;
                 next = tokio::time::Instant::now();
                 continue;
             }
@@ -335,11 +340,17 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
     let bs = st.cfg.block_size.max(1);
     let mut budget = st.cfg.max_num_batched_tokens.max(1);
     let mut planned = Vec::new();
+    let started = Instant::now();
 
     // 1. The running set: prefill chunks and decodes.
     let mut i = 0;
     while i < st.running.len() && budget > 0 {
         let id = st.running[i].id;
+        if st.running[i].transfer_until.is_some_and(|t| t > started) {
+            // Its KV is still arriving from the prefill engine; it takes no step time here.
+            i += 1;
+            continue;
+        }
         if st.running[i].in_prefill() {
             let n = (st.running[i].prefill.len() - st.running[i].num_computed).min(budget);
             budget -= n;
@@ -427,14 +438,20 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         seq.num_computed = hit * bs;
         // P/D: full blocks the prefill engine computed and this engine does not hold are pulled,
         // not prefilled; the last prompt token is always computed here.
+        // The pull runs beside the engine's steps (NIXL reads the prefill engine's memory):
+        // it delays this request by a fraction of what prefilling those tokens would take,
+        // without stalling the other sequences.
         let remote_blocks = seq.remote_tokens.min(len.saturating_sub(1)) / bs;
+        let mut pulling = false;
         if remote_blocks > hit {
             let pulled = (remote_blocks - hit) * bs;
             seq.num_computed += pulled;
             st.stats.kv_transfer_tokens += pulled as u64;
-            planned.push(Planned::Transfer { tokens: pulled });
+            let ms = latency::prefill_ms(pulled) * st.cfg.prefill_scale * st.cfg.kv_transfer_cost * st.cfg.time_scale;
+            seq.transfer_until = Some(now + Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+            pulling = true;
         }
-        let n = (len - seq.num_computed).min(budget);
+        let n = if pulling { 0 } else { (len - seq.num_computed).min(budget) };
         budget -= n;
         if st.pool.cpu_len() > 0 || reloaded > 0 {
             st.stats.external_queries += (len - hit * bs + reloaded * bs) as u64;
@@ -443,7 +460,9 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
             st.stats.external_hits += (reloaded * bs) as u64;
             planned.push(Planned::Reload { tokens: reloaded * bs });
         }
-        planned.push(Planned::Prefill { id: seq.id, tokens: n });
+        if n > 0 {
+            planned.push(Planned::Prefill { id: seq.id, tokens: n });
+        }
         st.running.push(seq);
     }
     planned
@@ -559,7 +578,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
     for p in planned {
         let id = match p {
             Planned::Prefill { id, .. } | Planned::Decode { id } => *id,
-            Planned::Reload { .. } | Planned::Transfer { .. } => continue,
+            Planned::Reload { .. } => continue,
         };
         let Some(&idx) = index.get(&id) else {
             continue;
@@ -580,7 +599,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
                 store_full_blocks(st, idx);
                 f
             }
-            Planned::Reload { .. } | Planned::Transfer { .. } => false,
+            Planned::Reload { .. } => false,
         };
         if finished {
             done.push(id);
@@ -656,5 +675,30 @@ mod tests {
         let st = e.lock();
         assert!(st.stats.preemptions > 0, "12 blocks cannot hold 4 x 8 blocks of decode");
         assert_eq!(st.num_running() + st.num_waiting(), 0);
+    }
+
+    #[tokio::test]
+    async fn pulled_kv_is_not_prefilled_here_and_becomes_cached() {
+        let e = Engine::new(cfg());
+        tokio::spawn(e.clone().run());
+        let prompt: Vec<u32> = (10..30).collect(); // 20 tokens = 5 blocks
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        e.submit(SimRequest { prompt: prompt.clone(), max_tokens: 2, tx, remote_tokens: 20, lora: None });
+        let mut got = 0;
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                TokenEvent::Tokens(t, _) => got += t.len(),
+                TokenEvent::Done(_) => break,
+            }
+        }
+        assert_eq!(got, 2);
+        {
+            let st = e.lock();
+            // 4 full blocks pulled (the last token is always computed locally).
+            assert_eq!(st.stats.kv_transfer_tokens, 16);
+            assert_eq!(st.stats.prompt_tokens, 4, "only the tokens after the pulled blocks were prefilled");
+        }
+        let (_, u) = run_one(&e, prompt, 1).await;
+        assert_eq!(u.cached_tokens, 16, "the pulled blocks serve later requests as prefix hits");
     }
 }
