@@ -193,12 +193,7 @@ async fn run_agents(
                     if Instant::now() <= until {
                         *tokens.lock().await += o.output_tokens;
                     }
-                    let reply: String = o
-                        .events
-                        .iter()
-                        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-                        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
-                        .collect();
+                    let reply = o.streamed_text();
                     messages.push(json!({"role": "assistant", "content": reply}));
                     break;
                 }

@@ -1,7 +1,9 @@
 //! `attache-bench`: the demo and the side-by-side benchmarks.
 
+mod agents;
 mod flow_control;
 mod kv_ingest;
+mod pd;
 mod policy;
 mod run;
 mod shared_prefix;
@@ -34,6 +36,10 @@ enum Cmd {
     Policy(policy::Args),
     /// Flow control: bursty agents vs interactive chat (TTFT vs idle), and tenant fairness.
     FlowControl(flow_control::Args),
+    /// Prefill/decode disaggregation on long prompts: 4 mixed engines vs 2 prefill + 2 decode.
+    Pd(pd::Args),
+    /// Multi-turn agents: session- and Responses-aware routing vs round-robin vs an oracle.
+    Agents(agents::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -146,5 +152,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::SharedPrefix(a) => shared_prefix::run(a).await,
         Cmd::Policy(a) => policy::run(a).await,
         Cmd::FlowControl(a) => flow_control::run(a).await,
+        Cmd::Pd(a) => pd::run(a).await,
+        Cmd::Agents(a) => agents::run(a).await,
     }
 }

@@ -38,6 +38,15 @@ impl Outcome {
     pub fn ok(&self) -> bool {
         self.error.is_none() && self.status == 200
     }
+
+    /// The assistant's text of a streamed chat response (its `delta.content` chunks).
+    pub fn streamed_text(&self) -> String {
+        self.events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .collect()
+    }
 }
 
 /// POST `body` to `url` and read the whole response; SSE bodies are split into events.
