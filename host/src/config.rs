@@ -37,6 +37,9 @@ pub struct HostConfig {
     /// Flow control inputs pushed with each snapshot: the saturation detector and the
     /// InferenceObjective priority table.
     pub flow: FlowInputs,
+    /// Kubernetes discovery (InferencePools, their pods, InferenceObjectives). Exclusive with
+    /// `endpoints_file`.
+    pub kubernetes: Option<crate::kubernetes::KubernetesConfig>,
     /// Policy modules: store, trust store, admin token, rollout controller. Off when absent.
     pub policy: Option<crate::policy::service::PolicyConfig>,
 }
@@ -55,6 +58,7 @@ impl Default for HostConfig {
             kv_events_bind: None,
             kv_index_capacity: 1_000_000,
             policy: None,
+            kubernetes: None,
             flow: FlowInputs::default(),
         }
     }

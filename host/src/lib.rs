@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod config;
 pub mod discovery;
+pub mod kubernetes;
 pub mod kv_events;
 pub mod kv_index;
 pub mod kv_subscribe;

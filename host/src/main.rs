@@ -289,7 +289,14 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let state = Arc::new(RwLock::new(pool));
     let client = reqwest::Client::builder().pool_max_idle_per_host(2).build()?;
 
-    // Validate the endpoints file before binding any port.
+    if cfg.endpoints_file.is_some() && cfg.kubernetes.is_some() {
+        anyhow::bail!("endpoints_file and kubernetes are exclusive: pick one discovery source");
+    }
+    // Validate the endpoints file (or reach the cluster's credentials) before binding any port.
+    let kube = match cfg.kubernetes.clone() {
+        Some(k) => Some(attache_host::kubernetes::spawn(k).await.context("starting Kubernetes discovery")?),
+        None => None,
+    };
     let initial = match &cfg.endpoints_file {
         Some(p) => StaticEndpoints::load(p)?,
         None => StaticEndpoints::default(),
@@ -347,7 +354,29 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout());
     info!(endpoints = initial.endpoints.len(), "discovery: static file loaded");
     apply_discovery(initial, &mut scrapers, &mut kv, &state, collector).await;
-    if let Some(path) = cfg.endpoints_file.clone() {
+    if let Some(mut d) = kube {
+        let (state, static_objectives) = (state.clone(), cfg.flow.objectives.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    r = d.endpoints.changed() => {
+                        if r.is_err() { break; }
+                        let endpoints = d.endpoints.borrow_and_update().clone();
+                        apply_discovery(StaticEndpoints { endpoints }, &mut scrapers, &mut kv, &state, collector).await;
+                    }
+                    r = d.objectives.changed() => {
+                        if r.is_err() { break; }
+                        // The cluster's objectives over the static table.
+                        let mut table = static_objectives.clone();
+                        table.extend(d.objectives.borrow_and_update().iter().map(|(k, v)| (k.clone(), *v)));
+                        let mut st = state.write().await;
+                        st.flow.objectives = table;
+                        st.generation += 1;
+                    }
+                }
+            }
+        });
+    } else if let Some(path) = cfg.endpoints_file.clone() {
         tokio::spawn(async move {
             let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
             loop {

@@ -113,6 +113,9 @@ pub struct EngineMetrics {
     /// TTFT histogram totals (`*_time_to_first_token_seconds_sum` / `_count`), cumulative.
     pub ttft_sum: f64,
     pub ttft_count: f64,
+    /// Served model names (the `model_name` label of the load gauges), sorted: what an
+    /// endpoint serves when discovery did not say (Kubernetes pods).
+    pub models: Vec<String>,
 }
 
 /// Which metric names each engine uses. Fallbacks come second.
@@ -171,7 +174,18 @@ pub fn engine_metrics(text: &str, engine: &str) -> Result<EngineMetrics, Missing
             missing: [names.waiting[0], names.running[0], names.kv[0]].to_vec(),
         });
     };
+    let mut models: Vec<String> = exp
+        .samples
+        .iter()
+        .filter(|s| names.running.contains(&s.name))
+        .filter_map(|s| s.label("model_name"))
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+        .collect();
+    models.sort_unstable();
+    models.dedup();
     let mut m = EngineMetrics {
+        models,
         waiting: waiting.iter().sum(),
         running: running.iter().sum(),
         kv_usage: kv.iter().sum::<f64>() / kv.len() as f64,
@@ -240,6 +254,7 @@ mod tests {
         assert_eq!((m.waiting, m.running, m.kv_usage), (3.0, 4.0, 0.25));
         assert_eq!(m.running_loras, vec!["c"]);
         assert_eq!(m.waiting_loras, vec!["d"]);
+        assert_eq!(m.models, vec!["m"], "served models come from the load gauges' model_name");
         let s = "sglang:num_queue_reqs{tp_rank=\"0\"} 5\nsglang:num_running_reqs 1\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"100\"} 1\n";
         let m = engine_metrics(s, "sglang").unwrap();
         assert_eq!(

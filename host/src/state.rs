@@ -144,7 +144,8 @@ impl PoolState {
                 v1::Endpoint {
                     id: u32::from(self.ids.get(&e.spec.address).copied().unwrap_or(u16::MAX)),
                     address: e.spec.address.clone(),
-                    models: e.spec.models.clone(),
+                    // Declared models first; else what the engine says it serves.
+                    models: if e.spec.models.is_empty() { m.models.clone() } else { e.spec.models.clone() },
                     role: e.spec.role.clone(),
                     ready: fresh,
                     has_metrics: e.metrics.is_some(),

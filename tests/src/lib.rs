@@ -2,6 +2,7 @@
 //! binaries, render Envoy configs, start and stop real processes, wait until they are ready.
 
 pub mod client;
+pub mod fake_kube;
 pub mod load;
 pub mod paths;
 pub mod stack;

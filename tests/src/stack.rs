@@ -173,6 +173,9 @@ pub struct Stack {
     pub host_policy: Option<serde_json::Value>,
     /// The host's `flow:` configuration (JSON): saturation detector and objectives.
     pub host_flow: Option<serde_json::Value>,
+    /// The host's `kubernetes:` configuration (JSON): discovery from an API server instead of
+    /// the endpoints file.
+    pub host_kubernetes: Option<serde_json::Value>,
     /// Pod labels per engine (by index in `engine_addrs`), written to the endpoints file.
     pub endpoint_labels: Vec<Vec<(String, String)>>,
     /// `llm-d.ai/role` per engine (`prefill`, `decode`, `both`); engines not listed are `both`.
@@ -229,6 +232,7 @@ impl Stack {
             scorer_slots: Vec::new(),
             host_policy: None,
             host_flow: None,
+            host_kubernetes: None,
             endpoint_labels: Vec::new(),
             endpoint_roles: Vec::new(),
         })
@@ -386,7 +390,7 @@ impl Stack {
         }
         let mut cmd = Command::new(&self.paths.host_bin);
         cmd.arg("host");
-        if self.host_policy.is_some() || self.host_flow.is_some() {
+        if self.host_policy.is_some() || self.host_flow.is_some() || self.host_kubernetes.is_some() {
             let mut config = serde_json::json!({});
             if let Some(policy) = &self.host_policy {
                 config["policy"] = policy.clone();
@@ -394,16 +398,20 @@ impl Stack {
             if let Some(flow) = &self.host_flow {
                 config["flow"] = flow.clone();
             }
+            if let Some(k) = &self.host_kubernetes {
+                config["kubernetes"] = k.clone();
+            }
             let path = self.workdir.join("host.yaml");
             // YAML is a superset of JSON.
             std::fs::write(&path, config.to_string())?;
             cmd.arg("--config").arg(path);
         }
+        if self.host_kubernetes.is_none() {
+            cmd.arg("--endpoints").arg(&self.endpoints_file);
+        }
         let p = self.spawn(
             "host",
-            cmd.arg("--endpoints")
-                .arg(&self.endpoints_file)
-                .arg("--grpc-listen")
+            cmd.arg("--grpc-listen")
                 .arg(format!("127.0.0.1:{}", self.host_grpc_port))
                 .arg("--admin-listen")
                 .arg(format!("127.0.0.1:{}", self.host_admin_port))
