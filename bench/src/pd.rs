@@ -20,9 +20,9 @@ pub struct Args {
     /// Requests per run.
     #[arg(long, default_value_t = 160)]
     requests: usize,
-    /// Arrivals per second (Poisson).
-    #[arg(long, default_value_t = 2.0)]
-    rps: f64,
+    /// Arrival rates (Poisson), one set of runs each.
+    #[arg(long, value_delimiter = ',', default_values_t = [2.0, 4.0])]
+    rps: Vec<f64>,
     /// Prompt length in tokens (unique prompts: nothing is cached).
     #[arg(long, default_value_t = 6000)]
     prompt_tokens: usize,
@@ -37,14 +37,14 @@ struct Item {
     body: Vec<u8>,
 }
 
-fn plan(a: &Args) -> Vec<Item> {
+fn plan(a: &Args, rps: f64) -> Vec<Item> {
     let mut rng = SplitMix64::new(a.seed);
     const W: [&str; 8] = ["log", "trace", "span", "error", "retry", "cache", "shard", "lease"];
     let mut t = 0.0;
     (0..a.requests)
         .map(|i| {
             let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-            t += -(1.0 - u).ln() / a.rps;
+            t += -(1.0 - u).ln() / rps;
             let mut doc = format!("Document {i}. ");
             while doc.len() < a.prompt_tokens * 4 {
                 doc.push_str(W[(rng.next_u64() % W.len() as u64) as usize]);
@@ -61,14 +61,36 @@ fn r2(v: f64) -> f64 {
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
-    let items = Arc::new(plan(&a));
+    let mut runs = Vec::new();
+    for &rps in &a.rps {
+        runs.extend(run_rate(&a, rps).await?);
+    }
+    let doc = json!({
+        "scenario": "long-prompt-pd",
+        "command": "cargo xtask bench pd",
+        "config": {"engines": 4, "requests": a.requests, "rps": a.rps, "prompt_tokens": a.prompt_tokens,
+                    "max_tokens": a.max_tokens, "num_gpu_blocks": 8192, "kv_transfer_cost": 0.1,
+                    "pd_threshold_tokens": 16, "seed": a.seed},
+        "runs": runs,
+    });
+    write_results(&a.out, doc)
+}
+
+/// The three layouts at one arrival rate, on the same request sequence.
+async fn run_rate(a: &Args, rps: f64) -> anyhow::Result<Vec<serde_json::Value>> {
+    let items = Arc::new(plan(a, rps));
     println!(
-        "P/D: {} requests at {}/s, {}-token unique prompts, {} output tokens, 4 engines",
-        a.requests, a.rps, a.prompt_tokens, a.max_tokens
+        "P/D: {} requests at {rps}/s, {}-token unique prompts, {} output tokens, 4 engines",
+        a.requests, a.prompt_tokens, a.max_tokens
     );
     let mut runs = Vec::new();
-    for (system, roles) in [("aggregated", ["both"; 4]), ("disaggregated", ["prefill", "prefill", "decode", "decode"])]
-    {
+    // The must-show comparison is 4 mixed against 2P+2D; 1P+3D shows what the P:D ratio does
+    // when prefill is the lighter side of the load.
+    for (system, roles) in [
+        ("aggregated", ["both"; 4]),
+        ("disaggregated", ["prefill", "prefill", "decode", "decode"]),
+        ("disaggregated-1p3d", ["prefill", "decode", "decode", "decode"]),
+    ] {
         let mut s = Stack::new(&format!("pd-{system}"))?;
         s.endpoint_roles = roles.iter().map(|r| r.to_string()).collect();
         s.start_sim(SimOpts { engines: 4, num_gpu_blocks: 8192, time_scale: 1.0, ..SimOpts::default() })?;
@@ -104,14 +126,15 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         let tokens: u64 = ok.iter().map(|o| o.output_tokens).sum();
         let split = s.envoy_stat("wasmcustom.attache.pd.disaggregated");
         let row = json!({
-            "system": system, "roles": roles, "requests": outcomes.len(), "errors": outcomes.len() - ok.len(),
+            "system": system, "rps": rps, "roles": roles, "requests": outcomes.len(), "errors": outcomes.len() - ok.len(),
             "ttft_p50_ms": r2(percentile(&ttft, 50.0)), "ttft_p95_ms": r2(percentile(&ttft, 95.0)),
             "itl_p50_ms": r2(percentile(&itl, 50.0)), "itl_p95_ms": r2(percentile(&itl, 95.0)),
+            "itl_p99_ms": r2(percentile(&itl, 99.0)),
             "output_tok_per_s": r2(tokens as f64 / wall), "wall_s": r2(wall), "disaggregated_requests": split,
             "sim_lost_ms": r2(s.sim_lost_ms().await.unwrap_or(0.0)),
         });
         println!(
-            "  {system:<14} TTFT p50 {:>8.1} p95 {:>8.1} ms; ITL p50 {:>6.2} p95 {:>6.2} ms; {:>7.1} tok/s; {} split; {} errors",
+            "  {system:<19} TTFT p50 {:>8.1} p95 {:>8.1} ms; ITL p50 {:>6.2} p95 {:>6.2} ms; {:>7.1} tok/s; {} split; {} errors",
             percentile(&ttft, 50.0),
             percentile(&ttft, 95.0),
             percentile(&itl, 50.0),
@@ -122,13 +145,5 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         );
         runs.push(row);
     }
-    let doc = json!({
-        "scenario": "long-prompt-pd",
-        "command": "cargo xtask bench pd",
-        "config": {"engines": 4, "requests": a.requests, "rps": a.rps, "prompt_tokens": a.prompt_tokens,
-                    "max_tokens": a.max_tokens, "num_gpu_blocks": 8192, "kv_transfer_cost": 0.1,
-                    "pd_threshold_tokens": 16, "seed": a.seed},
-        "runs": runs,
-    });
-    write_results(&a.out, doc)
+    Ok(runs)
 }
