@@ -121,7 +121,8 @@ pub fn pump(w: &mut Worker, current: Option<u32>) -> Pumped {
         // Requests wait for endpoints until their TTL (then 503).
         return outcome;
     }
-    let cfg = w.config.flow.clone();
+    let config = std::rc::Rc::clone(&w.config);
+    let cfg = &config.flow;
     let rivals = w.flow.board.rivals(&w.flow.worker_id, now, cfg.board_stale_ms);
     let mut switched = false;
     for _ in 0..cfg.dispatch_per_tick.max(1) {
@@ -210,8 +211,8 @@ pub fn tick(w: &mut Worker) {
             host::send_json(err.status, err.reason, &err.body, &extra);
         }
     }
-    let cfg = w.config.flow.clone();
-    w.flow.sync_board(&cfg, now);
+    let config = std::rc::Rc::clone(&w.config);
+    w.flow.sync_board(&config.flow, now);
     let saturation = w.flow.estimate(&w.cache.pool);
     w.metrics.flow_saturation(saturation);
     if !w.flow.queue.is_empty() {

@@ -24,7 +24,8 @@ use crate::snapshot::{self, SnapshotCache, Subscriber};
 
 /// State shared by one worker's HTTP contexts.
 pub struct Worker {
-    pub config: FilterConfig,
+    /// Shared so per-request code can hold it while borrowing the worker mutably.
+    pub config: std::rc::Rc<FilterConfig>,
     pub scheduler: Scheduler,
     pub state: SchedulerState,
     pub cache: SnapshotCache,
@@ -74,7 +75,7 @@ impl Worker {
             cache: SnapshotCache::default(),
             inflight: HashMap::new(),
             metrics,
-            config,
+            config: std::rc::Rc::new(config),
         }
     }
 }
