@@ -17,6 +17,10 @@ pub struct HostConfig {
     pub grpc_listen: SocketAddr,
     /// Admin HTTP listen address.
     pub admin_listen: SocketAddr,
+    /// File holding the admin API's bearer token (else `$ATTACHE_ADMIN_TOKEN`): every `/v1/*`
+    /// route except `/v1/policy/*` (which uses `policy.admin_token_file`) then requires it.
+    /// Required when `admin_listen` is not a loopback address.
+    pub admin_token_file: Option<PathBuf>,
     /// Static endpoint file (see `discovery`). Re-read when it changes.
     pub endpoints_file: Option<PathBuf>,
     /// How often each engine's `/metrics` is scraped.
@@ -49,6 +53,7 @@ impl Default for HostConfig {
         Self {
             grpc_listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 9190)),
+            admin_token_file: None,
             endpoints_file: None,
             scrape_interval_ms: 50,
             scrape_timeout_ms: 500,

@@ -1,6 +1,7 @@
 //! The Attaché host service: discovery, metrics scraping, pool state and the snapshot stream.
 
 pub mod admin;
+pub mod admin_auth;
 pub mod config;
 pub mod discovery;
 pub mod kubernetes;

@@ -289,6 +289,9 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let state = Arc::new(RwLock::new(pool));
     let client = reqwest::Client::builder().pool_max_idle_per_host(2).build()?;
 
+    let admin_token = attache_host::admin_auth::BearerToken::load(cfg.admin_token_file.as_deref())
+        .context("the admin API's bearer token")?;
+    attache_host::admin_auth::check_exposure(cfg.admin_listen, admin_token.as_ref())?;
     if cfg.endpoints_file.is_some() && cfg.kubernetes.is_some() {
         anyhow::bail!("endpoints_file and kubernetes are exclusive: pick one discovery source");
     }
@@ -398,6 +401,10 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     }
 
     let mut admin_router = admin::router(admin::AdminState { snapshots: rx, kv_index, kv_counters });
+    if let Some(t) = admin_token {
+        admin_router =
+            admin_router.route_layer(axum::middleware::from_fn_with_state(t, attache_host::admin_auth::require));
+    }
     if let Some(p) = &policy {
         p.spawn_controller();
         admin_router = admin_router.merge(policy::api::router(p.clone()));

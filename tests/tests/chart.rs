@@ -194,12 +194,7 @@ fn rendered_configs_are_accepted_by_the_host_and_by_envoy() {
         let d = docs(
             &t.render(
                 values.as_deref(),
-                &[
-                    "policy.enabled=true",
-                    "host.replicas=1",
-                    "policy.adminTokenSecret=tok",
-                    "policy.trustedKeysConfigMap=keys",
-                ],
+                &["policy.enabled=true", "host.replicas=1", "policy.trustedKeysConfigMap=keys"],
             )
             .expect("render"),
         );
@@ -210,6 +205,13 @@ fn rendered_configs_are_accepted_by_the_host_and_by_envoy() {
         let k = cfg.kubernetes.expect("kubernetes discovery configured");
         assert_eq!(k.namespace.as_deref(), Some("ml"), "watches the release namespace by default");
         assert!(cfg.policy.is_some());
+        // The admin API listens on the pod network, so it must carry a token (the host refuses
+        // to start otherwise), mounted from the chart's Secret.
+        assert_eq!(cfg.admin_token_file.as_deref(), Some(std::path::Path::new("/etc/attache/admin/token")));
+        assert!(!cfg.admin_listen.ip().is_loopback());
+        let secret = of_kind(&d, "Secret");
+        assert_eq!(secret.len(), 1, "the generated admin token Secret");
+        assert!(secret[0]["data"]["token"].as_str().is_some_and(|t| t.len() >= 40), "a random token");
 
         let gw = of_kind(&d, "ConfigMap")
             .into_iter()
@@ -311,10 +313,7 @@ fn misconfigurations_fail_with_clear_messages() {
     let t = tools();
     let cases: [(&[&str], &str); 3] = [
         (&["istio.enabled=true"], "istio.scheduler.sha256 is required"),
-        (
-            &["policy.enabled=true", "policy.adminTokenSecret=a", "policy.trustedKeysConfigMap=b"],
-            "policy.enabled needs host.replicas=1",
-        ),
+        (&["policy.enabled=true", "policy.trustedKeysConfigMap=b"], "policy.enabled needs host.replicas=1"),
         (&["pool.create=true"], "pool.selector is required"),
     ];
     for (sets, message) in cases {

@@ -37,10 +37,7 @@ impl IntoResponse for ApiError {
 async fn auth(State(svc): State<Arc<PolicyService>>, req: Request, next: Next) -> Response {
     let header = req.headers().get("authorization").and_then(|v| v.to_str().ok());
     if !svc.authorized(header) {
-        let mut r = ApiError { status: 401, code: "unauthorized", message: "a valid bearer token is required".into() }
-            .into_response();
-        r.headers_mut().insert("www-authenticate", axum::http::HeaderValue::from_static("Bearer"));
-        return r;
+        return crate::admin_auth::unauthorized();
     }
     next.run(req).await
 }

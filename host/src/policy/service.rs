@@ -271,7 +271,7 @@ pub struct PolicyService {
     state: Mutex<RolloutState>,
     published: watch::Sender<Arc<Published>>,
     pub acks: Arc<Acks>,
-    token: String,
+    token: crate::admin_auth::BearerToken,
     /// Counters at each canary's start, by slot and canary start time.
     baselines: Mutex<HashMap<String, (u64, ArmCounters, ArmCounters)>>,
     /// The controller's last word per slot.
@@ -282,15 +282,9 @@ pub struct PolicyService {
 impl PolicyService {
     pub fn open(cfg: PolicyConfig) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context;
-        let token = match &cfg.admin_token_file {
-            Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-            None => std::env::var("ATTACHE_ADMIN_TOKEN").unwrap_or_default(),
-        }
-        .trim()
-        .to_owned();
-        if token.len() < 16 {
-            anyhow::bail!("the policy API needs a bearer token of at least 16 characters (admin_token_file or ATTACHE_ADMIN_TOKEN)");
-        }
+        let token = crate::admin_auth::BearerToken::load(cfg.admin_token_file.as_deref())
+            .context("the policy API's bearer token")?
+            .context("the policy API needs a bearer token of at least 16 characters (admin_token_file or ATTACHE_ADMIN_TOKEN)")?;
         let trust = TrustStore::load(&cfg.trust)?;
         let store =
             ModuleStore::open(&cfg.store_dir).with_context(|| format!("opening {}", cfg.store_dir.display()))?;
@@ -320,11 +314,7 @@ impl PolicyService {
 
     /// Constant-time bearer token check.
     pub fn authorized(&self, header: Option<&str>) -> bool {
-        let Some(given) = header.and_then(|h| h.strip_prefix("Bearer ")) else {
-            return false;
-        };
-        let (a, b) = (given.trim().as_bytes(), self.token.as_bytes());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        self.token.authorized(header)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, RolloutState> {
