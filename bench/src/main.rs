@@ -3,7 +3,9 @@
 mod agents;
 mod flow_control;
 mod kv_ingest;
+mod overhead;
 mod pd;
+mod peers;
 mod policy;
 mod run;
 mod shared_prefix;
@@ -36,10 +38,12 @@ enum Cmd {
     Policy(policy::Args),
     /// Flow control: bursty agents vs interactive chat (TTFT vs idle), and tenant fairness.
     FlowControl(flow_control::Args),
-    /// Prefill/decode disaggregation on long prompts: 4 mixed engines vs 2 prefill + 2 decode.
+    /// Prefill/decode disaggregation on long prompts: 4 mixed engines vs 2P+2D and 1P+3D.
     Pd(pd::Args),
     /// Multi-turn agents: session- and Responses-aware routing vs round-robin vs an oracle.
     Agents(agents::Args),
+    /// The cost of deciding in Envoy: added latency and Envoy CPU per request vs plain Envoy.
+    Overhead(overhead::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -153,6 +157,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Policy(a) => policy::run(a).await,
         Cmd::FlowControl(a) => flow_control::run(a).await,
         Cmd::Pd(a) => pd::run(a).await,
+        Cmd::Overhead(a) => overhead::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
     }
 }

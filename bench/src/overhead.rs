@@ -1,0 +1,274 @@
+//! The cost of deciding inside Envoy: added latency per request (p50, p99) and Envoy CPU
+//! seconds per request with Attaché against plain Envoy, all routing to the same fast endpoint
+//! (an in-process OpenAI stub that answers at once), for 4 KB, 100 KB and 400 KB chat bodies.
+//! The peer routers' proxy paths are measured the same way, their own process's CPU in place of
+//! Envoy's. Every system runs in the same process run, one after another per body size, on the same
+//! request sequence: one keep-alive connection per system, sequential requests, after a
+//! warm-up, in ten rounds that alternate between the systems so drift on the shared machine
+//! hits all of them alike. Envoy's CPU is the sum of its threads' on-CPU time (`/proc/<pid>/task/*/schedstat`,
+//! nanoseconds) over the measured requests.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use attache_e2e::client;
+use attache_e2e::stack::ExternalEngine;
+use attache_e2e::{EnvoyKind, Stack};
+use axum::routing::{get, post};
+use serde_json::{json, Value};
+
+use crate::run::{percentile, write_results};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    #[arg(long, default_value = "bench/results/overhead.json")]
+    out: PathBuf,
+    /// Body sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096usize, 102_400, 409_600])]
+    body_bytes: Vec<usize>,
+    /// Measured requests per system and size (scaled down for large bodies: at least 500).
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Systems to run (plain Envoy always runs: it is the baseline). Peers:
+    /// `vllm-router-cache-aware`, `smg-cache-aware` (their own proxy processes).
+    #[arg(long, value_delimiter = ',', default_values_t = [
+        "attache-approx".to_string(), "attache-precise".to_string(),
+        "vllm-router-cache-aware".to_string(), "smg-cache-aware".to_string()])]
+    systems: Vec<String>,
+    #[command(flatten)]
+    peers: crate::peers::PeerVersions,
+}
+
+const MODEL: &str = "tinyllama";
+/// Measured requests are sent in this many interleaved rounds over the systems.
+const ROUNDS: usize = 10;
+
+/// vLLM-shaped metrics for the host's scraper: an idle engine.
+const METRICS: &str = "# TYPE vllm:num_requests_running gauge\n\
+vllm:num_requests_running{engine=\"0\",model_name=\"tinyllama\"} 0.0\n\
+# TYPE vllm:num_requests_waiting gauge\n\
+vllm:num_requests_waiting{engine=\"0\",model_name=\"tinyllama\"} 0.0\n\
+# TYPE vllm:kv_cache_usage_perc gauge\n\
+vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"tinyllama\"} 0.0\n\
+# TYPE vllm:cache_config_info gauge\n\
+vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2048\"} 1.0\n";
+
+/// The fast endpoint: reads the whole request, answers a fixed one-token completion.
+async fn fast_endpoint() -> anyhow::Result<SocketAddr> {
+    let answer = json!({
+        "id": "chatcmpl-fast", "object": "chat.completion", "created": 0, "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    });
+    let app =
+        axum::Router::new()
+            .route("/metrics", get(|| async { METRICS }))
+            .route("/health", get(|| async { "" }))
+            // What the peer routers probe to detect a vLLM-compatible backend.
+            .route("/version", get(|| async { axum::Json(json!({"version": "0.32.0"})) }))
+            .route(
+                "/v1/models",
+                get(|| async {
+                    axum::Json(json!({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 131072}]}))
+                }),
+            )
+            .route(
+            "/v1/chat/completions",
+            post(move |_body: axum::body::Bytes| {
+                let a = answer.clone();
+                async move { axum::Json(a) }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    // Nagle off, or every response waits for a delayed ACK (reference/peers.md §7.2).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    Ok(addr)
+}
+
+/// On-CPU nanoseconds of every thread of `pid`.
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A chat body of about `bytes` bytes; `i` makes each request's prompt distinct.
+fn body(i: usize, bytes: usize) -> Vec<u8> {
+    const WORDS: [&str; 8] = ["parse", "route", "score", "cache", "block", "token", "queue", "shard"];
+    let mut text = format!("Request {i}. ");
+    let mut k = i as u64;
+    while text.len() + 200 < bytes {
+        k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        text.push_str(WORDS[(k >> 33) as usize % WORDS.len()]);
+        text.push(' ');
+    }
+    client::chat_body(MODEL, "You are a helpful assistant.", &text, 1)
+}
+
+fn reference(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/vllm").join(path)
+}
+
+/// The precise scheduler configuration: the reference model's tokenizer and chat template, so
+/// chat prompts are rendered and tokenized in the filter as vLLM would.
+fn precise_config() -> anyhow::Result<Value> {
+    let read = |p: &str| std::fs::read_to_string(reference(p)).with_context(|| format!("reading reference/vllm/{p}"));
+    Ok(json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304, "precise": {
+        "enabled": true, "tokenizer_json": read("model/tokenizer.json")?,
+        "chat_template": read("model/chat_template.jinja")?, "bos_token": "<s>", "eos_token": "</s>",
+    }}}))
+}
+
+struct Measured {
+    p50_us: f64,
+    p99_us: f64,
+    cpu_s_per_req: f64,
+}
+
+/// Latencies (µs) and proxy CPU (ns) accumulated over rounds.
+#[derive(Default)]
+struct Samples {
+    lat_us: Vec<f64>,
+    cpu_ns: u64,
+}
+
+impl Samples {
+    fn summary(mut self) -> Measured {
+        self.lat_us.sort_by(f64::total_cmp);
+        let n = self.lat_us.len().max(1) as f64;
+        Measured {
+            p50_us: percentile(&self.lat_us, 50.0),
+            p99_us: percentile(&self.lat_us, 99.0),
+            cpu_s_per_req: self.cpu_ns as f64 / 1e9 / n,
+        }
+    }
+}
+
+/// Send `bodies` one at a time to `sys` on a keep-alive connection, adding latencies and the
+/// proxy process's CPU to `into`.
+async fn send(http: &reqwest::Client, sys: &System, bodies: Vec<Vec<u8>>, into: &mut Samples) -> anyhow::Result<()> {
+    let cpu0 = cpu_ns(sys.pid);
+    for b in bodies {
+        let t = Instant::now();
+        let o = client::post(http, &sys.url, b, &[]).await;
+        into.lat_us.push(t.elapsed().as_secs_f64() * 1e6);
+        anyhow::ensure!(o.status == 200, "{}: request failed: {} {}", sys.name, o.status, o.body);
+    }
+    into.cpu_ns += cpu_ns(sys.pid).saturating_sub(cpu0);
+    Ok(())
+}
+
+/// One system under test: its stack (work dir, Envoy and host if any), the proxy's URL and pid.
+struct System {
+    name: String,
+    _stack: Stack,
+    _peer: Option<attache_e2e::stack::Proc>,
+    url: String,
+    pid: u32,
+}
+
+async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<System> {
+    let mut s = Stack::new(&format!("overhead-{system}"))?;
+    if let Some(peer) = crate::peers::Peer::from_name(system) {
+        let bin = crate::peers::ensure_venv(&s.paths.root, &a.peers)?;
+        let (p, port) = crate::peers::start(&s, &bin, peer, &[fast.to_string()], &[], 16)?;
+        let pid = p.pid();
+        let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+        crate::peers::wait_serving(&url, MODEL).await?;
+        return Ok(System { name: system.into(), _stack: s, _peer: Some(p), url, pid });
+    }
+    s.external = vec![ExternalEngine { address: fast.to_string(), kv_publisher: None, kv_replay: None }];
+    s.write_endpoints(&s.engine_addrs())?;
+    let (kind, config) = match system {
+        "envoy" => (EnvoyKind::RoundRobin, Stack::default_scheduler_config()),
+        "attache-approx" => (EnvoyKind::Attache, Stack::default_scheduler_config()),
+        "attache-precise" => (EnvoyKind::Attache, precise_config()?),
+        other => anyhow::bail!("unknown system {other}"),
+    };
+    if kind != EnvoyKind::RoundRobin {
+        s.start_host()?;
+    }
+    s.start_envoy(kind, &config, 2)?;
+    if kind != EnvoyKind::RoundRobin {
+        s.wait_snapshot(1, Duration::from_secs(20))?;
+    }
+    let pid = s.envoy.as_ref().map(|p| p.pid()).context("envoy not running")?;
+    Ok(System { name: system.into(), url: s.url("/v1/chat/completions"), pid, _stack: s, _peer: None })
+}
+
+pub async fn run(a: Args) -> anyhow::Result<()> {
+    let fast = fast_endpoint().await?;
+    println!("overhead: one client, sequential requests, fast endpoint at {fast}; Envoy --concurrency 2");
+    let mut systems = vec!["envoy".to_string()];
+    systems.extend(a.systems.iter().cloned());
+    // Start every system once; sizes run in turn on the same processes.
+    let mut stacks = Vec::new();
+    for sys in &systems {
+        stacks.push(start(sys, fast, &a).await?);
+    }
+    let mut runs = Vec::new();
+    for &size in &a.body_bytes {
+        let n = (a.requests * 4096 / size.max(1)).max(500).min(a.requests);
+        // One client per system, so each keeps its own warm connection.
+        let clients: Vec<reqwest::Client> = stacks
+            .iter()
+            .map(|_| reqwest::Client::builder().pool_max_idle_per_host(1).tcp_nodelay(true).build())
+            .collect::<Result<_, _>>()?;
+        for (sys, http) in stacks.iter().zip(&clients) {
+            let warm = (0..(n / 10).max(20)).map(|i| body(1_000_000 + i, size)).collect();
+            send(http, sys, warm, &mut Samples::default()).await?;
+        }
+        // Interleaved rounds: drift on this shared machine hits every system alike.
+        let mut samples: Vec<Samples> = stacks.iter().map(|_| Samples::default()).collect();
+        let per = n.div_ceil(ROUNDS);
+        for r in 0..ROUNDS {
+            for ((sys, http), into) in stacks.iter().zip(&clients).zip(samples.iter_mut()) {
+                let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
+                send(http, sys, bodies, into).await?;
+            }
+        }
+        let mut base: Option<Measured> = None;
+        for (sys, smp) in stacks.iter().zip(samples) {
+            let m = smp.summary();
+            let sys = &sys.name;
+            let (added50, added99, added_cpu) = match &base {
+                Some(b) => (m.p50_us - b.p50_us, m.p99_us - b.p99_us, m.cpu_s_per_req - b.cpu_s_per_req),
+                None => (0.0, 0.0, 0.0),
+            };
+            println!(
+                "  {size:>7} B {sys:<24} p50 {:>8.1} us p99 {:>8.1} us (added {:>7.1} / {:>7.1}); proxy CPU {:.6} s/req (added {:.6}); {n} requests",
+                m.p50_us, m.p99_us, added50, added99, m.cpu_s_per_req, added_cpu
+            );
+            runs.push(json!({
+                "system": sys, "body_bytes": size, "requests": n,
+                "p50_us": m.p50_us.round(), "p99_us": m.p99_us.round(),
+                "added_p50_us": added50.round(), "added_p99_us": added99.round(),
+                "cpu_s_per_req": (m.cpu_s_per_req * 1e7).round() / 1e7,
+                "added_cpu_s_per_req": (added_cpu * 1e7).round() / 1e7,
+            }));
+            if base.is_none() {
+                base = Some(m);
+            }
+        }
+    }
+    let doc = json!({
+        "scenario": "overhead",
+        "command": "cargo xtask bench overhead",
+        "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size",
+        "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
+        "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds"},
+        "runs": runs,
+    });
+    write_results(&a.out, doc)
+}
