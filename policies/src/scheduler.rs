@@ -136,8 +136,11 @@ impl Scheduler {
         let s_prefix = scorer::prefix(&matched, input.block_hashes.len());
         let s_queue = scorer::queue(&chosen, &inflight, sat);
         let s_kv = scorer::kv_cache(&chosen, sat);
-        let s_lru = scorer::no_hit_lru(&chosen, cold, &state.no_hit_lru);
         let s_lora = scorer::lora(&chosen, input.model);
+        // A request for an adapter has its affinity already: where the adapter runs. Spreading
+        // it as a cold prefix would weigh as much as a tier step and load the adapter elsewhere.
+        let spread = cold && s_lora.iter().all(|&l| l <= 0.0);
+        let s_lru = scorer::no_hit_lru(&chosen, spread, &state.no_hit_lru);
         let block_tokens = self.config.prefix.block_size_tokens;
         let scored = chosen
             .iter()
@@ -317,6 +320,55 @@ mod tests {
             );
         }
         assert_eq!(seen.len(), 4, "unrelated prefixes should use the whole pool");
+    }
+
+    #[test]
+    fn a_running_adapter_outranks_a_free_slot_that_cold_spreading_favours() {
+        // The CI failure this guards: engine 1 runs `tweet` and has some KV in use, engine 2 has
+        // a free slot and has never received a cold request. With no-hit-lru spreading the
+        // adapter request as a cold prefix, engine 2 won by the LRU point.
+        let s = Scheduler::default();
+        let mut p = pool(3);
+        let lora = |running: &[&str]| {
+            Some(crate::endpoint::LoraState {
+                running: running.iter().map(|a| a.to_string()).collect(),
+                waiting: vec![],
+                max_lora: 1,
+            })
+        };
+        p.endpoints[0].lora = lora(&["sql"]);
+        p.endpoints[1].lora = lora(&["tweet"]);
+        p.endpoints[2].lora = lora(&[]);
+        for e in &mut p.endpoints {
+            e.models.extend(["sql".to_string(), "tweet".to_string()]);
+        }
+        for e in &mut p.endpoints[..2] {
+            e.metrics = Some(EndpointMetrics { kv_usage: 0.2, ..Default::default() });
+        }
+        let mut ix = s.new_state();
+        // Engine 1 received the last cold request, so it ranks last in the no-hit LRU.
+        ix.no_hit_lru.record(&p.endpoints[0].address);
+        ix.no_hit_lru.record(&p.endpoints[1].address);
+        for k in 0..4 {
+            let hashes = block_hashes(&s.config.prefix, "tweet", None, &Prompt::Text(format!("tweet {k}")));
+            let inflight = HashMap::new();
+            let input = SchedulingInput {
+                model: "tweet",
+                block_hashes: &hashes,
+                inflight: &inflight,
+                seed: k,
+                extra_matches: None,
+                precise: None,
+                prompt_tokens: 2,
+                sticky: None,
+            };
+            let d = s.schedule(&input, &p, &mut ix).unwrap();
+            assert_eq!(d.endpoints[0], p.endpoints[1].address, "tweet goes where tweet runs: {:?}", d.scores);
+            s.commit(&d, &hashes, &mut ix);
+        }
+        // A base-model cold request still spreads: it goes to the least recently used engine.
+        let d = run(&s, &p, &mut ix, "hello", 9);
+        assert_eq!(d.endpoints[0], p.endpoints[2].address);
     }
 
     #[test]

@@ -389,7 +389,8 @@ impl Stack {
             p.kill();
         }
         let mut cmd = Command::new(&self.paths.host_bin);
-        cmd.arg("host");
+        // The tests choose the admin token; one in the caller's environment would change them.
+        cmd.arg("host").env_remove("ATTACHE_ADMIN_TOKEN");
         if self.host_policy.is_some() || self.host_flow.is_some() || self.host_kubernetes.is_some() {
             let mut config = serde_json::json!({});
             if let Some(policy) = &self.host_policy {

@@ -222,10 +222,10 @@ fn test(args: &[String]) -> Result<()> {
     ]))?;
     let mut totals = (0, 0, 0);
     let result = (|| {
-        run_tests(cargo().args(["test", "--release", "--workspace", "--exclude", "attache-e2e"]), &mut totals)?;
+        run_tests(cargo().args(["test", "--profile", "ci", "--workspace", "--exclude", "attache-e2e"]), &mut totals)?;
         // End-to-end tests start real Envoy, host and engine processes: one at a time on 2 cores.
         let mut e2e = cargo();
-        e2e.args(["test", "--release", "-p", "attache-e2e", "--", "--test-threads=1"]);
+        e2e.args(["test", "--profile", "ci", "-p", "attache-e2e", "--", "--test-threads=1"]);
         if args.iter().any(|a| a == "--include-ignored") {
             e2e.arg("--include-ignored");
         }
