@@ -73,7 +73,40 @@ pub struct KvSubscribers {
     running: HashMap<String, Arc<AtomicBool>>,
 }
 
+/// Forgets what a dead engine held. Its KV cache died with its process; its event sequence
+/// restarts with the next process. Called by the scraper when an engine refuses connections,
+/// which catches restarts whose first events were missed (a SUB socket that reconnects drops
+/// what was published before it did).
+#[derive(Clone)]
+pub struct EngineGone {
+    index: Arc<Mutex<KvIndex>>,
+    seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
+    counters: Arc<KvCounters>,
+    changed: Arc<tokio::sync::Notify>,
+}
+
+impl EngineGone {
+    pub fn clear(&self, endpoint_id: u16) {
+        let had_seq = self.seqs.lock().unwrap_or_else(|p| p.into_inner()).remove(&endpoint_id).is_some();
+        self.index.lock().unwrap_or_else(|p| p.into_inner()).clear_endpoint(endpoint_id);
+        if had_seq {
+            self.counters.restarts.fetch_add(1, Ordering::Relaxed);
+        }
+        self.changed.notify_one();
+    }
+}
+
 impl KvSubscribers {
+    /// The handle the scrapers use to report a dead engine.
+    pub fn engine_gone(&self) -> EngineGone {
+        EngineGone {
+            index: self.index.clone(),
+            seqs: self.seqs.clone(),
+            counters: self.counters.clone(),
+            changed: self.changed.clone(),
+        }
+    }
+
     pub fn new(index: Arc<Mutex<KvIndex>>, changed: Arc<tokio::sync::Notify>) -> Self {
         Self {
             index,
@@ -205,8 +238,9 @@ impl Worker {
         let seq = msg.seq;
         let last = self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last;
         match last {
-            Some(l) if seq == l => return, // duplicate
-            Some(l) if seq < l => {
+            // A SUB socket never sees a message twice, so a sequence that does not advance means
+            // a new publisher: the engine restarted (even one that had sent a single batch, 0).
+            Some(l) if seq <= l => {
                 info!(engine = %src.address, seq, last = l, "kv events: sequence went back; engine restarted");
                 self.counters.restarts.fetch_add(1, Ordering::Relaxed);
                 self.index.lock().unwrap_or_else(|p| p.into_inner()).clear_endpoint(src.endpoint_id);

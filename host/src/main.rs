@@ -354,7 +354,8 @@ async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
     let kv_counters = kv.counters.clone();
 
     // Discovery: apply the file now and re-read it when it changes.
-    let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout());
+    let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())
+        .with_engine_gone(kv.engine_gone());
     info!(endpoints = initial.endpoints.len(), "discovery: static file loaded");
     apply_discovery(initial, &mut scrapers, &mut kv, &state, collector).await;
     if let Some(mut d) = kube {

@@ -7,19 +7,14 @@ use tokio::sync::RwLock;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn, Instrument};
 
+use crate::kv_subscribe::EngineGone;
 use crate::prom;
 use crate::state::PoolState;
 
 /// Scrape `address` forever, writing results into `state`.
-pub fn spawn(
-    client: reqwest::Client,
-    state: Arc<RwLock<PoolState>>,
-    address: String,
-    metrics_path: String,
-    engine: String,
-    interval: Duration,
-    timeout: Duration,
-) -> JoinHandle<()> {
+fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: String) -> JoinHandle<()> {
+    let (client, state, interval, timeout, gone) =
+        (scrapers.client.clone(), scrapers.state.clone(), scrapers.interval, scrapers.timeout, scrapers.gone.clone());
     let span = tracing::info_span!("scrape", endpoint = %address);
     tokio::spawn(
         async move {
@@ -29,14 +24,28 @@ pub fn spawn(
             let mut was_ok = true;
             loop {
                 tick.tick().await;
-                let res = scrape_once(&client, &url, &engine, timeout).await;
+                let (res, refused) = match scrape_once(&client, &url, &engine, timeout).await {
+                    Ok(m) => (Ok(m), false),
+                    Err((e, refused)) => (Err(e), refused),
+                };
                 match (&res, was_ok) {
                     (Err(e), true) => warn!(error = %e, "scrape failed"),
                     (Ok(_), false) => debug!("scrape recovered"),
                     _ => {}
                 }
                 was_ok = res.is_ok();
-                state.write().await.record_scrape(&address, res, Instant::now());
+                let mut st = state.write().await;
+                st.record_scrape(&address, res, Instant::now());
+                if refused {
+                    // Nothing listens: the engine is gone, not slow. Unready at once, so new
+                    // requests avoid it from the next snapshot (one scrape interval), and what
+                    // its KV cache held is forgotten.
+                    if st.mark_down(&address) {
+                        if let Some(g) = &gone {
+                            g.clear(st.id_of(&address));
+                        }
+                    }
+                }
             }
         }
         .instrument(span),
@@ -48,13 +57,13 @@ async fn scrape_once(
     url: &str,
     engine: &str,
     timeout: Duration,
-) -> Result<prom::EngineMetrics, String> {
-    let resp = client.get(url).timeout(timeout).send().await.map_err(|e| e.to_string())?;
+) -> Result<prom::EngineMetrics, (String, bool)> {
+    let resp = client.get(url).timeout(timeout).send().await.map_err(|e| (e.to_string(), e.is_connect()))?;
     if !resp.status().is_success() {
-        return Err(format!("HTTP {}", resp.status()));
+        return Err((format!("HTTP {}", resp.status()), false));
     }
-    let text = resp.text().await.map_err(|e| e.to_string())?;
-    prom::engine_metrics(&text, engine).map_err(|e| e.to_string())
+    let text = resp.text().await.map_err(|e| (e.to_string(), false))?;
+    prom::engine_metrics(&text, engine).map_err(|e| (e.to_string(), false))
 }
 
 /// The set of running scrapers, kept in step with discovery.
@@ -63,12 +72,19 @@ pub struct Scrapers {
     state: Arc<RwLock<PoolState>>,
     interval: Duration,
     timeout: Duration,
+    gone: Option<EngineGone>,
     handles: std::collections::HashMap<String, JoinHandle<()>>,
 }
 
 impl Scrapers {
     pub fn new(client: reqwest::Client, state: Arc<RwLock<PoolState>>, interval: Duration, timeout: Duration) -> Self {
-        Self { client, state, interval, timeout, handles: Default::default() }
+        Self { client, state, interval, timeout, gone: None, handles: Default::default() }
+    }
+
+    /// Report engines that refuse connections to the KV-event side, which drops their blocks.
+    pub fn with_engine_gone(mut self, gone: EngineGone) -> Self {
+        self.gone = Some(gone);
+        self
     }
 
     /// Start scrapers for new endpoints, stop those of endpoints that left, then update the
@@ -84,15 +100,7 @@ impl Scrapers {
         });
         for e in &endpoints {
             if !self.handles.contains_key(&e.address) {
-                let h = spawn(
-                    self.client.clone(),
-                    self.state.clone(),
-                    e.address.clone(),
-                    e.metrics_path.clone(),
-                    e.engine.clone(),
-                    self.interval,
-                    self.timeout,
-                );
+                let h = spawn(self, e.address.clone(), e.metrics_path.clone(), e.engine.clone());
                 self.handles.insert(e.address.clone(), h);
             }
         }

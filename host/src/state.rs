@@ -40,6 +40,9 @@ pub struct EndpointState {
     pub last_error: Option<String>,
     /// Recent mean TTFT (ms): an EWMA over the TTFT histogram's growth between scrapes.
     pub ttft_ms: Option<f64>,
+    /// The last scrape found nothing listening (connection refused): unready until a scrape
+    /// succeeds, without waiting for `unready_after`.
+    pub down: bool,
 }
 
 /// The whole pool, keyed by address.
@@ -87,6 +90,7 @@ impl PoolState {
                     consecutive_failures: 0,
                     last_error: None,
                     ttft_ms: None,
+                    down: false,
                 },
             };
             next.insert(spec.address, st);
@@ -118,6 +122,8 @@ impl PoolState {
                 e.last_ok = Some(now);
                 e.consecutive_failures = 0;
                 e.last_error = None;
+                let changed = changed || e.down;
+                e.down = false;
                 changed
             }
             Err(err) => {
@@ -131,6 +137,19 @@ impl PoolState {
         }
     }
 
+    /// The endpoint refused a connection: it is down until a scrape succeeds again. Returns
+    /// true when it was up until now.
+    pub fn mark_down(&mut self, address: &str) -> bool {
+        match self.endpoints.get_mut(address) {
+            Some(e) if !e.down => {
+                e.down = true;
+                self.generation += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Build the wire snapshot. An endpoint whose last good scrape is older than
     /// `unready_after` (or that never answered) is marked not ready.
     pub fn snapshot(&self, version: u64, epoch: u64, now: Instant, unready_after: Duration) -> v1::Snapshot {
@@ -139,7 +158,7 @@ impl PoolState {
             .values()
             .map(|e| {
                 let age = e.last_ok.map(|t| now.saturating_duration_since(t));
-                let fresh = age.is_some_and(|a| a <= unready_after);
+                let fresh = age.is_some_and(|a| a <= unready_after) && !e.down;
                 let m = e.metrics.clone().unwrap_or_default();
                 v1::Endpoint {
                     id: u32::from(self.ids.get(&e.spec.address).copied().unwrap_or(u16::MAX)),
@@ -219,6 +238,24 @@ mod tests {
         assert!(p.generation > g);
         assert_eq!(p.endpoints.len(), 1);
         assert!(p.endpoints["1.1.1.1:1"].metrics.is_some(), "metrics survive rediscovery");
+    }
+
+    #[test]
+    fn a_refused_engine_is_unready_at_once_and_back_on_its_next_good_scrape() {
+        let mut p = PoolState::default();
+        p.set_endpoints(vec![spec("1.1.1.1:1")]);
+        let t0 = Instant::now();
+        p.record_scrape("1.1.1.1:1", Ok(EngineMetrics::default()), t0);
+        let t1 = t0 + Duration::from_millis(50);
+        p.record_scrape("1.1.1.1:1", Err("connection refused".into()), t1);
+        assert!(p.snapshot(1, 1, t1, Duration::from_secs(2)).endpoints[0].ready, "a failure alone waits");
+        let g = p.generation;
+        assert!(p.mark_down("1.1.1.1:1"));
+        assert!(!p.mark_down("1.1.1.1:1"), "already down");
+        assert!(p.generation > g, "the publisher must send the change");
+        assert!(!p.snapshot(2, 1, t1, Duration::from_secs(2)).endpoints[0].ready);
+        p.record_scrape("1.1.1.1:1", Ok(EngineMetrics::default()), t1 + Duration::from_millis(50));
+        assert!(p.snapshot(3, 1, t1, Duration::from_secs(2)).endpoints[0].ready);
     }
 
     #[test]

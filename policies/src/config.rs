@@ -152,6 +152,10 @@ pub struct SchedulerConfig {
     pub max_body_bytes: usize,
     /// Prefill/decode disaggregation.
     pub pd: crate::pd::PdConfig,
+    /// When nothing (snapshot, index delta or heartbeat) has come from the host for this long,
+    /// its metrics and KV index are not trusted: scoring uses the filter's own in-flight load
+    /// alone until the host is heard again. Three missed heartbeats by default; 0 disables.
+    pub host_stale_ms: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -164,6 +168,7 @@ impl Default for SchedulerConfig {
             max_endpoints: 3,
             max_body_bytes: 4 * 1024 * 1024,
             pd: crate::pd::PdConfig::default(),
+            host_stale_ms: 3_000,
         }
     }
 }

@@ -28,6 +28,9 @@ pub struct SchedulingInput<'a> {
     /// The endpoint this request's session or conversation is bound to
     /// ([`crate::session`]): it becomes the primary while it is a candidate.
     pub sticky: Option<&'a str>,
+    /// The host has gone silent (see `host_stale_ms`): its metrics and KV index may be out of
+    /// date, so scoring falls back to this scheduler's own in-flight load alone.
+    pub load_only: bool,
 }
 
 /// One scored candidate, for the decision log and metrics.
@@ -133,8 +136,23 @@ impl Scheduler {
         let cold = matched.iter().all(|&m| m == 0) && precise.iter().all(|&(p, _)| p <= 0.0);
         let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
         let sat = &self.config.saturation;
+        let load_only_weights;
+        let w = if input.load_only {
+            load_only_weights = ScorerWeights {
+                queue: w.queue.max(1.0),
+                prefix: 0.0,
+                kv_cache: 0.0,
+                no_hit_lru: 0.0,
+                precise_prefix: 0.0,
+                lora: 0.0,
+            };
+            &load_only_weights
+        } else {
+            w
+        };
         let s_prefix = scorer::prefix(&matched, input.block_hashes.len());
-        let s_queue = scorer::queue(&chosen, &inflight, sat);
+        let s_queue =
+            if input.load_only { scorer::inflight(&inflight) } else { scorer::queue(&chosen, &inflight, sat) };
         let s_kv = scorer::kv_cache(&chosen, sat);
         let s_lora = scorer::lora(&chosen, input.model);
         // A request for an adapter has its affinity already: where the adapter runs. Spreading
@@ -292,6 +310,7 @@ mod tests {
                     precise: None,
                     prompt_tokens: prompt.len() / 4,
                     sticky: None,
+                    load_only: false,
                 },
                 pool,
                 ix,
@@ -361,6 +380,7 @@ mod tests {
                 precise: None,
                 prompt_tokens: 2,
                 sticky: None,
+                load_only: false,
             };
             let d = s.schedule(&input, &p, &mut ix).unwrap();
             assert_eq!(d.endpoints[0], p.endpoints[1].address, "tweet goes where tweet runs: {:?}", d.scores);
@@ -369,6 +389,42 @@ mod tests {
         // A base-model cold request still spreads: it goes to the least recently used engine.
         let d = run(&s, &p, &mut ix, "hello", 9);
         assert_eq!(d.endpoints[0], p.endpoints[2].address);
+    }
+
+    #[test]
+    fn a_silent_host_leaves_only_the_schedulers_own_load() {
+        let s = Scheduler::default();
+        let mut p = pool(3);
+        let mut ix = s.new_state();
+        let prompt = "the same long system prompt ".repeat(40);
+        let home = run(&s, &p, &mut ix, &prompt, 1).endpoints[0].clone();
+        // The host's (possibly stale) metrics call the home endpoint idle and the others busy.
+        for e in &mut p.endpoints {
+            let waiting = if e.address == home { 0.0 } else { 4.0 };
+            e.metrics = Some(EndpointMetrics { waiting, ..Default::default() });
+        }
+        let hashes = block_hashes(&s.config.prefix, "m", None, &Prompt::Text(prompt.clone()));
+        // This scheduler itself has two requests in flight to home, none elsewhere.
+        let inflight: HashMap<String, u32> = [(home.clone(), 2)].into();
+        let input = |load_only| SchedulingInput {
+            model: "m",
+            block_hashes: &hashes,
+            inflight: &inflight,
+            seed: 3,
+            extra_matches: None,
+            precise: None,
+            prompt_tokens: 300,
+            sticky: None,
+            load_only,
+        };
+        let fresh = s.schedule(&input(false), &p, &mut ix).unwrap();
+        assert_eq!(fresh.endpoints[0], home, "prefix and host metrics favour home");
+        let stale = s.schedule(&input(true), &p, &mut ix).unwrap();
+        assert_ne!(stale.endpoints[0], home, "load-only: home has this scheduler's in-flight requests");
+        for sc in &stale.scores {
+            let expected = if sc.address == home { 0.0 } else { 1.0 };
+            assert_eq!((sc.queue, sc.total), (expected, 2.0 * expected), "{sc:?}");
+        }
     }
 
     #[test]
@@ -420,6 +476,7 @@ mod tests {
                 precise: None,
                 prompt_tokens: 0,
                 sticky: None,
+                load_only: false,
             };
             let d = s.schedule(&input, &p, &mut fresh).unwrap();
             assert_eq!(d.endpoints[0], target);
@@ -446,6 +503,7 @@ mod tests {
             precise: Some(&precise),
             prompt_tokens: 0,
             sticky: None,
+            load_only: false,
         };
         let d = s.schedule(&input, &p, &mut st).unwrap();
         assert_eq!(d.endpoints[0], p.endpoints[2].address);
@@ -467,6 +525,7 @@ mod tests {
             precise: None,
             prompt_tokens: 0,
             sticky: None,
+            load_only: false,
         };
         assert_eq!(s.schedule(&input, &PoolState::default(), &mut ix), Err(ScheduleError::NoEndpoints));
         let bad = SchedulingInput { model: "zzz", ..input };
@@ -527,6 +586,7 @@ mod tests {
             precise: None,
             prompt_tokens: 10,
             sticky,
+            load_only: false,
         };
         let t: &'static str = Box::leak(target.clone().into_boxed_str());
         for _ in 0..5 {

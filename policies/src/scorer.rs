@@ -37,6 +37,14 @@ pub fn queue(endpoints: &[&Endpoint], inflight: &[u32], cfg: &SaturationConfig) 
         .collect()
 }
 
+/// Load from this scheduler's own in-flight counts alone, min-max normalised as [`queue`]:
+/// what is left to go on when the host's metrics cannot be trusted.
+pub fn inflight(inflight: &[u32]) -> Vec<f64> {
+    let min = inflight.iter().copied().min().unwrap_or(0);
+    let max = inflight.iter().copied().max().unwrap_or(0);
+    inflight.iter().map(|&f| if max == min { 1.0 } else { f64::from(max - f) / f64::from(max - min) }).collect()
+}
+
 /// `kv-cache-utilization-scorer`: `1 - kv_usage`.
 pub fn kv_cache(endpoints: &[&Endpoint], cfg: &SaturationConfig) -> Vec<f64> {
     endpoints

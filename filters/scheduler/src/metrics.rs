@@ -21,6 +21,8 @@ pub struct Metrics {
     snapshot_version: Option<u32>,
     snapshot_epoch: Option<u32>,
     snapshot_updates: Option<u32>,
+    host_silent_ms: Option<u32>,
+    load_only: Option<u32>,
     index_entries: Option<u32>,
     tokenizer_mismatch: Option<u32>,
     prompt_untokenized: Option<u32>,
@@ -98,6 +100,8 @@ impl Metrics {
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
             snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
+            host_silent_ms: define(MetricType::Gauge, "attache.host.silent_ms"),
+            load_only: define(MetricType::Counter, "attache.host.load_only_decisions"),
             propagation_us: define(MetricType::Histogram, "attache.precise.propagation_us"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
@@ -205,6 +209,16 @@ impl Metrics {
 
     /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and
     /// `attache.endpoint.<ip_port>.prefills`).
+    /// How long the host has been silent, seen at a decision; counts load-only decisions.
+    pub fn host_silence(&mut self, silent_ms: u64, load_only: bool) {
+        if let Some(id) = self.host_silent_ms {
+            let _ = hostcalls::record_metric(id, silent_ms);
+        }
+        if load_only {
+            inc(self.load_only, 1);
+        }
+    }
+
     pub fn disaggregated(&mut self, prefill: &str) {
         inc(self.disaggregated, 1);
         let key = format!("prefill:{prefill}");

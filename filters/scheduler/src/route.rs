@@ -16,7 +16,7 @@ use crate::host;
 use crate::http::{RequestState, DESTINATION_HEADER};
 use crate::kv_table;
 use crate::root::Worker;
-use crate::snapshot::SharedAffinity;
+use crate::snapshot::{self, SharedAffinity};
 use crate::sticky::SharedSticky;
 
 /// The candidates as custom scorer filters see them (policies::scoring).
@@ -90,6 +90,13 @@ pub fn route(
             |k| reader.holders(k),
         )
     });
+    let stale_after = w.config.scheduler.host_stale_ms;
+    let silent_ms = snapshot::host_silent_ms(host::now_ms()).unwrap_or(0);
+    let load_only = stale_after > 0 && silent_ms > stale_after;
+    w.metrics.host_silence(silent_ms, load_only);
+    if load_only {
+        host::log(LogLevel::Debug, &format!("attache[{id}]: host silent for {silent_ms} ms; load-only scoring"));
+    }
     let input = SchedulingInput {
         model: &req.model,
         block_hashes: &hashes,
@@ -99,6 +106,7 @@ pub fn route(
         precise: precise_scores.as_ref(),
         prompt_tokens: ids_len.unwrap_or_else(|| req.prompt.approx_tokens()),
         sticky: st.sticky.as_deref(),
+        load_only,
     };
     let decision = w.scheduler.schedule(&input, &w.cache.pool, &mut w.state).map_err(|e| ErrorResponse::from(&e))?;
     if !host::set_request_header(DESTINATION_HEADER, &decision.header_value()) {

@@ -18,6 +18,9 @@ use crate::host;
 
 pub const SNAPSHOT_KEY: &str = "attache.snapshot";
 pub const VERSION_KEY: &str = "attache.snapshot.version";
+/// When the snapshot stream last carried anything (heartbeats included): ms since the epoch,
+/// 8 bytes little-endian. Workers compare it with their clock to notice a silent host.
+pub const HEARD_KEY: &str = "attache.host.heard_ms";
 const SERVICE: &str = "attache.v1.SnapshotService";
 const METHOD: &str = "Subscribe";
 
@@ -94,6 +97,25 @@ impl attache_policies::index::AffinityStore for SharedAffinity {
     }
 }
 
+/// Decode the host's snapshot bytes into the pool the scheduler reads (fuzzed:
+/// `tests/fuzz/fuzz_targets/snapshot_decode.rs`).
+pub fn decode_pool(bytes: &[u8]) -> Result<PoolState, prost::DecodeError> {
+    v1::Snapshot::decode(bytes).map(|s| to_pool(&s))
+}
+
+/// Record that the host was heard from at `now_ms`.
+pub fn heard(now_ms: u64) {
+    let _ = host::set_shared_data(HEARD_KEY, &now_ms.to_le_bytes());
+}
+
+/// Milliseconds since the host was last heard from, or `None` if it never was (then there is
+/// no snapshot either, and nothing to distrust).
+pub fn host_silent_ms(now_ms: u64) -> Option<u64> {
+    let bytes = host::shared_data(HEARD_KEY)?;
+    let heard = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    Some(now_ms.saturating_sub(heard))
+}
+
 /// A worker's cached view of the newest snapshot.
 #[derive(Default)]
 pub struct SnapshotCache {
@@ -116,9 +138,9 @@ impl SnapshotCache {
         let Some(bytes) = host::shared_data(SNAPSHOT_KEY) else {
             return false;
         };
-        match v1::Snapshot::decode(bytes.as_slice()) {
-            Ok(s) => {
-                self.pool = to_pool(&s);
+        match decode_pool(&bytes) {
+            Ok(pool) => {
+                self.pool = pool;
                 self.key = Some(key);
                 self.updated_ms = now_ms;
                 true
@@ -184,6 +206,7 @@ impl Subscriber {
             return None;
         }
         self.last_message_ms = now_ms;
+        heard(now_ms);
         let bytes = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten()?;
         match v1::Update::decode(bytes.as_slice()) {
             Ok(u) => {
