@@ -7,6 +7,8 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+mod fuzz;
+
 const ENVOY_VERSION: &str = "1.40.0";
 /// Independent wire checks used by the tests.
 const PYTHON_TOOLS: &[&str] = &[
@@ -230,6 +232,9 @@ fn test(args: &[String]) -> Result<()> {
             e2e.arg("--include-ignored");
         }
         run_tests(&mut e2e, &mut totals)?;
+        // Every fuzz target: replay the checked-in corpus and regressions, then fuzz briefly.
+        // (`cargo xtask fuzz` with no --seconds runs ten minutes each.)
+        fuzz::fuzz(&root(), &["--seconds".into(), "15".into()])?;
         if args.iter().any(|a| a == "--live-vllm") {
             ensure_vllm()?;
             let mut live = cargo();
@@ -292,12 +297,13 @@ fn main() -> Result<()> {
             build()?;
             run(Command::new(bench_bin()).current_dir(root()).arg("demo").args(&args[1..]))
         }
+        Some("fuzz") => fuzz::fuzz(&root(), &args[1..]),
         Some("bench") => {
             build()?;
             run(Command::new(bench_bin()).current_dir(root()).args(&args[1..]))
         }
         _ => {
-            eprintln!("usage: cargo xtask <demo|test|build|bench ...>");
+            eprintln!("usage: cargo xtask <demo|test|build|bench ...|fuzz [--seconds N] [TARGET...]>");
             std::process::exit(64);
         }
     }
