@@ -182,8 +182,8 @@ async fn an_engine_restart_with_a_reset_sequence_drops_its_stale_blocks() {
     // Not shown: the same engine's events after its restart. In this run the host's SUB socket,
     // connected before the kill, received nothing from the restarted publisher on the same port
     // (a fresh socket does); docs/reliability.md lists it as a known gap.
-    // And the filters no longer send that prefix to the restarted engine on its account: the
-    // engine's own answer shows nothing cached, whichever engine it reached.
+    // The restarted pool serves the old prefix through Envoy, cold (the engines' own answer).
+    // This does not show the filters' view; the index check above does.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut t = tokens.clone();
     t.extend(1..=8);

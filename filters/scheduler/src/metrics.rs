@@ -207,8 +207,6 @@ impl Metrics {
         inc(self.prefix_blocks_total, total as i64);
     }
 
-    /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and
-    /// `attache.endpoint.<ip_port>.prefills`).
     /// How long the host has been silent, seen at a decision; counts load-only decisions.
     pub fn host_silence(&mut self, silent_ms: u64, load_only: bool) {
         if let Some(id) = self.host_silent_ms {
@@ -219,6 +217,8 @@ impl Metrics {
         }
     }
 
+    /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and
+    /// `attache.endpoint.<ip_port>.prefills`).
     pub fn disaggregated(&mut self, prefill: &str) {
         inc(self.disaggregated, 1);
         let key = format!("prefill:{prefill}");
