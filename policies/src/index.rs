@@ -1,90 +1,197 @@
 //! The approximate prefix index: which endpoints were sent which prefix blocks.
 //!
 //! It is learned from the scheduler's own decisions (llm-d's approximate mode), so it reflects
-//! routing, not engine state. Memory is bounded: an LRU over block hashes, each holding the
-//! small set of endpoints it was routed to.
-
-use std::num::NonZeroUsize;
+//! routing, not engine state. Memory is fixed when the index is made: a set-associative table
+//! of `capacity` slots (32 bytes each), eight ways per bucket, least recently used way evicted.
+//! Recording and matching a block touch one bucket and allocate nothing, and memory stays flat
+//! however long the index has been filling.
+//!
+//! Long prompts are sampled: every block of the first [`DENSE_BLOCKS`] is recorded, then one
+//! in [`STRIDE`], then the last. Chained hashes make this sound: a block's hash names its whole
+//! prefix, so holding block `p` means holding every block before it. Past the dense head a
+//! match length is exact to `STRIDE` blocks and never overstated, and a 100k-token prompt
+//! touches about 250 buckets instead of 1,600.
 
 use hashbrown::HashMap;
-use lru::LruCache;
+
+/// Ways per bucket.
+const WAYS: usize = 8;
+/// Leading blocks that are all recorded (4,096 tokens at 64-token blocks).
+pub const DENSE_BLOCKS: usize = 64;
+/// Past the dense head, one block in this many is recorded.
+pub const STRIDE: usize = 8;
+
+/// The positions of an `n`-block prompt that the index records and probes, in order.
+fn sampled(n: usize) -> impl Iterator<Item = usize> {
+    let dense = 0..n.min(DENSE_BLOCKS);
+    let strided = (DENSE_BLOCKS + STRIDE - 1..n.saturating_sub(1)).step_by(STRIDE);
+    let last = (n > DENSE_BLOCKS).then(|| n - 1);
+    dense.chain(strided).chain(last)
+}
+
+/// Endpoints remembered per block.
+const MAX_ENDPOINTS_PER_BLOCK: usize = 8;
+/// More endpoints than this in the interner and it is reset (with the index): a bound, not a
+/// limit any real pool reaches.
+const MAX_INTERNED: usize = u16::MAX as usize;
+
+/// One block: its hash, when it was last used, and the endpoints it was routed to.
+#[derive(Clone, Copy, Default)]
+struct Slot {
+    hash: u64,
+    stamp: u32,
+    /// Endpoints in `ids`; 0 marks an empty slot.
+    n: u16,
+    ids: [u16; MAX_ENDPOINTS_PER_BLOCK],
+}
+
+impl Slot {
+    fn holds(&self, id: u16) -> bool {
+        self.ids[..usize::from(self.n)].contains(&id)
+    }
+
+    fn add(&mut self, id: u16) {
+        if self.holds(id) {
+            return;
+        }
+        let n = usize::from(self.n);
+        if n == MAX_ENDPOINTS_PER_BLOCK {
+            // Forget the endpoint that has held the block longest.
+            self.ids.copy_within(1.., 0);
+            self.ids[n - 1] = id;
+        } else {
+            self.ids[n] = id;
+            self.n += 1;
+        }
+    }
+}
 
 /// Index from block hash to the endpoints (by address) that were sent that block.
 pub struct ApproxPrefixIndex {
-    blocks: LruCache<u64, Vec<u32>>,
-    ids: HashMap<String, u32>,
+    slots: Vec<Slot>,
+    buckets: usize,
+    len: usize,
+    /// Advances once per recorded request; slots keep the clock of their last use.
+    clock: u32,
+    ids: HashMap<String, u16>,
     names: Vec<String>,
 }
 
-/// More endpoints than this in the interner and it is reset (with the index): a bound, not a
-/// limit any real pool reaches.
-const MAX_INTERNED: usize = 1 << 16;
-/// Endpoints remembered per block.
-const MAX_ENDPOINTS_PER_BLOCK: usize = 8;
+#[inline]
+fn bucket_of(hash: u64, buckets: usize) -> usize {
+    // Lemire's multiply-shift reduction over a mixed hash.
+    let h = hash.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((u128::from(h) * buckets as u128) >> 64) as usize
+}
 
 impl ApproxPrefixIndex {
+    /// An index of at most `capacity` blocks (rounded down to a multiple of 8, at least 8).
     pub fn new(capacity: usize) -> Self {
-        let cap = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
-        Self { blocks: LruCache::new(cap), ids: HashMap::new(), names: Vec::new() }
+        let buckets = (capacity / WAYS).max(1);
+        Self {
+            slots: vec![Slot::default(); buckets * WAYS],
+            buckets,
+            len: 0,
+            clock: 0,
+            ids: HashMap::new(),
+            names: Vec::new(),
+        }
     }
 
+    /// Blocks held.
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.len == 0
     }
 
-    fn intern(&mut self, address: &str) -> u32 {
+    /// Blocks the index can hold.
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn clear(&mut self) {
+        self.slots.fill(Slot::default());
+        self.len = 0;
+        self.clock = 0;
+        self.ids.clear();
+        self.names.clear();
+    }
+
+    fn intern(&mut self, address: &str) -> u16 {
         if let Some(id) = self.ids.get(address) {
             return *id;
         }
         if self.names.len() >= MAX_INTERNED {
-            self.blocks.clear();
-            self.ids.clear();
-            self.names.clear();
+            self.clear();
         }
-        let id = self.names.len() as u32;
+        let id = self.names.len() as u16;
         self.names.push(address.to_owned());
         self.ids.insert(address.to_owned(), id);
         id
     }
 
+    fn bucket(&self, hash: u64) -> std::ops::Range<usize> {
+        let b = bucket_of(hash, self.buckets) * WAYS;
+        b..b + WAYS
+    }
+
+    fn find(&self, hash: u64) -> Option<usize> {
+        self.bucket(hash).find(|&i| self.slots[i].n > 0 && self.slots[i].hash == hash)
+    }
+
     /// Record that the blocks `hashes` were routed to `address`.
     pub fn record(&mut self, hashes: &[u64], address: &str) {
         let id = self.intern(address);
-        for h in hashes {
-            match self.blocks.get_mut(h) {
-                Some(set) => {
-                    if !set.contains(&id) {
-                        if set.len() >= MAX_ENDPOINTS_PER_BLOCK {
-                            set.remove(0);
-                        }
-                        set.push(id);
-                    }
-                }
+        if self.clock == u32::MAX {
+            // Four billion requests: start the recency order afresh rather than wrap it.
+            self.clear();
+            return self.record(hashes, address);
+        }
+        self.clock += 1;
+        for h in sampled(hashes.len()).map(|p| hashes[p]) {
+            let i = match self.find(h) {
+                Some(i) => i,
                 None => {
-                    self.blocks.put(*h, vec![id]);
+                    let range = self.bucket(h);
+                    let i = range
+                        .clone()
+                        .find(|&i| self.slots[i].n == 0)
+                        .unwrap_or_else(|| range.min_by_key(|&i| self.slots[i].stamp).unwrap_or(0));
+                    if self.slots[i].n == 0 {
+                        self.len += 1;
+                    }
+                    self.slots[i] = Slot { hash: h, ..Slot::default() };
+                    i
                 }
-            }
+            };
+            let slot = &mut self.slots[i];
+            slot.add(id);
+            slot.stamp = self.clock;
         }
     }
 
     /// For each endpoint address, the number of leading blocks of `hashes` it holds
-    /// consecutively from the start. Stops as soon as no endpoint continues the run.
+    /// consecutively from the start. Stops as soon as no endpoint continues the run. Matched
+    /// blocks count as used (they are the last to be evicted from their bucket).
     pub fn match_lengths(&mut self, hashes: &[u64]) -> HashMap<String, usize> {
-        let mut run: HashMap<u32, usize> = HashMap::new();
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(set) = self.blocks.get(h) else { break };
+        // (endpoint, blocks confirmed so far); a run continues only through every probe.
+        let mut run: Vec<(u16, usize)> = Vec::new();
+        let mut confirmed = 0;
+        for p in sampled(hashes.len()) {
+            let Some(s) = self.find(hashes[p]) else { break };
+            let slot = &mut self.slots[s];
+            slot.stamp = self.clock;
             let mut any = false;
-            for id in set {
-                if i == 0 {
-                    run.insert(*id, 1);
+            for &id in &slot.ids[..usize::from(slot.n)] {
+                if p == 0 {
+                    run.push((id, 1));
                     any = true;
-                } else if let Some(n) = run.get_mut(id) {
-                    if *n == i {
-                        *n += 1;
+                } else if let Some((_, n)) = run.iter_mut().find(|(x, _)| *x == id) {
+                    if *n == confirmed {
+                        *n = p + 1;
                         any = true;
                     }
                 }
@@ -92,15 +199,22 @@ impl ApproxPrefixIndex {
             if !any {
                 break;
             }
+            confirmed = p + 1;
         }
-        run.into_iter().filter_map(|(id, n)| self.names.get(id as usize).map(|a| (a.clone(), n))).collect()
+        run.into_iter().filter_map(|(id, n)| self.names.get(usize::from(id)).map(|a| (a.clone(), n))).collect()
     }
 
     /// Forget an endpoint (it left the pool).
     pub fn forget(&mut self, address: &str) {
-        if let Some(id) = self.ids.get(address).copied() {
-            for (_, set) in self.blocks.iter_mut() {
-                set.retain(|x| *x != id);
+        let Some(id) = self.ids.get(address).copied() else { return };
+        for slot in &mut self.slots {
+            let n = usize::from(slot.n);
+            if let Some(p) = slot.ids[..n].iter().position(|&x| x == id) {
+                slot.ids.copy_within(p + 1..n, p);
+                slot.n -= 1;
+                if slot.n == 0 {
+                    self.len -= 1;
+                }
             }
         }
     }
@@ -124,16 +238,76 @@ mod tests {
     }
 
     #[test]
-    fn bounded_by_lru() {
+    fn bounded_and_evicts_the_least_recently_used() {
         let mut ix = ApproxPrefixIndex::new(10);
-        for i in 0..100u64 {
+        assert_eq!(ix.capacity(), 8, "one bucket of eight ways");
+        for i in 0..8u64 {
             ix.record(&[i], "a:1");
         }
-        assert_eq!(ix.len(), 10);
-        assert!(ix.match_lengths(&[0]).is_empty());
-        assert_eq!(ix.match_lengths(&[99]).get("a:1"), Some(&1));
+        assert_eq!(ix.len(), 8);
+        // Using block 0 makes block 1 the least recently used.
+        assert_eq!(ix.match_lengths(&[0]).get("a:1"), Some(&1));
+        ix.record(&[100], "a:1");
+        assert_eq!(ix.len(), 8);
+        assert_eq!(ix.match_lengths(&[0]).get("a:1"), Some(&1));
+        assert!(ix.match_lengths(&[1]).is_empty());
+        for i in 200..300u64 {
+            ix.record(&[i], "a:1");
+        }
+        assert_eq!(ix.len(), 8);
+        assert_eq!(ix.match_lengths(&[299]).get("a:1"), Some(&1));
         ix.forget("a:1");
-        assert!(ix.match_lengths(&[99]).is_empty());
+        assert!(ix.match_lengths(&[299]).is_empty());
+        assert_eq!(ix.len(), 0);
+    }
+
+    #[test]
+    fn a_block_remembers_its_latest_endpoints() {
+        let mut ix = ApproxPrefixIndex::new(64);
+        for e in 0..10 {
+            ix.record(&[5], &format!("e:{e}"));
+        }
+        let m = ix.match_lengths(&[5]);
+        assert_eq!(m.len(), MAX_ENDPOINTS_PER_BLOCK);
+        assert!(m.contains_key("e:9") && m.contains_key("e:2"));
+        assert!(!m.contains_key("e:0") && !m.contains_key("e:1"));
+        ix.forget("e:5");
+        assert_eq!(ix.match_lengths(&[5]).len(), MAX_ENDPOINTS_PER_BLOCK - 1);
+        assert_eq!(ix.len(), 1);
+    }
+
+    #[test]
+    fn long_prompts_are_sampled_and_never_overstated() {
+        let mut ix = ApproxPrefixIndex::new(8_192);
+        let a: Vec<u64> = (1..=1_000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        ix.record(&a, "a:1");
+        let recorded = sampled(1_000).count();
+        assert_eq!(ix.len(), recorded);
+        assert_eq!(recorded, 64 + (998 - 71) / 8 + 1 + 1, "dense head, every 8th, the last");
+        assert_eq!(ix.match_lengths(&a).get("a:1"), Some(&1_000), "a full match is exact");
+        // A prompt that shares 500 blocks then diverges: the match is the last probe inside
+        // the shared part, at most STRIDE - 1 short, never longer.
+        let mut b = a[..500].to_vec();
+        b.extend((0..300u64).map(|i| i ^ 0xdead_beef));
+        let m = *ix.match_lengths(&b).get("a:1").unwrap();
+        assert!(m <= 500 && m > 500 - STRIDE, "{m}");
+        // The dense head is exact.
+        let mut c = a[..40].to_vec();
+        c.extend((0..30u64).map(|i| i ^ 0xfeed));
+        assert_eq!(ix.match_lengths(&c).get("a:1"), Some(&40));
+    }
+
+    #[test]
+    fn a_large_index_keeps_most_of_what_fits() {
+        let mut ix = ApproxPrefixIndex::new(80_000);
+        let hashes: Vec<u64> = (1..=40_000u64).map(|i| i.wrapping_mul(0xff51_afd7_ed55_8ccd)).collect();
+        for chunk in hashes.chunks(DENSE_BLOCKS) {
+            ix.record(chunk, "a:1");
+        }
+        // Half full: hashing spreads blocks so that almost no bucket overflows.
+        assert!(ix.len() > 39_000, "{}", ix.len());
+        let m = ix.match_lengths(&hashes[..100]);
+        assert_eq!(m.get("a:1"), Some(&100));
     }
 }
 

@@ -82,60 +82,276 @@ pub struct InferenceRequest {
     pub messages: Vec<ChatMessage>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum PromptField {
-    Text(String),
-    Texts(Vec<String>),
+// The body's variant fields are read with hand-written visitors rather than
+// `#[serde(untagged)]`: untagged enums buffer the whole value before trying each variant, which
+// for a 400 KB prompt costs more than the rest of the decision. Strings are borrowed from the
+// body when they hold no escapes.
+
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+/// A visitor's three string methods, wrapping the string (borrowed from the body when it holds
+/// no escapes) in `$wrap`.
+macro_rules! visit_strings {
+    ($wrap:path) => {
+        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok($wrap(Cow::Borrowed(v)))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok($wrap(Cow::Owned(v.to_owned())))
+        }
+        fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+            Ok($wrap(Cow::Owned(v)))
+        }
+    };
+}
+
+/// A string borrowed from the body when it holds no escapes.
+struct Str<'de>(Cow<'de, str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Str<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            visit_strings!(Str);
+        }
+        d.deserialize_str(V(std::marker::PhantomData))
+    }
+}
+
+/// `prompt`: a string, a list of strings, token ids, or a list of token-id lists.
+enum PromptField<'de> {
+    Text(Cow<'de, str>),
+    Texts(Vec<Cow<'de, str>>),
     Tokens(Vec<u32>),
     TokenLists(Vec<Vec<u32>>),
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-    Other(serde::de::IgnoredAny),
+/// One element of a `prompt` list.
+enum PromptElem<'de> {
+    Text(Cow<'de, str>),
+    Token(u32),
+    Tokens(Vec<u32>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptElem<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = PromptElem<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, a token id or a list of token ids")
+            }
+            visit_strings!(PromptElem::Text);
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                u32::try_from(v).map(PromptElem::Token).map_err(|_| E::custom("token id out of range"))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u32::try_from(v).map(PromptElem::Token).map_err(|_| E::custom("token id out of range"))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(PromptElem::Tokens(ids))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptField<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = PromptField<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, a list of strings, token ids, or a list of token-id lists")
+            }
+            visit_strings!(PromptField::Text);
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mixed = || de::Error::custom("a prompt list mixes strings, token ids and token-id lists");
+                let mut out = PromptField::Tokens(Vec::new());
+                let mut first = true;
+                while let Some(e) = seq.next_element::<PromptElem>()? {
+                    match (&mut out, e) {
+                        (PromptField::Tokens(v), PromptElem::Token(id)) => v.push(id),
+                        (o, PromptElem::Text(t)) if first => *o = PromptField::Texts(vec![t]),
+                        (o, PromptElem::Tokens(t)) if first => *o = PromptField::TokenLists(vec![t]),
+                        (PromptField::Texts(v), PromptElem::Text(t)) => v.push(t),
+                        (PromptField::TokenLists(v), PromptElem::Tokens(t)) => v.push(t),
+                        _ => return Err(mixed()),
+                    }
+                    first = false;
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+/// Message content: a string, a list of parts (their `text` fields), or anything else
+/// (ignored).
+enum Content<'de> {
+    Text(Cow<'de, str>),
+    Parts(Vec<Part<'de>>),
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Content<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("message content")
+            }
+            visit_strings!(Content::Text);
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element::<Part>()? {
+                    parts.push(p);
+                }
+                Ok(Content::Parts(parts))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Content::Other)
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Content::Other)
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Content::Other)
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Content::Other)
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Content::Other)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Content::Other)
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
+}
+
+/// A content part: only its text matters (images and other parts carry none).
+struct Part<'de> {
+    text: Option<Cow<'de, str>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Part<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Part<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a content part")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut text = None;
+                while let Some(k) = map.next_key::<Str>()? {
+                    if k.0 == "text" {
+                        text = map.next_value::<Option<Str>>()?.map(|s| s.0);
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Part { text })
+            }
+            // A part that is not an object carries no text.
+            fn visit_borrowed_str<E: de::Error>(self, _: &'de str) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Part { text: None })
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Part { text: None })
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
 }
 
 #[derive(Deserialize)]
-struct Part {
-    #[serde(default)]
-    text: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Message {
-    #[serde(default)]
-    role: Option<String>,
-    #[serde(default)]
-    content: Option<Content>,
+struct Message<'a> {
+    #[serde(default, borrow)]
+    role: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    content: Option<Content<'a>>,
     /// Responses API `function_call_output` items.
-    #[serde(default)]
-    output: Option<Content>,
+    #[serde(default, borrow)]
+    output: Option<Content<'a>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum InputField {
-    Text(String),
-    Items(Vec<Message>),
+/// Responses `input`: a string or a list of items.
+enum InputField<'de> {
+    Text(Cow<'de, str>),
+    Items(Vec<Message<'de>>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for InputField<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = InputField<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or a list of input items")
+            }
+            visit_strings!(InputField::Text);
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(m) = seq.next_element::<Message>()? {
+                    items.push(m);
+                }
+                Ok(InputField::Items(items))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
 }
 
 /// Every field any of the three APIs may carry; serde skips the rest of the body.
 #[derive(Deserialize)]
-struct Body {
+struct Body<'a> {
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
-    prompt: Option<PromptField>,
-    #[serde(default)]
-    messages: Option<Vec<Message>>,
-    #[serde(default)]
-    input: Option<InputField>,
-    #[serde(default)]
-    instructions: Option<String>,
+    #[serde(default, borrow)]
+    prompt: Option<PromptField<'a>>,
+    #[serde(default, borrow)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(default, borrow)]
+    input: Option<InputField<'a>>,
+    #[serde(default, borrow)]
+    instructions: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
@@ -154,33 +370,32 @@ struct Body {
     previous_response_id: Option<String>,
 }
 
-fn content_text(c: &Content, out: &mut String) {
+fn content_text(c: Content<'_>) -> String {
     match c {
-        Content::Text(t) => out.push_str(t),
+        Content::Text(t) => t.into_owned(),
         Content::Parts(parts) => {
-            for (i, p) in parts.iter().filter_map(|p| p.text.as_deref()).enumerate() {
+            let mut out = String::new();
+            for (i, p) in parts.into_iter().filter_map(|p| p.text).enumerate() {
                 if i > 0 {
                     out.push('\n');
                 }
-                out.push_str(p);
+                out.push_str(&p);
             }
+            out
         }
-        Content::Other(_) => {}
+        Content::Other => String::new(),
     }
 }
 
 /// Flatten chat messages (with an optional leading system instruction) to role + text.
-fn chat_messages(system: Option<&str>, messages: &[Message]) -> Vec<ChatMessage> {
+fn chat_messages(system: Option<Cow<'_, str>>, messages: Vec<Message<'_>>) -> Vec<ChatMessage> {
     let mut out = Vec::with_capacity(messages.len() + 1);
     if let Some(s) = system {
-        out.push(ChatMessage { role: "system".into(), content: s.to_string() });
+        out.push(ChatMessage { role: "system".into(), content: s.into_owned() });
     }
     for m in messages {
-        let mut content = String::new();
-        if let Some(c) = m.content.as_ref().or(m.output.as_ref()) {
-            content_text(c, &mut content);
-        }
-        out.push(ChatMessage { role: m.role.clone().unwrap_or_else(|| "user".into()), content });
+        let content = m.content.or(m.output).map(content_text).unwrap_or_default();
+        out.push(ChatMessage { role: m.role.map_or_else(|| "user".into(), Cow::into_owned), content });
     }
     out
 }
@@ -189,7 +404,8 @@ fn chat_messages(system: Option<&str>, messages: &[Message]) -> Vec<ChatMessage>
 /// then `assistant:`), so that shared conversation prefixes give shared text prefixes. Precise
 /// routing renders the model's own template instead ([`crate::chat_template`]).
 fn render_messages(messages: &[ChatMessage]) -> String {
-    let mut out = String::new();
+    let len: usize = messages.iter().map(|m| m.role.len() + m.content.len() + 3).sum();
+    let mut out = String::with_capacity(len + 10);
     for m in messages {
         out.push_str(&m.role);
         out.push_str(": ");
@@ -227,11 +443,11 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
     let (prompt, num_prompts) = match api {
         Api::Completions => match b.prompt {
             None => return Err(RequestError::MissingField("prompt")),
-            Some(PromptField::Text(t)) => (Prompt::Text(t), 1),
+            Some(PromptField::Text(t)) => (Prompt::Text(t.into_owned()), 1),
             Some(PromptField::Texts(ts)) => {
                 let n = ts.len();
                 match ts.into_iter().next() {
-                    Some(t) => (Prompt::Text(t), n),
+                    Some(t) => (Prompt::Text(t.into_owned()), n),
                     None => return Err(RequestError::MissingField("prompt")),
                 }
             }
@@ -259,13 +475,13 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
             _ => return Err(RequestError::MissingField("input")),
         },
     };
-    let messages = match (api, &b.messages, &b.input) {
+    let messages = match (api, b.messages, b.input) {
         (Api::ChatCompletions, Some(ms), _) => chat_messages(None, ms),
         (Api::Responses, _, Some(InputField::Text(t))) => {
-            let ms = [Message { role: Some("user".into()), content: Some(Content::Text(t.clone())), output: None }];
-            chat_messages(b.instructions.as_deref(), &ms)
+            let ms = vec![Message { role: Some("user".into()), content: Some(Content::Text(t)), output: None }];
+            chat_messages(b.instructions, ms)
         }
-        (Api::Responses, _, Some(InputField::Items(items))) => chat_messages(b.instructions.as_deref(), items),
+        (Api::Responses, _, Some(InputField::Items(items))) => chat_messages(b.instructions, items),
         _ => Vec::new(),
     };
     let prompt = if messages.is_empty() { prompt } else { Prompt::Text(render_messages(&messages)) };

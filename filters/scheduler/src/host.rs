@@ -8,6 +8,19 @@ pub fn log(level: LogLevel, msg: &str) {
     let _ = hostcalls::log(level, msg);
 }
 
+/// Whether Envoy logs `level` for this filter (its `wasm` log component).
+pub fn log_enabled(level: LogLevel) -> bool {
+    hostcalls::get_log_level().map_or(true, |l| l as u32 <= level as u32)
+}
+
+/// Log at debug level, formatting the message only when it will be logged: debug lines sit on
+/// every request's path.
+pub fn debug(msg: impl FnOnce() -> String) {
+    if log_enabled(LogLevel::Debug) {
+        log(LogLevel::Debug, &msg());
+    }
+}
+
 pub fn request_header(name: &str) -> Option<String> {
     hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
 }

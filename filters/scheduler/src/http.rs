@@ -77,7 +77,7 @@ pub fn answer(w: Option<&mut Worker>, id: u32, err: &ErrorResponse, extra: &[(&s
     if let Some(w) = w {
         w.metrics.error(err.reason);
     }
-    host::log(LogLevel::Debug, &format!("attache[{id}]: {} {}", err.status, err.reason));
+    host::debug(|| format!("attache[{id}]: {} {}", err.status, err.reason));
     host::send_json(err.status, err.reason, &err.body, extra);
 }
 
@@ -148,7 +148,7 @@ impl SchedulerHttp {
             w.metrics.flow_shed(shed);
         }
         let (err, extra) = shed_response(shed, detail);
-        host::log(LogLevel::Debug, &format!("attache[{}]: {} {}", self.id, err.status, err.reason));
+        host::debug(|| format!("attache[{}]: {} {}", self.id, err.status, err.reason));
         host::send_json(err.status, err.reason, &err.body, &extra);
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.answered = true;
@@ -328,10 +328,16 @@ impl HttpContext for SchedulerHttp {
         if !end_of_stream {
             return Action::Pause;
         }
+        let started = host::now_us();
         let Some(body) = host::request_body(body_size) else {
             return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
         };
-        self.schedule(api, &body)
+        let action = self.schedule(api, &body);
+        drop(body);
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.metrics.decision(host::now_us().saturating_sub(started));
+        }
+        action
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

@@ -28,6 +28,7 @@ pub struct Metrics {
     prompt_untokenized: Option<u32>,
     index_seq: Option<u32>,
     propagation_us: Option<u32>,
+    decision_us: Option<u32>,
     score_precise: Option<u32>,
     /// Per rollout arm (`<slot>.<arm>`): requests, 5xx, traps, latency sum, hit sum.
     rollout: HashMap<String, [Option<u32>; 5]>,
@@ -103,6 +104,7 @@ impl Metrics {
             host_silent_ms: define(MetricType::Gauge, "attache.host.silent_ms"),
             load_only: define(MetricType::Counter, "attache.host.load_only_decisions"),
             propagation_us: define(MetricType::Histogram, "attache.precise.propagation_us"),
+            decision_us: define(MetricType::Histogram, "attache.decision_us"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
@@ -246,6 +248,14 @@ impl Metrics {
     }
 
     /// An index delta from the host was applied.
+    /// Time the filter spent on one request's body: parsing, hashing, scoring and writing the
+    /// decision (`attache.decision_us`).
+    pub fn decision(&mut self, us: u64) {
+        if let Some(id) = self.decision_us {
+            let _ = hostcalls::record_metric(id, us);
+        }
+    }
+
     /// `propagation_us`: engine event time to this delta being applied here (0 = unknown).
     pub fn index_delta(&mut self, entries: usize, seq: u64, propagation_us: Option<u64>) {
         inc(self.index_entries, entries as i64);

@@ -10,7 +10,6 @@ use attache_policies::request::{InferenceRequest, Prompt};
 use attache_policies::scoring::{self, ScoringContext};
 use attache_policies::session;
 use attache_policies::{prefix, Decision, ErrorResponse, PoolState, SchedulingInput};
-use proxy_wasm::types::LogLevel;
 
 use crate::host;
 use crate::http::{RequestState, DESTINATION_HEADER};
@@ -53,7 +52,7 @@ fn prompt_ids(w: &mut Worker, req: &InferenceRequest, id: u32) -> Option<Vec<u32
         (true, _, Some(t)) => match t.request(req, pc.max_tokens) {
             Ok(ids) => Some(ids),
             Err(e) => {
-                host::log(LogLevel::Debug, &format!("attache[{id}]: no precise scores: {e}"));
+                host::debug(|| format!("attache[{id}]: no precise scores: {e}"));
                 w.metrics.prompt_untokenized();
                 None
             }
@@ -95,7 +94,7 @@ pub fn route(
     let load_only = stale_after > 0 && silent_ms > stale_after;
     w.metrics.host_silence(silent_ms, load_only);
     if load_only {
-        host::log(LogLevel::Debug, &format!("attache[{id}]: host silent for {silent_ms} ms; load-only scoring"));
+        host::debug(|| format!("attache[{id}]: host silent for {silent_ms} ms; load-only scoring"));
     }
     let input = SchedulingInput {
         model: &req.model,
@@ -181,9 +180,8 @@ pub fn route(
         );
         *w.inflight.entry(best.address.clone()).or_insert(0) += 1;
         st.dispatched = Some(best.address.clone());
-        host::log(
-            LogLevel::Debug,
-            &format!(
+        host::debug(|| {
+            format!(
                 "attache[{id}]: model={} -> {} (prefix={:.3} queue={:.3} kv={:.3} total={:.3} matched={}/{} candidates={} snapshot={})",
                 req.model,
                 decision.header_value(),
@@ -195,8 +193,8 @@ pub fn route(
                 decision.total_blocks,
                 decision.candidates,
                 w.cache.pool.version
-            ),
-        );
+            )
+        });
     }
     Ok(())
 }

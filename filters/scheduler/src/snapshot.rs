@@ -77,23 +77,59 @@ pub fn publish(s: &v1::Snapshot) -> bool {
     host::set_shared_data(SNAPSHOT_KEY, &bytes) && host::set_shared_data(VERSION_KEY, &version_key(s))
 }
 
-/// The cross-worker affinity table in shared data: key `attache.aff.<slot>`, value the block
-/// hash (8 bytes, big-endian) followed by the endpoint address.
+/// The cross-worker affinity table in shared data, in pages of [`AFFINITY_PAGE_SLOTS`] fixed
+/// 64-byte entries under keys `attache.aff.p<page>`: the block hash (8 bytes, big-endian), the
+/// address length (1 byte), the address (up to 55 bytes). Pages rather than a key per slot keep
+/// Envoy's shared-data map small and bounded: it holds at most `slots / 32` keys of 2 KB, and
+/// they are all written within seconds of traffic, so memory stops growing early.
 pub struct SharedAffinity;
+
+/// Slots per shared-data page.
+pub const AFFINITY_PAGE_SLOTS: u64 = 32;
+const AFFINITY_ENTRY: usize = 64;
+const AFFINITY_MAX_ADDRESS: usize = AFFINITY_ENTRY - 9;
+
+fn affinity_key(slot: u64) -> String {
+    format!("attache.aff.p{}", slot / AFFINITY_PAGE_SLOTS)
+}
+
+fn affinity_offset(slot: u64) -> usize {
+    (slot % AFFINITY_PAGE_SLOTS) as usize * AFFINITY_ENTRY
+}
 
 impl attache_policies::index::AffinityStore for SharedAffinity {
     fn load(&mut self, slot: u64) -> Option<(u64, String)> {
-        let v = host::shared_data(&format!("attache.aff.{slot}"))?;
-        let (h, ep) = v.split_at_checked(8)?;
-        let h = u64::from_be_bytes(h.try_into().ok()?);
-        Some((h, String::from_utf8(ep.to_vec()).ok()?))
+        let page = host::shared_data(&affinity_key(slot))?;
+        let e = page.get(affinity_offset(slot)..affinity_offset(slot) + AFFINITY_ENTRY)?;
+        let len = usize::from(e[8]);
+        if len == 0 || len > AFFINITY_MAX_ADDRESS {
+            return None;
+        }
+        let h = u64::from_be_bytes(e[..8].try_into().ok()?);
+        Some((h, std::str::from_utf8(&e[9..9 + len]).ok()?.to_owned()))
     }
 
     fn store(&mut self, slot: u64, hash: u64, endpoint: &str) {
-        let mut v = Vec::with_capacity(8 + endpoint.len());
-        v.extend_from_slice(&hash.to_be_bytes());
-        v.extend_from_slice(endpoint.as_bytes());
-        host::set_shared_data(&format!("attache.aff.{slot}"), &v);
+        if endpoint.is_empty() || endpoint.len() > AFFINITY_MAX_ADDRESS {
+            return;
+        }
+        let key = affinity_key(slot);
+        let at = affinity_offset(slot);
+        // Read-modify-write with the page's CAS token; another worker writing the same page
+        // in between wins, and this record is skipped after one retry (affinity is a hint).
+        for _ in 0..2 {
+            let (page, cas) = host::shared_data_cas(&key);
+            let mut page = page.unwrap_or_default();
+            page.resize(AFFINITY_PAGE_SLOTS as usize * AFFINITY_ENTRY, 0);
+            let e = &mut page[at..at + AFFINITY_ENTRY];
+            e.fill(0);
+            e[..8].copy_from_slice(&hash.to_be_bytes());
+            e[8] = endpoint.len() as u8;
+            e[9..9 + endpoint.len()].copy_from_slice(endpoint.as_bytes());
+            if host::set_shared_data_cas(&key, &page, cas) {
+                return;
+            }
+        }
     }
 }
 
