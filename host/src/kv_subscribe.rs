@@ -58,7 +58,15 @@ pub struct EngineSource {
 #[derive(Default)]
 struct SeqState {
     last: Option<u64>,
+    /// The timestamp of batch `last`: with the sequence number it tells the publisher that sent
+    /// it from a restarted one that has since reached the same number.
+    last_ts_bits: u64,
+    /// Live messages up to this sequence were already applied from a replay.
+    replayed_through: Option<u64>,
 }
+
+/// Monitor endpoints must be unique per socket in a context.
+static MONITORS: AtomicU64 = AtomicU64::new(0);
 
 /// Shared state of all subscribers.
 pub struct KvSubscribers {
@@ -209,18 +217,88 @@ impl Worker {
     fn follow_publisher(&self, publisher: &str, src: &EngineSource, stop: &AtomicBool) -> anyhow::Result<()> {
         let sock = self.ctx.socket(zmq::SUB)?;
         sock.set_rcvhwm(100_000)?;
-        sock.set_rcvtimeo(200)?;
         sock.set_subscribe(b"kv@")?;
+        // Every reconnection is followed by a resync from the replay socket: a SUB socket
+        // silently drops what was published while it was disconnected, and a restarted engine
+        // publishes its first batches before the SUB has reconnected. (The first connection
+        // catches up lazily: the first message's sequence says what was missed.)
+        let monitor = format!("inproc://kv-monitor-{}", MONITORS.fetch_add(1, Ordering::Relaxed));
+        sock.monitor(&monitor, zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32)?;
+        let events = self.ctx.socket(zmq::PAIR)?;
+        events.connect(&monitor)?;
         sock.connect(publisher)?;
         info!(engine = %src.address, %publisher, "kv events: subscribed");
+        let mut connections = 0u64;
         while !stop.load(Ordering::Relaxed) {
-            match sock.recv_multipart(0) {
-                Ok(frames) => self.handle(&frames, src),
-                Err(zmq::Error::EAGAIN) => continue,
-                Err(e) => return Err(e.into()),
+            let mut items = [sock.as_poll_item(zmq::POLLIN), events.as_poll_item(zmq::POLLIN)];
+            zmq::poll(&mut items, 200)?;
+            let (data, connected) = (items[0].is_readable(), items[1].is_readable());
+            if connected {
+                while events.recv_multipart(zmq::DONTWAIT).is_ok() {
+                    connections += 1;
+                }
+                if connections > 1 {
+                    self.resync(src);
+                }
+            }
+            if data {
+                loop {
+                    match sock.recv_multipart(zmq::DONTWAIT) {
+                        Ok(frames) => self.handle(&frames, src),
+                        Err(zmq::Error::EAGAIN) => break,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
             }
         }
         Ok(())
+    }
+
+    /// After a (re)connection: fetch what the publisher buffered since the last batch seen and
+    /// apply it. If the publisher no longer has that batch as we saw it (same sequence number,
+    /// same timestamp), it is a new process: its engine's old blocks are dropped and its whole
+    /// buffer is applied from sequence 0.
+    fn resync(&self, src: &EngineSource) {
+        if src.replay.is_none() {
+            return;
+        }
+        let (last, ts_bits) = {
+            let seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+            seqs.get(&src.endpoint_id).map_or((None, 0), |s| (s.last, s.last_ts_bits))
+        };
+        let batches = match last {
+            None => self.fetch(src, 0),
+            Some(l) => {
+                let got = self.fetch(src, l);
+                let same = got.first().is_some_and(|(seq, b)| *seq == l && b.ts.to_bits() == ts_bits);
+                let rolled = got.first().is_some_and(|(seq, _)| *seq > l);
+                if same {
+                    got.into_iter().skip(1).collect()
+                } else if rolled {
+                    // Disconnected longer than the publisher's buffer: apply what is left.
+                    self.counters.gaps.fetch_add(1, Ordering::Relaxed);
+                    got
+                } else {
+                    info!(engine = %src.address, last = l, "kv events: publisher restarted while disconnected");
+                    self.counters.restarts.fetch_add(1, Ordering::Relaxed);
+                    self.index.lock().unwrap_or_else(|p| p.into_inner()).clear_endpoint(src.endpoint_id);
+                    self.fetch(src, 0)
+                }
+            }
+        };
+        let n = batches.len();
+        for (_, b) in &batches {
+            self.apply(src, b);
+        }
+        if let Some((seq, b)) = batches.last() {
+            let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+            let st = seqs.entry(src.endpoint_id).or_default();
+            st.last = Some(*seq);
+            st.last_ts_bits = b.ts.to_bits();
+            st.replayed_through = Some(*seq);
+        }
+        self.counters.replayed_batches.fetch_add(n as u64, Ordering::Relaxed);
+        debug!(engine = %src.address, n, "kv events: resynced after connecting");
     }
 
     /// Handle one published message from `src`.
@@ -236,7 +314,23 @@ impl Worker {
             }
         };
         let seq = msg.seq;
-        let last = self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last;
+        let (last, replayed_through) = {
+            let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
+            let st = seqs.entry(src.endpoint_id).or_default();
+            (st.last, st.replayed_through.take())
+        };
+        if let Some(r) = replayed_through {
+            if seq <= r {
+                // Published while the resync ran: already applied from the replay.
+                self.seqs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(src.endpoint_id)
+                    .or_default()
+                    .replayed_through = Some(r);
+                return;
+            }
+        }
         match last {
             // A SUB socket never sees a message twice, so a sequence that does not advance means
             // a new publisher: the engine restarted (even one that had sent a single batch, 0).
@@ -255,7 +349,11 @@ impl Worker {
         // The sequence advances even if the payload is garbage: replaying it would not help.
         self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last = Some(seq);
         match kv_events::decode_batch(msg.payload) {
-            Ok(batch) => self.apply(src, &batch),
+            Ok(batch) => {
+                self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last_ts_bits =
+                    batch.ts.to_bits();
+                self.apply(src, &batch)
+            }
             Err(e) => {
                 self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
                 debug!(engine = %src.address, seq, error = %e, "kv events: undecodable payload skipped");
@@ -279,15 +377,27 @@ impl Worker {
 
     /// Fetch batches `from..until` from the engine's replay socket and apply them in order.
     fn replay(&self, src: &EngineSource, from: u64, until: u64) {
-        let Some(ep) = &src.replay else { return };
-        let run = || -> anyhow::Result<usize> {
+        let batches = self.fetch(src, from);
+        let mut n = 0;
+        for (_, b) in batches.iter().filter(|(seq, _)| *seq < until) {
+            self.apply(src, b);
+            n += 1;
+        }
+        self.counters.replayed_batches.fetch_add(n, Ordering::Relaxed);
+        debug!(engine = %src.address, from, until, n, "kv events: replayed");
+    }
+
+    /// Every batch the engine's replay socket holds from sequence `from`, in order.
+    fn fetch(&self, src: &EngineSource, from: u64) -> Vec<(u64, EventBatch)> {
+        let Some(ep) = &src.replay else { return Vec::new() };
+        let run = || -> anyhow::Result<Vec<(u64, EventBatch)>> {
             let d = self.ctx.socket(zmq::DEALER)?;
             d.set_linger(0)?;
             d.set_rcvtimeo(1000)?;
             d.connect(ep)?;
             d.send_multipart([&b""[..], &from.to_be_bytes()], 0)?;
             let deadline = Instant::now() + Duration::from_secs(5);
-            let mut n = 0;
+            let mut out = Vec::new();
             while Instant::now() < deadline {
                 let f = d.recv_multipart(0)?;
                 // ["", topic, seq, payload] (vLLM >= 0.26) or ["", seq, payload] (older); end: seq = -1.
@@ -300,28 +410,22 @@ impl Worker {
                     break;
                 }
                 let Ok(seq) = <[u8; 8]>::try_from(seq).map(u64::from_be_bytes) else { continue };
-                if seq < from || seq >= until {
+                if seq < from {
                     continue;
                 }
                 match kv_events::decode_batch(payload) {
-                    Ok(b) => {
-                        self.apply(src, &b);
-                        n += 1;
-                    }
+                    Ok(b) => out.push((seq, b)),
                     Err(_) => {
                         self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
-            Ok(n)
+            Ok(out)
         };
-        match run() {
-            Ok(n) => {
-                self.counters.replayed_batches.fetch_add(n as u64, Ordering::Relaxed);
-                debug!(engine = %src.address, from, until, n, "kv events: replayed");
-            }
-            Err(e) => warn!(engine = %src.address, error = %e, "kv events: replay failed; continuing"),
-        }
+        run().unwrap_or_else(|e| {
+            warn!(engine = %src.address, error = %e, "kv events: replay failed; continuing");
+            Vec::new()
+        })
     }
 }
 

@@ -117,6 +117,17 @@ async fn an_engine_killed_mid_stream_loses_only_its_own_streams() {
     eprintln!("engine kill: {cut} streams cut on the dead engine, {completed} completed, 12/12 early requests ok, unready after {unready_after:?}");
 }
 
+/// The most blocks of `tokens` any engine holds, by the host's index.
+async fn matched_blocks(s: &Stack, tokens: &[u32]) -> u64 {
+    let url = format!("http://127.0.0.1:{}/v1/kv/match", s.host_admin_port);
+    let body = json!({"model": MODEL, "token_ids": tokens, "block_size": 16}).to_string();
+    let o = client::post(&s.http, &url, body.into_bytes(), &[]).await;
+    o.json()["endpoints"]
+        .as_array()
+        .and_then(|a| a.iter().filter_map(|e| e["matched_blocks"].as_u64()).max())
+        .unwrap_or(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_with_a_reset_sequence_drops_its_stale_blocks() {
     let mut s = Stack::new("engine-restart").expect("stack");
@@ -149,8 +160,7 @@ async fn an_engine_restart_with_a_reset_sequence_drops_its_stale_blocks() {
 
     // Restart every engine on the same ports: cold caches, publishers counting from 0 again.
     // The engines are down for a moment (a scrape finds nothing listening), which drops their
-    // blocks. (A restart faster than a scrape is left to the sequence going back, `seq <= last`
-    // in the subscriber; not exercised here.)
+    // blocks.
     let kv = |s: &Stack| -> Value {
         serde_json::from_str(&http_get_blocking(s.host_admin_port, "/v1/kv").unwrap_or_default()).unwrap_or(Value::Null)
     };
@@ -179,9 +189,40 @@ async fn an_engine_restart_with_a_reset_sequence_drops_its_stale_blocks() {
         assert!(Instant::now() < deadline, "stale blocks kept: restarts {restarts}, still matched {held} blocks");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    // Not shown: the same engine's events after its restart. In this run the host's SUB socket,
-    // connected before the kill, received nothing from the restarted publisher on the same port
-    // (a fresh socket does); docs/reliability.md lists it as a known gap.
+    // The restarted engine's own blocks are indexed: the subscriber resyncs from the new
+    // publisher's replay buffer when its SUB socket reconnects, so the batches published before
+    // the reconnect are not lost.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while matched_blocks(&s, &other).await < 4 {
+        assert!(Instant::now() < deadline, "the restarted engine's blocks were never indexed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // A restart faster than a scrape: kill and start again at once. The reconnect's resync sees
+    // that the publisher's batch at the last sequence is not the one seen (timestamps differ, or
+    // it has none), drops the stale blocks and applies the new publisher's buffer.
+    let restarts_before = kv(&s)["subscribers"]["restarts"].as_u64().unwrap_or(0);
+    if let Some(mut sim) = s.sim.take() {
+        sim.kill();
+    }
+    s.start_sim(opts.clone()).expect("sim fast restart");
+    let fresh: Vec<u32> = (0..64u32).map(|t| 120_000 + t).collect();
+    let body = json!({"model": MODEL, "prompt": fresh, "max_tokens": 1}).to_string();
+    let o = client::post(&http, &format!("http://{}/v1/completions", engines[1]), body.into_bytes(), &[]).await;
+    assert!(o.ok(), "{}", o.body);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let restarts = kv(&s)["subscribers"]["restarts"].as_u64().unwrap_or(0);
+        let (stale, new) = (matched_blocks(&s, &other).await, matched_blocks(&s, &fresh).await);
+        if restarts > restarts_before && stale == 0 && new >= 4 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after a fast restart: restarts {restarts} (before {restarts_before}), stale blocks {stale}, new blocks {new}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     // The restarted pool serves the old prefix through Envoy, cold (the engines' own answer).
     // This does not show the filters' view; the index check above does.
     tokio::time::sleep(Duration::from_millis(200)).await;
