@@ -75,6 +75,14 @@ pub struct PolicyConfig {
     /// Wall-clock budget per admission sample, ms.
     #[serde(default = "default_budget")]
     pub admission_budget_ms: u64,
+    /// Distinct modules the store keeps (uploads of a new module past this are refused with
+    /// 507 `store_full`; uploading a module already stored always works).
+    #[serde(default = "default_max_modules")]
+    pub max_modules: usize,
+}
+
+fn default_max_modules() -> usize {
+    super::store::DEFAULT_MAX_MODULES
 }
 
 fn default_budget() -> u64 {
@@ -242,9 +250,11 @@ impl From<UploadError> for ApiError {
             UploadError::Admission(_) => "admission_refused",
             UploadError::InvalidName(_) => "bad_request",
             UploadError::Io(_) => "store_error",
+            UploadError::StoreFull { .. } => "store_full",
         };
         let status = match code {
             "bad_request" => 400,
+            "store_full" => 507,
             "store_error" => 500,
             _ => 422,
         };
@@ -286,8 +296,9 @@ impl PolicyService {
             .context("the policy API's bearer token")?
             .context("the policy API needs a bearer token of at least 16 characters (admin_token_file or ATTACHE_ADMIN_TOKEN)")?;
         let trust = TrustStore::load(&cfg.trust)?;
-        let store =
-            ModuleStore::open(&cfg.store_dir).with_context(|| format!("opening {}", cfg.store_dir.display()))?;
+        let store = ModuleStore::open(&cfg.store_dir)
+            .with_context(|| format!("opening {}", cfg.store_dir.display()))?
+            .with_max_modules(cfg.max_modules);
         let files = RolloutFiles::new(&cfg.store_dir);
         let state = files.load().context("loading the rollout state")?;
         let (published, _) = watch::channel(Arc::new(Published::default()));

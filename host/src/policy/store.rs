@@ -43,12 +43,18 @@ pub enum UploadError {
     InvalidName(String),
     #[error("module store I/O: {0}")]
     Io(#[from] std::io::Error),
+    #[error("the module store holds its limit of {max} modules; raise policy.max_modules or remove unused modules from {dir}")]
+    StoreFull { max: usize, dir: String },
 }
+
+/// Distinct modules a store keeps unless configured otherwise.
+pub const DEFAULT_MAX_MODULES: usize = 256;
 
 /// The store on disk.
 #[derive(Debug)]
 pub struct ModuleStore {
     dir: PathBuf,
+    max_modules: usize,
 }
 
 fn valid_name(s: &str) -> bool {
@@ -58,7 +64,21 @@ fn valid_name(s: &str) -> bool {
 impl ModuleStore {
     pub fn open(dir: &Path) -> std::io::Result<Self> {
         std::fs::create_dir_all(dir.join("modules"))?;
-        Ok(Self { dir: dir.to_path_buf() })
+        Ok(Self { dir: dir.to_path_buf(), max_modules: DEFAULT_MAX_MODULES })
+    }
+
+    /// Keep at most `max` distinct modules.
+    pub fn with_max_modules(mut self, max: usize) -> Self {
+        self.max_modules = max;
+        self
+    }
+
+    /// Distinct modules stored.
+    pub fn module_count(&self) -> std::io::Result<usize> {
+        Ok(std::fs::read_dir(self.dir.join("modules"))?
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "wasm"))
+            .count())
     }
 
     /// Path of a stored module.
@@ -82,6 +102,12 @@ impl ModuleStore {
         let verified = trust.verify(bytes)?;
         admission::admit(bytes, admission)?;
         let path = self.module_path(&verified.sha256);
+        if !path.exists() && self.module_count()? >= self.max_modules {
+            return Err(UploadError::StoreFull {
+                max: self.max_modules,
+                dir: self.dir.join("modules").display().to_string(),
+            });
+        }
         if !path.exists() {
             // Write then rename: a reader never sees a partial module.
             let tmp = path.with_extension("tmp");
@@ -134,6 +160,30 @@ mod tests {
     use super::*;
 
     use crate::policy::admission::tests::filter;
+
+    #[test]
+    fn a_full_store_refuses_new_modules_and_keeps_serving_stored_ones() {
+        let dir = std::env::temp_dir().join(format!("attache-store-full-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = ModuleStore::open(&dir).unwrap().with_max_modules(1);
+        let kp = wasmsign2::KeyPair::generate();
+        let trust = super::super::signing::trust(&[&kp.pk.to_bytes()]).unwrap();
+        let sign = |m: &[u8]| super::super::signing::sign(&kp.sk.to_bytes(), m).unwrap();
+        let adm = AdmissionConfig::default();
+        let (a, b) = (sign(&filter("(i32.const 0)")), sign(&filter("(i32.const 1)")));
+        assert_ne!(a, b);
+        let null = serde_json::Value::Null;
+        let first = store.upload(&trust, &adm, "attache.scorer.demo", "v1", &null, &a).unwrap();
+        let err = store.upload(&trust, &adm, "attache.scorer.demo", "v2", &null, &b).unwrap_err();
+        assert!(matches!(err, UploadError::StoreFull { max: 1, .. }), "{err}");
+        assert!(err.to_string().contains("policy.max_modules"), "{err}");
+        // The same module again is not a new one.
+        store.upload(&trust, &adm, "attache.scorer.demo", "v1-again", &null, &a).unwrap();
+        assert_eq!(store.module_count().unwrap(), 1);
+        assert_eq!(store.load(&first.sha256).unwrap(), a);
+        assert_eq!(store.history(None).unwrap().len(), 2, "the refused upload left no record");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn uploads_are_verified_admitted_content_addressed_and_kept() {
