@@ -160,6 +160,8 @@ pub struct Stack {
     pub host_admin_port: u16,
     pub envoy_port: u16,
     pub envoy_admin_port: u16,
+    /// Envoy's `--log-level` (`warn` keeps test logs short; Envoy's own default is `info`).
+    pub envoy_log_level: String,
     pub endpoints_file: PathBuf,
     pub http: reqwest::Client,
     /// Engines not run by this stack (a live vLLM), listed after the simulated ones.
@@ -226,6 +228,7 @@ impl Stack {
             host_admin_port: free_port(),
             envoy_port: free_port(),
             envoy_admin_port: free_port(),
+            envoy_log_level: "warn".into(),
             http: reqwest::Client::builder().pool_max_idle_per_host(64).build()?,
             external: Vec::new(),
             extra_procs: Vec::new(),
@@ -512,7 +515,7 @@ impl Stack {
                 .arg("--concurrency")
                 .arg(concurrency.to_string())
                 .arg("--log-level")
-                .arg("warn")
+                .arg(&self.envoy_log_level)
                 .arg("--base-id")
                 .arg(self.envoy_admin_port.to_string()),
         )?;
