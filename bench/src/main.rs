@@ -3,10 +3,12 @@
 mod agents;
 mod flow_control;
 mod kv_ingest;
+mod load;
 mod overhead;
 mod pd;
 mod peers;
 mod policy;
+mod procstat;
 mod run;
 mod shared_prefix;
 mod workload;
@@ -44,6 +46,8 @@ enum Cmd {
     Agents(agents::Args),
     /// The cost of deciding in Envoy: added latency and Envoy CPU per request vs plain Envoy.
     Overhead(overhead::Args),
+    /// Sustained load: 2,000 concurrent streaming clients for 60 s; errors, latency, memory, CPU.
+    Load(load::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -159,5 +163,6 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Pd(a) => pd::run(a).await,
         Cmd::Overhead(a) => overhead::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
+        Cmd::Load(a) => load::run(a).await,
     }
 }

@@ -19,6 +19,7 @@ use attache_e2e::{EnvoyKind, Stack};
 use axum::routing::{get, post};
 use serde_json::{json, Value};
 
+use crate::procstat::cpu_ns;
 use crate::run::{percentile, write_results};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -91,16 +92,6 @@ async fn fast_endpoint() -> anyhow::Result<SocketAddr> {
         let _ = axum::serve(listener, app).await;
     });
     Ok(addr)
-}
-
-/// On-CPU nanoseconds of every thread of `pid`.
-fn cpu_ns(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
 }
 
 /// A chat body of about `bytes` bytes; `i` makes each request's prompt distinct.
@@ -262,8 +253,18 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             }
         }
     }
+    // The filter's own time per decision (Envoy merges histograms at its 5 s stats flush).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let mut decision = serde_json::Map::new();
+    for sys in stacks.iter().filter(|s| s.name.starts_with("attache")) {
+        let stats = sys._stack.envoy_stats();
+        let q = |p: &str| attache_e2e::stack::histogram_quantile(&stats, "wasmcustom.attache.decision_us", p);
+        println!("  {} in-filter decision time over all sizes: p50 {:?} us, p99 {:?} us", sys.name, q("P50"), q("P99"));
+        decision.insert(sys.name.clone(), json!({"p50_us": q("P50"), "p99_us": q("P99")}));
+    }
     let doc = json!({
         "scenario": "overhead",
+        "decision_us_all_sizes": decision,
         "command": "cargo xtask bench overhead",
         "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
