@@ -41,6 +41,9 @@ pub struct PrefixConfig {
     /// Slots of the table that shares routing decisions between Envoy workers (shared data).
     /// Each holds one (block hash, endpoint) pair of about 30 bytes; 0 disables sharing.
     pub shared_slots: u64,
+    /// A worker writes its decisions to the shared table in batches, from its tick, at this
+    /// period (ms), instead of on the request path: other workers learn them this much later.
+    pub shared_flush_ms: u64,
 }
 
 impl Default for PrefixConfig {
@@ -51,6 +54,7 @@ impl Default for PrefixConfig {
             bytes_per_token: 4,
             index_capacity: 200_000,
             shared_slots: 65_536,
+            shared_flush_ms: 20,
         }
     }
 }

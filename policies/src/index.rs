@@ -317,6 +317,13 @@ mod tests {
 pub trait AffinityStore {
     fn load(&mut self, slot: u64) -> Option<(u64, String)>;
     fn store(&mut self, slot: u64, hash: u64, endpoint: &str);
+    /// Store a batch of `(slot, hash, endpoint)` in order (a later entry for the same slot
+    /// wins). Stores that share pages override this to write each page once.
+    fn store_many(&mut self, entries: &[(u64, u64, String)]) {
+        for (slot, hash, endpoint) in entries {
+            self.store(*slot, *hash, endpoint);
+        }
+    }
 }
 
 /// Block positions recorded in and probed from the shared table: 0, 1, 3, 7, 15, … and the
@@ -338,12 +345,15 @@ fn slot_of(hash: u64, slots: u64) -> u64 {
     hash % slots.max(1)
 }
 
+/// The `(slot, block hash)` entries a decision writes to the shared table: its probe points.
+pub fn shared_entries(slots: u64, hashes: &[u64]) -> Vec<(u64, u64)> {
+    probe_points(hashes.len()).into_iter().filter_map(|i| hashes.get(i)).map(|h| (slot_of(*h, slots), *h)).collect()
+}
+
 /// Record a decision in the shared table.
 pub fn shared_record(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64], endpoint: &str) {
-    for i in probe_points(hashes.len()) {
-        if let Some(h) = hashes.get(i) {
-            store.store(slot_of(*h, slots), *h, endpoint);
-        }
+    for (slot, h) in shared_entries(slots, hashes) {
+        store.store(slot, h, endpoint);
     }
 }
 
@@ -386,6 +396,22 @@ mod shared_tests {
         assert_eq!(probe_points(1), vec![0]);
         assert_eq!(probe_points(10), vec![0, 1, 3, 7, 9]);
         assert_eq!(probe_points(16), vec![0, 1, 3, 7, 15]);
+    }
+
+    #[test]
+    fn a_batch_of_entries_records_what_direct_stores_would() {
+        let a: Vec<u64> = (100..140).collect();
+        let b: Vec<u64> = (500..503).collect();
+        let mut direct = Mem::default();
+        shared_record(&mut direct, 1024, &a, "e1:1");
+        shared_record(&mut direct, 1024, &b, "e2:2");
+        let mut batched = Mem::default();
+        let mut pending: Vec<(u64, u64, String)> = Vec::new();
+        pending.extend(shared_entries(1024, &a).into_iter().map(|(s, h)| (s, h, "e1:1".to_owned())));
+        pending.extend(shared_entries(1024, &b).into_iter().map(|(s, h)| (s, h, "e2:2".to_owned())));
+        batched.store_many(&pending);
+        assert_eq!(direct.0, batched.0);
+        assert_eq!(shared_matches(&mut batched, 1024, &a[..20]).get("e1:1"), Some(&16));
     }
 
     #[test]

@@ -114,6 +114,7 @@ mod tests {
             bytes_per_token: 4,
             index_capacity: 1000,
             shared_slots: 0,
+            shared_flush_ms: 20,
         }
     }
 

@@ -20,7 +20,7 @@ use crate::http::SchedulerHttp;
 use crate::kv_table;
 use crate::metrics::Metrics;
 use crate::picker;
-use crate::snapshot::{self, SnapshotCache, Subscriber};
+use crate::snapshot::{self, SharedAffinity, SnapshotCache, Subscriber};
 
 /// State shared by one worker's HTTP contexts.
 pub struct Worker {
@@ -37,6 +37,24 @@ pub struct Worker {
     pub tokenizer: Option<PromptTokenizer>,
     /// Flow control: this worker's queue, saturation gate and fairness board.
     pub flow: FlowState,
+    /// Decisions not yet written to the cross-worker affinity table: `(slot, hash, endpoint)`,
+    /// flushed from the tick, off the request path.
+    pub affinity_pending: Vec<(u64, u64, String)>,
+}
+
+/// At most this many entries wait for the affinity flush; past it new ones are dropped (the
+/// table is a hint, and the local index has them already).
+pub const AFFINITY_PENDING_MAX: usize = 16_384;
+
+impl Worker {
+    /// Write the pending decisions to the shared affinity table, a page at a time.
+    pub fn flush_affinity(&mut self) {
+        if self.affinity_pending.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.affinity_pending);
+        attache_policies::index::AffinityStore::store_many(&mut SharedAffinity, &batch);
+    }
 }
 
 impl Worker {
@@ -70,6 +88,7 @@ impl Worker {
         Self {
             tokenizer,
             flow: FlowState::new(config.flow.enabled),
+            affinity_pending: Vec::new(),
             scheduler: Scheduler::new(config.scheduler.clone()),
             state: SchedulerState::new(&config.scheduler),
             cache: SnapshotCache::default(),
@@ -175,8 +194,15 @@ impl RootContext for AttacheRoot {
         };
         // Flow control re-checks its queue each tick; the snapshot stream checks its health.
         let flow_tick = (config.role == Role::Scheduler && config.flow.enabled).then_some(config.flow.tick_ms.max(1));
+        // The cross-worker affinity table is written in batches from the tick.
+        let prefix = &config.scheduler.prefix;
+        let affinity_tick =
+            (config.role == Role::Scheduler && prefix.shared_slots > 0).then_some(prefix.shared_flush_ms.max(1));
         self.worker = Some(Rc::new(RefCell::new(Worker::new(config))));
-        let mut tick_ms = flow_tick;
+        let mut tick_ms = match (flow_tick, affinity_tick) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if let Some(cfg) = sub_cfg {
             let mut sub = Subscriber::new(cfg);
             tick_ms = Some(tick_ms.map_or(sub.tick_ms(), |t| t.min(sub.tick_ms())));
@@ -199,6 +225,7 @@ impl RootContext for AttacheRoot {
         if self.role == Role::Scheduler {
             if let Some(w) = &self.worker {
                 if let Ok(mut w) = w.try_borrow_mut() {
+                    w.flush_affinity();
                     if w.config.flow.enabled {
                         crate::flow::tick(&mut w);
                     }

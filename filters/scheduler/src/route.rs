@@ -164,7 +164,10 @@ pub fn route(
     }
     w.scheduler.commit(&decision, &hashes, &mut w.state);
     if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
-        index::shared_record(&mut SharedAffinity, slots, &hashes, primary);
+        // Written to shared data from the worker's tick (root.rs), off the request path.
+        let room = crate::root::AFFINITY_PENDING_MAX.saturating_sub(w.affinity_pending.len());
+        let entries = index::shared_entries(slots, &hashes);
+        w.affinity_pending.extend(entries.into_iter().take(room).map(|(s, h)| (s, h, primary.clone())));
     }
     if let Some(best) = decision.scores.first() {
         if precise_scores.is_some() {

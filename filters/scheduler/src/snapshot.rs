@@ -97,6 +97,17 @@ fn affinity_offset(slot: u64) -> usize {
     (slot % AFFINITY_PAGE_SLOTS) as usize * AFFINITY_ENTRY
 }
 
+/// Write one `(hash, endpoint)` entry into its page: 8-byte hash, address length, address.
+fn write_entry(page: &mut [u8], slot: u64, hash: u64, endpoint: &str) {
+    let at = affinity_offset(slot);
+    if let Some(e) = page.get_mut(at..at + AFFINITY_ENTRY) {
+        e.fill(0);
+        e[..8].copy_from_slice(&hash.to_be_bytes());
+        e[8] = endpoint.len() as u8;
+        e[9..9 + endpoint.len()].copy_from_slice(endpoint.as_bytes());
+    }
+}
+
 impl attache_policies::index::AffinityStore for SharedAffinity {
     fn load(&mut self, slot: u64) -> Option<(u64, String)> {
         let page = host::shared_data(&affinity_key(slot))?;
@@ -110,24 +121,33 @@ impl attache_policies::index::AffinityStore for SharedAffinity {
     }
 
     fn store(&mut self, slot: u64, hash: u64, endpoint: &str) {
-        if endpoint.is_empty() || endpoint.len() > AFFINITY_MAX_ADDRESS {
-            return;
+        self.store_many(&[(slot, hash, endpoint.to_owned())]);
+    }
+
+    /// One read-modify-write per page for the whole batch (in order: a later entry for the
+    /// same slot wins). Read-modify-write uses the page's CAS token; another worker writing the
+    /// same page in between wins, and this batch's entries for it are dropped after one retry
+    /// (affinity is a hint).
+    fn store_many(&mut self, entries: &[(u64, u64, String)]) {
+        let mut pages: std::collections::BTreeMap<u64, Vec<(u64, u64, &str)>> = std::collections::BTreeMap::new();
+        for (slot, hash, endpoint) in entries {
+            if !endpoint.is_empty() && endpoint.len() <= AFFINITY_MAX_ADDRESS {
+                pages.entry(*slot / AFFINITY_PAGE_SLOTS).or_default().push((*slot, *hash, endpoint));
+            }
         }
-        let key = affinity_key(slot);
-        let at = affinity_offset(slot);
-        // Read-modify-write with the page's CAS token; another worker writing the same page
-        // in between wins, and this record is skipped after one retry (affinity is a hint).
-        for _ in 0..2 {
-            let (page, cas) = host::shared_data_cas(&key);
-            let mut page = page.unwrap_or_default();
-            page.resize(AFFINITY_PAGE_SLOTS as usize * AFFINITY_ENTRY, 0);
-            let e = &mut page[at..at + AFFINITY_ENTRY];
-            e.fill(0);
-            e[..8].copy_from_slice(&hash.to_be_bytes());
-            e[8] = endpoint.len() as u8;
-            e[9..9 + endpoint.len()].copy_from_slice(endpoint.as_bytes());
-            if host::set_shared_data_cas(&key, &page, cas) {
-                return;
+        for list in pages.values() {
+            let Some(&(first, _, _)) = list.first() else { continue };
+            let key = affinity_key(first);
+            for _ in 0..2 {
+                let (page, cas) = host::shared_data_cas(&key);
+                let mut page = page.unwrap_or_default();
+                page.resize(AFFINITY_PAGE_SLOTS as usize * AFFINITY_ENTRY, 0);
+                for &(slot, hash, endpoint) in list {
+                    write_entry(&mut page, slot, hash, endpoint);
+                }
+                if host::set_shared_data_cas(&key, &page, cas) {
+                    break;
+                }
             }
         }
     }
