@@ -167,12 +167,12 @@ impl Scheduler {
                 let (prefix, queue, kv_cache) = (*s_prefix.get(i)?, *s_queue.get(i)?, *s_kv.get(i)?);
                 let (no_hit_lru, lora, (precise, precise_blocks)) = (*s_lru.get(i)?, *s_lora.get(i)?, *precise.get(i)?);
                 let matched_blocks = *matched.get(i)?;
-                let total = w.prefix * prefix
-                    + w.queue * queue
-                    + w.kv_cache * kv_cache
-                    + w.no_hit_lru * no_hit_lru
-                    + w.precise_prefix * precise
-                    + w.lora * lora;
+                // The approximate and precise prefix scores measure one thing, what the endpoint
+                // holds (from routing decisions, from the engine's KV events): the stronger one
+                // counts, once, so precise mode does not double prefix affinity against load.
+                let affinity = (w.prefix * prefix).max(w.precise_prefix * precise);
+                let total =
+                    affinity + w.queue * queue + w.kv_cache * kv_cache + w.no_hit_lru * no_hit_lru + w.lora * lora;
                 let cached_tokens = (matched_blocks * block_tokens).max(precise_blocks * e.block_size as usize);
                 Some(ScoredEndpoint {
                     address: e.address.clone(),
@@ -509,6 +509,40 @@ mod tests {
         assert_eq!(d.endpoints[0], p.endpoints[2].address);
         assert!(!d.cold);
         assert!((d.scores[0].precise - 0.9).abs() < 1e-9);
+    }
+
+    #[test]
+    fn approximate_and_precise_affinity_count_once_against_load() {
+        // Endpoint 0 holds the prompt by both measures but has a queue; endpoint 1 holds
+        // nothing and is idle. Affinity (3) must not count twice (6) against load (2 + 2).
+        let s = Scheduler::default();
+        let mut p = pool(2);
+        for (i, e) in p.endpoints.iter_mut().enumerate() {
+            e.id = i as u32;
+        }
+        p.endpoints[0].metrics = Some(EndpointMetrics { waiting: 4.0, kv_usage: 0.6, ..Default::default() });
+        let hashes = [7u64, 8, 9];
+        let shared: HashMap<String, usize> = [(p.endpoints[0].address.clone(), 3)].into_iter().collect();
+        let precise: HashMap<u32, (f64, usize)> = [(0, (1.0, 3))].into_iter().collect();
+        let inflight = HashMap::new();
+        let mut st = s.new_state();
+        let input = SchedulingInput {
+            model: "m",
+            block_hashes: &hashes,
+            inflight: &inflight,
+            seed: 1,
+            extra_matches: Some(&shared),
+            precise: Some(&precise),
+            prompt_tokens: 48,
+            sticky: None,
+            load_only: false,
+        };
+        let d = s.schedule(&input, &p, &mut st).unwrap();
+        let holder = d.scores.iter().find(|x| x.address == p.endpoints[0].address).unwrap();
+        assert!((holder.prefix - 1.0).abs() < 1e-9 && (holder.precise - 1.0).abs() < 1e-9);
+        // 3 (affinity, once) + 0 (worst queue) + 2 * 0.4 (KV) + LRU; the idle one: 2 + 2 + LRU.
+        assert!((holder.total - (3.8 + holder.no_hit_lru)).abs() < 1e-9, "{}", holder.total);
+        assert_eq!(d.endpoints[0], p.endpoints[1].address, "the idle endpoint wins");
     }
 
     #[test]
