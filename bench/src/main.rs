@@ -1,6 +1,7 @@
 //! `attache-bench`: the demo and the side-by-side benchmarks.
 
 mod agents;
+mod compare;
 mod flow_control;
 mod kv_ingest;
 mod load;
@@ -10,6 +11,7 @@ mod peers;
 mod policy;
 mod procstat;
 mod run;
+mod scenario;
 mod shared_prefix;
 mod workload;
 
@@ -46,6 +48,8 @@ enum Cmd {
     Agents(agents::Args),
     /// The cost of deciding in Envoy: added latency and Envoy CPU per request vs plain Envoy.
     Overhead(overhead::Args),
+    /// Side by side with the peer routers on file-described scenarios (`bench/scenarios/`).
+    Peers(compare::Args),
     /// Sustained load: 2,000 concurrent streaming clients for 60 s; errors, latency, memory, CPU.
     Load(load::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
@@ -164,5 +168,6 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Overhead(a) => overhead::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
         Cmd::Load(a) => load::run(a).await,
+        Cmd::Peers(a) => compare::run(a).await,
     }
 }

@@ -38,6 +38,11 @@ pub struct Args {
         "attache-approx".to_string(), "attache-precise".to_string(),
         "vllm-router-cache-aware".to_string(), "smg-cache-aware".to_string()])]
     systems: Vec<String>,
+    /// Extra Attaché systems with their own scheduler configuration, `LABEL=JSON` (run as
+    /// `attache/LABEL`): to see what a feature costs, e.g.
+    /// `--variant 'no-sessions={"role":"scheduler","sessions":{"enabled":false}}'`.
+    #[arg(long = "variant")]
+    variants: Vec<String>,
     #[command(flatten)]
     peers: crate::peers::PeerVersions,
 }
@@ -107,13 +112,13 @@ fn body(i: usize, bytes: usize) -> Vec<u8> {
     client::chat_body(MODEL, "You are a helpful assistant.", &text, 1)
 }
 
-fn reference(path: &str) -> PathBuf {
+pub(crate) fn reference(path: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/vllm").join(path)
 }
 
 /// The precise scheduler configuration: the reference model's tokenizer and chat template, so
 /// chat prompts are rendered and tokenized in the filter as vLLM would.
-fn precise_config() -> anyhow::Result<Value> {
+pub(crate) fn precise_config() -> anyhow::Result<Value> {
     let read = |p: &str| std::fs::read_to_string(reference(p)).with_context(|| format!("reading reference/vllm/{p}"));
     Ok(json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304, "precise": {
         "enabled": true, "tokenizer_json": read("model/tokenizer.json")?,
@@ -173,7 +178,7 @@ async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<Syste
     let mut s = Stack::new(&format!("overhead-{system}"))?;
     if let Some(peer) = crate::peers::Peer::from_name(system) {
         let bin = crate::peers::ensure_venv(&s.paths.root, &a.peers)?;
-        let (p, port) = crate::peers::start(&s, &bin, peer, &[fast.to_string()], &[], 16)?;
+        let (p, port, _) = crate::peers::start(&s, &bin, peer, &[fast.to_string()], &[], 16)?;
         let pid = p.pid();
         let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
         crate::peers::wait_serving(&url, MODEL).await?;
@@ -181,19 +186,32 @@ async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<Syste
     }
     s.external = vec![ExternalEngine { address: fast.to_string(), kv_publisher: None, kv_replay: None }];
     s.write_endpoints(&s.engine_addrs())?;
+    let variant = system.strip_prefix("attache/").and_then(|label| {
+        a.variants.iter().find_map(|v| v.split_once('=').filter(|(l, _)| *l == label).map(|(_, j)| j.to_owned()))
+    });
+    if let Some(json) = variant {
+        let config: Value = serde_json::from_str(&json).with_context(|| format!("variant {system}: bad JSON"))?;
+        return start_attache(s, system, config).await;
+    }
     let (kind, config) = match system {
         "envoy" => (EnvoyKind::RoundRobin, Stack::default_scheduler_config()),
         "attache-approx" => (EnvoyKind::Attache, Stack::default_scheduler_config()),
         "attache-precise" => (EnvoyKind::Attache, precise_config()?),
         other => anyhow::bail!("unknown system {other}"),
     };
-    if kind != EnvoyKind::RoundRobin {
-        s.start_host()?;
+    if kind == EnvoyKind::RoundRobin {
+        s.start_envoy(kind, &config, 2)?;
+        let pid = s.envoy.as_ref().map(|p| p.pid()).context("envoy not running")?;
+        return Ok(System { name: system.into(), url: s.url("/v1/chat/completions"), pid, _stack: s, _peer: None });
     }
-    s.start_envoy(kind, &config, 2)?;
-    if kind != EnvoyKind::RoundRobin {
-        s.wait_snapshot(1, Duration::from_secs(20))?;
-    }
+    start_attache(s, system, config).await
+}
+
+/// Envoy with Attaché (and the host) in front of the fast endpoint.
+async fn start_attache(mut s: Stack, system: &str, config: Value) -> anyhow::Result<System> {
+    s.start_host()?;
+    s.start_envoy(EnvoyKind::Attache, &config, 2)?;
+    s.wait_snapshot(1, Duration::from_secs(20))?;
     let pid = s.envoy.as_ref().map(|p| p.pid()).context("envoy not running")?;
     Ok(System { name: system.into(), url: s.url("/v1/chat/completions"), pid, _stack: s, _peer: None })
 }
@@ -203,6 +221,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     println!("overhead: one client, sequential requests, fast endpoint at {fast}; Envoy --concurrency 2");
     let mut systems = vec!["envoy".to_string()];
     systems.extend(a.systems.iter().cloned());
+    systems.extend(a.variants.iter().filter_map(|v| v.split_once('=')).map(|(l, _)| format!("attache/{l}")));
     // Start every system once; sizes run in turn on the same processes.
     let mut stacks = Vec::new();
     for sys in &systems {

@@ -74,7 +74,8 @@ fn port_open(port: u16) -> bool {
 }
 
 /// Start `peer` in front of `workers` (`ip:port`); `kv` gives each worker's KV-event PUB and
-/// replay endpoints (for `kv_aware`). Returns the process and its port, once it answers.
+/// replay endpoints (for `kv_aware`). Returns the process, its port and its Prometheus port,
+/// once it answers.
 pub fn start(
     s: &Stack,
     bin: &Path,
@@ -82,14 +83,15 @@ pub fn start(
     workers: &[String],
     kv: &[(String, String)],
     block_size: usize,
-) -> anyhow::Result<(Proc, u16)> {
+) -> anyhow::Result<(Proc, u16, u16)> {
     let port = free_port();
+    let metrics_port = free_port();
     let urls: Vec<String> = workers.iter().map(|w| format!("http://{w}")).collect();
     let mut cmd = match peer {
         Peer::VllmRouterCache | Peer::VllmRouterKv => {
             let mut c = Command::new(bin.join("vllm-router"));
             c.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--prometheus-port"])
-                .arg(free_port().to_string())
+                .arg(metrics_port.to_string())
                 .arg("--worker-urls")
                 .args(&urls)
                 .args(["--log-level", "warning"]);
@@ -108,7 +110,7 @@ pub fn start(
         Peer::SmgCache => {
             let mut c = Command::new(bin.join("smg"));
             c.args(["launch", "--host", "127.0.0.1", "--port", &port.to_string(), "--prometheus-port"])
-                .arg(free_port().to_string())
+                .arg(metrics_port.to_string())
                 .arg("--worker-urls")
                 .args(&urls)
                 .args(["--policy", "cache_aware", "--log-level", "warn"]);
@@ -120,7 +122,7 @@ pub fn start(
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
         if port_open(port) {
-            return Ok((p, port));
+            return Ok((p, port, metrics_port));
         }
         std::thread::sleep(Duration::from_millis(100));
     }

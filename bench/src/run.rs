@@ -77,7 +77,7 @@ pub fn summarise(system: &str, outcomes: &[Outcome], wall: Duration, queries: f6
     }
 }
 
-fn round2(v: f64) -> f64 {
+pub fn round2(v: f64) -> f64 {
     (v * 100.0).round() / 100.0
 }
 fn round4(v: f64) -> f64 {
@@ -117,4 +117,92 @@ pub fn print_table(title: &str, rows: &[RunSummary]) {
             r.system, r.requests, r.ttft_p50_ms, r.ttft_p95_ms, r.output_tok_per_s, r.prefix_hit_rate, r.errors
         );
     }
+}
+
+/// One request of an open-loop run, as sent.
+pub struct Sent {
+    /// 0 = warm-up, then the ladder's stages.
+    pub stage: usize,
+    /// Real time of sending, from the run's start.
+    pub at: Duration,
+    pub outcome: Outcome,
+}
+
+/// One stage's figures for one system (simulated time).
+#[derive(Debug, Clone, Serialize)]
+pub struct StageSummary {
+    pub qps: f64,
+    pub requests: usize,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub output_tok_per_s: f64,
+    pub errors: usize,
+    /// Every request of the stage completed (no error, no timeout): the system sustained the
+    /// stage's offered load.
+    pub sustained: bool,
+    /// TTFT p90 within the run's SLO.
+    pub within_slo: bool,
+}
+
+fn completed(s: &Sent) -> bool {
+    s.outcome.ok() && s.outcome.done
+}
+
+/// The summary row over the measured stages (stage > 0) and one row per stage, converting
+/// real time to simulated time (`scale`). `rates[i]` is stage i's offered rate.
+pub fn summarise_stages(
+    system: &str,
+    scale: f64,
+    rates: &[f64],
+    sent: &[Sent],
+    hit_rate: f64,
+    slo_ttft_p90_ms: f64,
+) -> (RunSummary, Vec<StageSummary>) {
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0 / scale;
+    let ttfts = |v: &[&Sent]| {
+        let mut t: Vec<f64> = v.iter().filter(|s| completed(s)).filter_map(|s| s.outcome.ttft).map(ms).collect();
+        t.sort_by(f64::total_cmp);
+        t
+    };
+    let tokens = |v: &[&Sent]| v.iter().filter(|s| completed(s)).map(|s| s.outcome.output_tokens).sum::<u64>() as f64;
+    // Throughput: tokens over the span from the first send to the last completion.
+    let span = |v: &[&Sent]| {
+        let first = v.iter().map(|s| s.at).min().unwrap_or_default();
+        let last = v.iter().map(|s| s.at + s.outcome.total).max().unwrap_or_default();
+        last.saturating_sub(first).as_secs_f64() / scale
+    };
+    let measured: Vec<&Sent> = sent.iter().filter(|s| s.stage > 0).collect();
+    let all = ttfts(&measured);
+    let row = RunSummary {
+        system: system.into(),
+        requests: measured.len(),
+        ttft_p50_ms: round2(percentile(&all, 50.0)),
+        ttft_p95_ms: round2(percentile(&all, 95.0)),
+        output_tok_per_s: round2(tokens(&measured) / span(&measured).max(1e-9)),
+        prefix_hit_rate: round4(hit_rate),
+        errors: measured.iter().filter(|s| !completed(s)).count(),
+        wall_s: round2(span(&measured) * scale),
+    };
+    let stages = rates
+        .iter()
+        .enumerate()
+        .skip(1)
+        .map(|(i, &qps)| {
+            let v: Vec<&Sent> = sent.iter().filter(|s| s.stage == i).collect();
+            let t = ttfts(&v);
+            let errors = v.iter().filter(|s| !completed(s)).count();
+            let p90 = percentile(&t, 90.0);
+            StageSummary {
+                qps,
+                requests: v.len(),
+                ttft_p50_ms: round2(percentile(&t, 50.0)),
+                ttft_p90_ms: round2(p90),
+                output_tok_per_s: round2(tokens(&v) / span(&v).max(1e-9)),
+                errors,
+                sustained: errors == 0 && !v.is_empty(),
+                within_slo: errors == 0 && p90.is_finite() && p90 <= slo_ttft_p90_ms,
+            }
+        })
+        .collect();
+    (row, stages)
 }

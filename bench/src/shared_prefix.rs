@@ -13,14 +13,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use attache_e2e::client::{self, Outcome};
+use attache_e2e::client;
 use attache_e2e::stack::histogram_quantile;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use attache_policies::rng::SplitMix64;
 use serde::Serialize;
 use serde_json::json;
 
-use crate::run::{percentile, RunSummary};
+use crate::run::{RunSummary, Sent, StageSummary};
 
 #[derive(clap::Parser, Debug, Clone)]
 pub struct Args {
@@ -107,22 +107,6 @@ fn parse_stages(s: &str) -> anyhow::Result<Vec<Stage>> {
         .collect()
 }
 
-/// One stage's figures for one system (simulated time).
-#[derive(Debug, Clone, Serialize)]
-pub struct StageSummary {
-    qps: f64,
-    requests: usize,
-    ttft_p50_ms: f64,
-    ttft_p90_ms: f64,
-    output_tok_per_s: f64,
-    errors: usize,
-    /// Every request of the stage completed (no error, no timeout): the system sustained the
-    /// stage's offered load.
-    sustained: bool,
-    /// TTFT p90 within `slo_ttft_p90_ms`.
-    within_slo: bool,
-}
-
 /// Prompts as token ids (random valid-vocabulary ids, seeded: inference-perf's shared_prefix
 /// data generator), shuffled once, then cycled.
 fn prompts(a: &Args) -> Vec<Arc<Vec<u32>>> {
@@ -165,13 +149,6 @@ fn arrivals(stages: &[Stage], interval_s: f64, seed: u64) -> Vec<(f64, usize)> {
     out
 }
 
-struct Sent {
-    stage: usize,
-    /// Arrival (real) relative to the run's start.
-    at: Duration,
-    outcome: Outcome,
-}
-
 async fn drive(stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64, usize)]) -> Vec<Sent> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4096)
@@ -206,14 +183,6 @@ async fn drive(stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64,
     out
 }
 
-fn ms(d: Duration, scale: f64) -> f64 {
-    d.as_secs_f64() * 1000.0 / scale
-}
-
-fn round2(v: f64) -> f64 {
-    (v * 100.0).round() / 100.0
-}
-
 fn summarise(
     a: &Args,
     system: &str,
@@ -221,57 +190,8 @@ fn summarise(
     sent: &[Sent],
     hit_rate: f64,
 ) -> (RunSummary, Vec<StageSummary>) {
-    let scale = a.time_scale;
-    let measured: Vec<&Sent> = sent.iter().filter(|s| s.stage > 0).collect();
-    fn ok(s: &Sent) -> bool {
-        s.outcome.ok() && s.outcome.done
-    }
-    let ttfts = |v: &[&Sent]| {
-        let mut t: Vec<f64> = v.iter().filter(|s| ok(s)).filter_map(|s| s.outcome.ttft).map(|d| ms(d, scale)).collect();
-        t.sort_by(f64::total_cmp);
-        t
-    };
-    let tokens = |v: &[&Sent]| v.iter().filter(|s| ok(s)).map(|s| s.outcome.output_tokens).sum::<u64>() as f64;
-    // Throughput: tokens of the measured requests over the span from the first measured
-    // arrival to the last completion (simulated seconds).
-    let span = |v: &[&Sent]| {
-        let first = v.iter().map(|s| s.at).min().unwrap_or_default();
-        let last = v.iter().map(|s| s.at + s.outcome.total).max().unwrap_or_default();
-        last.saturating_sub(first).as_secs_f64() / scale
-    };
-    let all = ttfts(&measured);
-    let row = RunSummary {
-        system: system.into(),
-        requests: measured.len(),
-        ttft_p50_ms: round2(percentile(&all, 50.0)),
-        ttft_p95_ms: round2(percentile(&all, 95.0)),
-        output_tok_per_s: round2(tokens(&measured) / span(&measured).max(1e-9)),
-        prefix_hit_rate: (hit_rate * 10_000.0).round() / 10_000.0,
-        errors: measured.iter().filter(|s| !ok(s)).count(),
-        wall_s: round2(span(&measured) * scale),
-    };
-    let per_stage = stages
-        .iter()
-        .enumerate()
-        .skip(1)
-        .map(|(i, st)| {
-            let v: Vec<&Sent> = sent.iter().filter(|s| s.stage == i).collect();
-            let t = ttfts(&v);
-            let errors = v.iter().filter(|s| !ok(s)).count();
-            let p90 = percentile(&t, 90.0);
-            StageSummary {
-                qps: st.qps,
-                requests: v.len(),
-                ttft_p50_ms: round2(percentile(&t, 50.0)),
-                ttft_p90_ms: round2(p90),
-                output_tok_per_s: round2(tokens(&v) / span(&v).max(1e-9)),
-                errors,
-                sustained: errors == 0 && !v.is_empty(),
-                within_slo: errors == 0 && p90.is_finite() && p90 <= a.slo_ttft_p90_ms,
-            }
-        })
-        .collect();
-    (row, per_stage)
+    let rates: Vec<f64> = stages.iter().map(|s| s.qps).collect();
+    crate::run::summarise_stages(system, a.time_scale, &rates, sent, hit_rate, a.slo_ttft_p90_ms)
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {

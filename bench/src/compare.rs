@@ -1,0 +1,528 @@
+//! The side-by-side comparison: each system in turn, in one run, on identical fresh simulated
+//! pools (cold caches), with the same seeded request plan from a scenario file
+//! (`bench/scenarios/*.json`). Systems:
+//! - `round-robin`: plain Envoy 1.40 (the "plain Kubernetes Service" of llm-d's claims);
+//! - `attache-approx`, `attache-precise`: Envoy with Attaché (precise: KV events, and the
+//!   reference model's tokenizer and chat template in the filter);
+//! - `vllm-router-cache-aware`, `vllm-router-kv-aware` (fed the simulator's KV events),
+//!   `smg-cache-aware`: the peer routers from PyPI (`crate::peers`).
+//!
+//! Every engine tokenizes with the reference model's tokenizer and chat template, so text and
+//! chat prompts hash to the same blocks for the engines, Attaché's precise mode and the peers
+//! that tokenize through the engine. Requests are streaming chat completions with text prompts,
+//! what the peers route on. Times are simulated (real / time_scale). Per system the run writes
+//! the demo's summary row, per-stage figures along the ladder, and checks; then a markdown
+//! table and an SVG plot of TTFT and throughput per system across the ladder.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use attache_e2e::client::{self, Outcome};
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
+use serde_json::{json, Value};
+
+use crate::peers::{self, Peer, PeerVersions};
+use crate::run::{round2, RunSummary, Sent, StageSummary};
+use crate::scenario::{Scenario, SessionPlan, Stage};
+
+pub const SYSTEMS: &str =
+    "round-robin,attache-approx,attache-precise,vllm-router-cache-aware,vllm-router-kv-aware,smg-cache-aware";
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// Scenario files to run (each writes `<out-dir>/peers-<name>.{json,md,svg}`).
+    #[arg(long = "scenario", default_values = ["bench/scenarios/shared-prefix.json", "bench/scenarios/agentic.json",
+        "bench/scenarios/bursty-chat.json", "bench/scenarios/low-cache.json"])]
+    pub scenarios: Vec<PathBuf>,
+    #[arg(long, default_value = SYSTEMS)]
+    pub systems: String,
+    #[arg(long, default_value = "bench/results")]
+    pub out_dir: PathBuf,
+    /// Multiply every stage's rate (and keep its duration): a quick run is `--rate-scale 0.2`.
+    #[arg(long, default_value_t = 1.0)]
+    pub rate_scale: f64,
+    #[command(flatten)]
+    pub peers: PeerVersions,
+    #[arg(long, default_value_t = 2)]
+    pub envoy_concurrency: u32,
+}
+
+const MODEL: &str = "tinyllama";
+
+/// What one system produced.
+struct SystemRun {
+    summary: RunSummary,
+    stages: Vec<StageSummary>,
+    extra: Value,
+}
+
+/// Reference-model tokens per generated word, measured with the tokenizer the engines use.
+fn words_per_token() -> anyhow::Result<f64> {
+    let json = std::fs::read(crate::overhead::reference("model/tokenizer.json")).context("reference tokenizer")?;
+    let mut t = attache_policies::tokenizer::Tokenizer::from_json(&json)?;
+    let text = crate::scenario::TextGen::new(1, 1.0).words(4000);
+    let n = t.encode(&text, false, usize::MAX).len();
+    Ok(4000.0 / n.max(1) as f64)
+}
+
+/// Drive the whole plan against `url`: each session starts at its time and runs its turns in
+/// order, carrying the conversation so far; a failed turn ends its session, and the turns it
+/// did not send count as errors.
+async fn drive(url: &str, plan: Arc<Vec<SessionPlan>>, scale: f64, timeout_s: f64) -> Vec<Sent> {
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(4096)
+        .timeout(Duration::from_secs_f64(timeout_s * scale))
+        .build()
+        .unwrap_or_default();
+    let start = tokio::time::Instant::now();
+    let mut handles = Vec::with_capacity(plan.len());
+    for i in 0..plan.len() {
+        let p = &plan[i];
+        tokio::time::sleep_until(start + Duration::from_secs_f64(p.start_s * scale)).await;
+        let (http, url, plan) = (http.clone(), url.to_string(), plan.clone());
+        handles.push(tokio::spawn(async move {
+            let p = &plan[i];
+            let sid = format!("session-{}", p.id);
+            let mut messages = vec![json!({"role": "system", "content": &*p.system})];
+            let mut out = Vec::with_capacity(p.users.len());
+            for (k, user) in p.users.iter().enumerate() {
+                if k > 0 {
+                    tokio::time::sleep(Duration::from_secs_f64(p.pauses_s[k] * scale)).await;
+                }
+                messages.push(json!({"role": "user", "content": &**user}));
+                let body = json!({"model": MODEL, "messages": messages, "max_tokens": p.max_tokens,
+                    "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+                let headers: Vec<(&str, &str)> =
+                    if p.session_header { vec![("x-session-id", sid.as_str())] } else { vec![] };
+                let at = start.elapsed();
+                let mut o = client::post(&http, &url, body.to_string().into_bytes(), &headers).await;
+                messages.push(json!({"role": "assistant", "content": o.streamed_text()}));
+                o.events.clear();
+                o.body.truncate(300);
+                let failed = !(o.ok() && o.done);
+                out.push(Sent { stage: p.stage, at, outcome: o });
+                if failed {
+                    for _ in k + 1..p.users.len() {
+                        let error = Some("not sent: an earlier turn of the session failed".to_string());
+                        out.push(Sent { stage: p.stage, at, outcome: Outcome { error, ..Outcome::default() } });
+                    }
+                    break;
+                }
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for h in handles {
+        if let Ok(v) = h.await {
+            all.extend(v);
+        }
+    }
+    all
+}
+
+fn summarise(system: &str, sc: &Scenario, stages: &[Stage], sent: &[Sent], hit_rate: f64) -> SystemRun {
+    let rates: Vec<f64> = stages.iter().map(|s| s.rate).collect();
+    let (summary, stages) =
+        crate::run::summarise_stages(system, sc.pool.time_scale, &rates, sent, hit_rate, sc.slo_ttft_p90_ms);
+    SystemRun { summary, stages, extra: json!({}) }
+}
+
+/// Prometheus samples of `prefix` from a peer's metrics endpoint, as `{"name{labels}": value}`.
+async fn peer_metrics(port: u16, prefix: &str) -> Value {
+    let text = match reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => return json!({}),
+    };
+    let mut m = serde_json::Map::new();
+    for l in text.lines().filter(|l| l.starts_with(prefix)) {
+        if let Some((k, v)) = l.rsplit_once(' ') {
+            if let Ok(v) = v.parse::<f64>() {
+                m.insert(k.to_string(), json!(v));
+            }
+        }
+    }
+    Value::Object(m)
+}
+
+async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a: &Args) -> anyhow::Result<SystemRun> {
+    let stages = sc.stages()?;
+    let blocks = sc.blocks_per_engine(plan.len());
+    let pool = &sc.pool;
+    let sim = SimOpts {
+        engines: pool.engines,
+        model: MODEL.into(),
+        block_size: pool.block_size,
+        num_gpu_blocks: blocks,
+        max_num_seqs: pool.max_num_seqs,
+        max_num_batched_tokens: pool.max_num_batched_tokens,
+        time_scale: pool.time_scale,
+        kv_events: true,
+        stream_interval: pool.stream_interval,
+        prefill_scale: pool.prefill_scale,
+        decode_scale: pool.decode_scale,
+        tokenizer: Some(crate::overhead::reference("model/tokenizer.json")),
+        chat_template: Some(crate::overhead::reference("model/chat_template.jinja")),
+        ..SimOpts::default()
+    };
+    let mut stack = Stack::new(&format!("peers-{}-{system}", sc.name))?;
+    stack.start_sim(sim)?;
+    let mut peer_proc = None;
+    let url = if let Some(peer) = Peer::from_name(system) {
+        let bin = peers::ensure_venv(&stack.paths.root, &a.peers)?;
+        let workers = stack.engine_addrs();
+        let kv: Vec<(String, String)> = (0..pool.engines)
+            .map(|i| {
+                let p = stack.kv_base_port + 2 * i;
+                (format!("tcp://127.0.0.1:{p}"), format!("tcp://127.0.0.1:{}", p + 1))
+            })
+            .collect();
+        let (p, port, metrics) = peers::start(&stack, &bin, peer, &workers, &kv, pool.block_size)?;
+        peer_proc = Some((p, metrics));
+        let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+        peers::wait_serving(&url, MODEL).await?;
+        url
+    } else {
+        let (kind, config) = match system {
+            "round-robin" => (EnvoyKind::RoundRobin, Stack::default_scheduler_config()),
+            "attache-approx" => (EnvoyKind::Attache, Stack::default_scheduler_config()),
+            "attache-precise" => (EnvoyKind::Attache, crate::overhead::precise_config()?),
+            other => anyhow::bail!("unknown system {other} (known: {SYSTEMS})"),
+        };
+        if kind != EnvoyKind::RoundRobin {
+            stack.start_host()?;
+        }
+        stack.start_envoy(kind, &config, a.envoy_concurrency)?;
+        if kind != EnvoyKind::RoundRobin {
+            stack.wait_snapshot(usize::from(pool.engines), Duration::from_secs(30))?;
+        }
+        stack.url("/v1/chat/completions")
+    };
+    let (q0, h0) = stack.prefix_counters().await?;
+    let lost0 = stack.sim_lost_ms().await?;
+    let t0 = Instant::now();
+    let sent = drive(&url, plan, pool.time_scale, sc.request_timeout_s).await;
+    let real = t0.elapsed().as_secs_f64();
+    let (q1, h1) = stack.prefix_counters().await?;
+    let lost = stack.sim_lost_ms().await? - lost0;
+    let hit = if q1 > q0 { (h1 - h0) / (q1 - q0) } else { 0.0 };
+    let mut run = summarise(system, sc, &stages, &sent, hit);
+    // How the system spread the load: requests each engine finished.
+    let mut per_engine = Vec::new();
+    for addr in stack.engine_addrs() {
+        let text = stack.http.get(format!("http://{addr}/metrics")).send().await?.text().await?;
+        let done: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("vllm:request_success_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        per_engine.push(done as u64);
+    }
+    let lag = lost / 10.0 / (real * f64::from(pool.engines));
+    run.extra = json!({"simulator_lag_percent": round2(lag), "real_seconds": round2(real),
+                       "requests_per_engine": per_engine});
+    if let Some((_, metrics)) = &peer_proc {
+        // What the peer's own counters say about its routing inputs (kv_aware's index lookups).
+        run.extra["peer_metrics"] = peer_metrics(*metrics, "vllm_router_kv").await;
+    }
+    if system.starts_with("attache") {
+        run.extra["session_sticky_hits"] = json!(stack.envoy_stat("wasmcustom.attache.session.sticky_hits"));
+    }
+    println!(
+        "  {system:<24} {} requests in {real:.0} s real, simulator lag {lag:.2}%, prefix hit rate {hit:.3}, per engine {per_engine:?}",
+        sent.len()
+    );
+    println!(
+        "    {:>6} {:>8} {:>12} {:>12} {:>17} {:>7}",
+        "qps", "requests", "ttft_p50_ms", "ttft_p90_ms", "output_tok_per_s", "errors"
+    );
+    for s in &run.stages {
+        println!(
+            "    {:>6} {:>8} {:>12.1} {:>12.1} {:>17.1} {:>7}",
+            s.qps, s.requests, s.ttft_p50_ms, s.ttft_p90_ms, s.output_tok_per_s, s.errors
+        );
+    }
+    drop(peer_proc);
+    Ok(run)
+}
+
+/// Must-show checks of the issue, computed from this run's rows.
+fn checks(sc: &Scenario, rows: &[RunSummary]) -> Value {
+    let row = |s: &str| rows.iter().find(|r| r.system == s);
+    let mut out = serde_json::Map::new();
+    if let Some(p) = row("attache-precise") {
+        for peer in rows.iter().filter(|r| Peer::from_name(&r.system).is_some()) {
+            let lower_ttft = p.ttft_p50_ms < peer.ttft_p50_ms;
+            let tput = p.output_tok_per_s >= peer.output_tok_per_s;
+            out.insert(
+                format!("attache-precise_vs_{}", peer.system),
+                json!({"ttft_p50_ms": [p.ttft_p50_ms, peer.ttft_p50_ms], "lower_ttft_p50": lower_ttft,
+                       "output_tok_per_s": [p.output_tok_per_s, peer.output_tok_per_s], "higher_or_equal_throughput": tput,
+                       "met": lower_ttft && tput}),
+            );
+        }
+    }
+    if sc.name == "low-cache" {
+        if let Some(rr) = row("round-robin") {
+            for sys in ["attache-approx", "attache-precise"] {
+                if let Some(r) = row(sys) {
+                    let ratio = r.output_tok_per_s / rr.output_tok_per_s;
+                    out.insert(
+                        format!("{sys}_throughput_vs_round-robin"),
+                        json!({"ratio": (ratio * 1000.0).round() / 1000.0, "target": ">= 0.95", "met": ratio >= 0.95}),
+                    );
+                }
+            }
+        }
+    }
+    Value::Object(out)
+}
+
+fn markdown(sc: &Scenario, rows: &[RunSummary], per_stage: &[(String, Vec<StageSummary>)], date: &str) -> String {
+    let mut m = String::new();
+    let _ = writeln!(m, "# {} ({date})\n\n{}\n", sc.name, sc.description);
+    let _ = writeln!(
+        m,
+        "Command: `cargo xtask bench peers --scenario bench/scenarios/{}.json`. Simulated time.\n",
+        sc.name
+    );
+    let _ = writeln!(m, "| system | requests | TTFT p50 ms | TTFT p95 ms | output tok/s | prefix hit rate | errors |");
+    let _ = writeln!(m, "|---|---:|---:|---:|---:|---:|---:|");
+    for r in rows {
+        let _ = writeln!(
+            m,
+            "| {} | {} | {:.0} | {:.0} | {:.0} | {:.3} | {} |",
+            r.system, r.requests, r.ttft_p50_ms, r.ttft_p95_ms, r.output_tok_per_s, r.prefix_hit_rate, r.errors
+        );
+    }
+    let _ = writeln!(m, "\nTTFT p50 (ms) per stage:\n");
+    let qps: Vec<String> =
+        per_stage.first().map(|(_, v)| v.iter().map(|s| s.qps.to_string()).collect()).unwrap_or_default();
+    let _ = writeln!(m, "| system | {} |", qps.join(" | "));
+    let _ = writeln!(m, "|---|{}", "---:|".repeat(qps.len()));
+    for (sys, v) in per_stage {
+        let cells: Vec<String> = v.iter().map(|s| format!("{:.0}", s.ttft_p50_ms)).collect();
+        let _ = writeln!(m, "| {sys} | {} |", cells.join(" | "));
+    }
+    m
+}
+
+/// A plot panel: its label, whether its y axis is logarithmic, and the figure it plots.
+type Panel = (&'static str, bool, fn(&StageSummary) -> f64);
+
+/// An SVG with two panels, TTFT p50 (log scale) and output tok/s, against the stage rate.
+pub fn svg(title: &str, per_stage: &[(String, Vec<StageSummary>)]) -> String {
+    const COLORS: [&str; 6] = ["#7f7f7f", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
+    let (w, h, pad) = (440.0, 300.0, 60.0);
+    let xs: Vec<f64> = per_stage.iter().flat_map(|(_, v)| v.iter().map(|s| s.qps)).collect();
+    let (x0, x1) = (xs.iter().copied().fold(f64::INFINITY, f64::min), xs.iter().copied().fold(0.0, f64::max));
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"18\" font-size=\"14\">{title}</text>\n",
+        2.0 * w + 20.0,
+        h + 70.0 + 16.0 * per_stage.len() as f64
+    );
+    let panels: [Panel; 2] =
+        [("TTFT p50 (ms, log)", true, |s| s.ttft_p50_ms), ("output tok/s", false, |s| s.output_tok_per_s)];
+    for (pi, (label, log, get)) in panels.iter().enumerate() {
+        let ox = pi as f64 * (w + 20.0);
+        let vals: Vec<f64> = per_stage
+            .iter()
+            .flat_map(|(_, v)| v.iter().map(get))
+            .filter(|v| v.is_finite() && (!*log || *v > 0.0))
+            .collect();
+        let t = |v: f64| if *log { v.max(1e-3).log10() } else { v };
+        let lo = if *log { vals.iter().copied().map(t).fold(f64::INFINITY, f64::min).floor() } else { 0.0 };
+        let hi = vals.iter().copied().map(t).fold(f64::NEG_INFINITY, f64::max);
+        let hi = if *log { hi.ceil().max(lo + 1.0) } else { (hi * 1.1).max(1.0) };
+        let px = |x: f64| ox + pad + (x - x0) / (x1 - x0).max(1e-9) * (w - pad - 10.0);
+        let py = |v: f64| 30.0 + (h - 40.0) * (1.0 - (t(v) - lo) / (hi - lo).max(1e-9));
+        let _ = writeln!(
+            out,
+            "<rect x=\"{}\" y=\"30\" width=\"{}\" height=\"{}\" fill=\"none\" stroke=\"#ccc\"/><text x=\"{}\" y=\"{}\">{label} vs offered rate (per s)</text>",
+            ox + pad,
+            w - pad - 10.0,
+            h - 40.0,
+            ox + pad,
+            h + 20.0
+        );
+        // Log panels: one tick per decade; linear ones: five.
+        let ticks = if *log { (hi - lo).round().clamp(1.0, 8.0) as u32 } else { 4 };
+        for k in 0..=ticks {
+            let f = f64::from(k) / f64::from(ticks);
+            let v = lo + (hi - lo) * f;
+            let shown = if *log { 10f64.powf(v) } else { v };
+            let y = 30.0 + (h - 40.0) * (1.0 - f);
+            let _ = writeln!(
+                out,
+                "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{shown:.0}</text>",
+                ox + pad - 4.0,
+                y + 4.0
+            );
+        }
+        for x in xs.iter().take(per_stage.first().map_or(0, |(_, v)| v.len())) {
+            let _ = writeln!(out, "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{x}</text>", px(*x), h + 2.0);
+        }
+        for (i, (_, v)) in per_stage.iter().enumerate() {
+            let pts: Vec<String> = v
+                .iter()
+                .filter(|s| get(s).is_finite() && (!*log || get(s) > 0.0))
+                .map(|s| format!("{:.1},{:.1}", px(s.qps), py(get(s))))
+                .collect();
+            let c = COLORS[i % COLORS.len()];
+            let _ = writeln!(
+                out,
+                "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>",
+                pts.join(" ")
+            );
+            for p in &pts {
+                let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
+                let _ = writeln!(out, "<circle cx=\"{x}\" cy=\"{y}\" r=\"3\" fill=\"{c}\"/>");
+            }
+        }
+    }
+    for (i, (sys, _)) in per_stage.iter().enumerate() {
+        let y = h + 40.0 + 16.0 * i as f64;
+        let c = COLORS[i % COLORS.len()];
+        let _ = writeln!(out, "<rect x=\"60\" y=\"{:.0}\" width=\"14\" height=\"4\" fill=\"{c}\"/><text x=\"80\" y=\"{:.0}\">{sys}</text>", y - 4.0, y);
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
+    let mut sc = Scenario::load(path)?;
+    if (a.rate_scale - 1.0).abs() > 1e-9 {
+        let scale = |s: &str| -> anyhow::Result<String> {
+            Ok(crate::scenario::parse_stages(s)?
+                .iter()
+                .map(|st| format!("{}:{}", round2(st.rate * a.rate_scale), st.seconds))
+                .collect::<Vec<_>>()
+                .join(","))
+        };
+        sc.arrivals.ladder = scale(&sc.arrivals.ladder)?;
+        sc.arrivals.warmup = scale(&sc.arrivals.warmup)?;
+    }
+    let plan = Arc::new(sc.plan(wpt)?);
+    let stages = sc.stages()?;
+    let requests: usize = plan.iter().map(|p| p.users.len()).sum();
+    println!(
+        "\npeers/{}: {} sessions, {} requests ({} in warm-up sessions), {} engines x {} KV blocks, time scale {}",
+        sc.name,
+        plan.len(),
+        requests,
+        plan.iter().filter(|p| p.stage == 0).map(|p| p.users.len()).sum::<usize>(),
+        sc.pool.engines,
+        sc.blocks_per_engine(plan.len()),
+        sc.pool.time_scale
+    );
+    let mut rows = Vec::new();
+    let mut per_stage = Vec::new();
+    let mut extra = serde_json::Map::new();
+    for system in a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let r = run_system(system, &sc, plan.clone(), a).await.with_context(|| format!("{}: {system}", sc.name))?;
+        rows.push(r.summary);
+        per_stage.push((system.to_string(), r.stages));
+        extra.insert(system.to_string(), r.extra);
+    }
+    crate::run::print_table(&format!("peers/{} (simulated time)", sc.name), &rows);
+    let checks = checks(&sc, &rows);
+    println!("checks: {}", serde_json::to_string_pretty(&checks)?);
+    let doc = json!({
+        "scenario": sc.name,
+        "command": format!("cargo xtask bench peers --scenario {}", path.display()),
+        "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
+        "scenario_file": sc,
+        "reference_tokens_per_word": round2(1.0 / wpt),
+        "num_gpu_blocks_per_engine": sc.blocks_per_engine(plan.len()),
+        "peer_versions": {"vllm-router": a.peers.vllm_router_version, "smg": a.peers.smg_version},
+        "runs": rows,
+        "stages": per_stage.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
+        "checks": checks,
+        "per_system": extra,
+        "ladder": stages.iter().skip(1).map(|s| s.rate).collect::<Vec<_>>(),
+    });
+    let base = a.out_dir.join(format!("peers-{}", sc.name));
+    crate::run::write_results(&base.with_extension("json"), doc)?;
+    let date = std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    std::fs::write(base.with_extension("md"), markdown(&sc, &rows, &per_stage, &date))?;
+    std::fs::write(base.with_extension("svg"), svg(&format!("{} ({date}, simulated time)", sc.name), &per_stage))?;
+    println!("wrote {}.md and {}.svg", base.display(), base.display());
+    Ok(())
+}
+
+pub async fn run(a: Args) -> anyhow::Result<()> {
+    let wpt = words_per_token()?;
+    println!("peers: reference tokenizer gives {:.2} tokens per generated word", 1.0 / wpt);
+    for path in &a.scenarios {
+        run_scenario(path, &a, wpt).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stage(qps: f64, ttft: f64, tput: f64) -> StageSummary {
+        StageSummary {
+            qps,
+            requests: 1,
+            ttft_p50_ms: ttft,
+            ttft_p90_ms: ttft,
+            output_tok_per_s: tput,
+            errors: 0,
+            sustained: true,
+            within_slo: true,
+        }
+    }
+
+    #[test]
+    fn svg_has_one_line_per_system_and_skips_missing_points() {
+        let data = vec![
+            ("a".to_string(), vec![stage(1.0, 100.0, 10.0), stage(2.0, 1000.0, 20.0)]),
+            ("b".to_string(), vec![stage(1.0, 200.0, 10.0), stage(2.0, f64::NAN, 5.0)]),
+        ];
+        let s = svg("t", &data);
+        assert_eq!(s.matches("<polyline").count(), 4, "two panels x two systems");
+        assert_eq!(s.matches("<circle").count(), 7, "the NaN TTFT point is left out");
+        assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>"));
+    }
+
+    #[test]
+    fn precise_must_beat_each_peer_on_both_figures() {
+        let row = |s: &str, t: f64, tp: f64| RunSummary {
+            system: s.into(),
+            requests: 1,
+            ttft_p50_ms: t,
+            ttft_p95_ms: t,
+            output_tok_per_s: tp,
+            prefix_hit_rate: 0.0,
+            errors: 0,
+            wall_s: 1.0,
+        };
+        let sc: Scenario = serde_json::from_str(
+            r#"{"name": "low-cache", "description": "", "pool": {"engines": 1, "time_scale": 1},
+                "workload": {"kind": "unique", "prompt_tokens": 1, "output_tokens": 1}, "arrivals": {"ladder": "1:1"}}"#,
+        )
+        .unwrap();
+        let rows = vec![
+            row("round-robin", 50.0, 100.0),
+            row("attache-precise", 40.0, 96.0),
+            row("smg-cache-aware", 45.0, 97.0),
+            row("attache-approx", 40.0, 94.0),
+        ];
+        let c = checks(&sc, &rows);
+        assert_eq!(c["attache-precise_vs_smg-cache-aware"]["met"], json!(false), "lower throughput fails");
+        assert_eq!(c["attache-precise_vs_smg-cache-aware"]["lower_ttft_p50"], json!(true));
+        assert_eq!(c["attache-precise_throughput_vs_round-robin"]["met"], json!(true));
+        assert_eq!(c["attache-approx_throughput_vs_round-robin"]["met"], json!(false));
+    }
+}
