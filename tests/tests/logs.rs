@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use attache_e2e::client;
-use attache_e2e::{EnvoyKind, Stack};
+use attache_e2e::Stack;
 use common::*;
 use serde_json::json;
 
@@ -32,12 +32,7 @@ async fn prompts_and_secrets_stay_out_of_the_logs() {
         "admin_token_file": token_file,
         "auto": {"enabled": false},
     }));
-    let opts = small_pool();
-    let engines = usize::from(opts.engines);
-    s.start_sim(opts).expect("sim");
-    s.start_host().expect("host");
-    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
-    s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
+    start_attache(&mut s, small_pool());
 
     let http = fresh_client();
     let auth = format!("Bearer {CLIENT_KEY}");

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use attache_e2e::client;
-use attache_e2e::{EnvoyKind, Stack};
+use attache_e2e::Stack;
 use common::*;
 use serde_json::{json, Value};
 
@@ -41,12 +41,7 @@ fn policy_stack(name: &str, slots: &[&str], auto: Value, labels: Vec<Vec<(String
     }));
     s.scorer_slots = slots.iter().map(|x| x.to_string()).collect();
     s.endpoint_labels = labels;
-    let opts = small_pool();
-    let engines = usize::from(opts.engines);
-    s.start_sim(opts).expect("sim");
-    s.start_host().expect("host");
-    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
-    s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
+    start_attache(&mut s, small_pool());
     PolicyStack { s, keys }
 }
 

@@ -13,12 +13,18 @@ pub const MODEL: &str = "tinyllama";
 /// a snapshot in which every engine is ready.
 pub fn attache_stack(name: &str, opts: SimOpts) -> Stack {
     let mut s = Stack::new(name).expect("stack");
+    start_attache(&mut s, opts);
+    s
+}
+
+/// Start the simulator, the host and Envoy with Attaché on a stack the caller has configured
+/// (host policy, scorer slots, labels), and wait until the filters have every engine.
+pub fn start_attache(s: &mut Stack, opts: SimOpts) {
     let engines = usize::from(opts.engines);
     s.start_sim(opts).expect("sim");
     s.start_host().expect("host");
     s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
     s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
-    s
 }
 
 pub fn small_pool() -> SimOpts {
