@@ -108,6 +108,28 @@ macro_rules! visit_strings {
     };
 }
 
+/// Visitor methods that accept any JSON scalar (bool, number, null) as `$value`: for fields
+/// whose other shapes carry no prompt text.
+macro_rules! visit_scalars_as {
+    ($value:expr) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok($value)
+        }
+    };
+}
+
 /// A string borrowed from the body when it holds no escapes.
 struct Str<'de>(Cow<'de, str>);
 
@@ -226,21 +248,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
                 while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
                 Ok(Content::Other)
             }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(Content::Other)
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(Content::Other)
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(Content::Other)
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(Content::Other)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(Content::Other)
-            }
+            visit_scalars_as!(Content::Other);
         }
         d.deserialize_any(V(std::marker::PhantomData))
     }
@@ -281,21 +289,7 @@ impl<'de: 'a, 'a> Deserialize<'de> for Part<'a> {
                 while seq.next_element::<IgnoredAny>()?.is_some() {}
                 Ok(Part { text: None })
             }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(Part { text: None })
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(Part { text: None })
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(Part { text: None })
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(Part { text: None })
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok(Part { text: None })
-            }
+            visit_scalars_as!(Part { text: None });
         }
         d.deserialize_any(V(std::marker::PhantomData))
     }
