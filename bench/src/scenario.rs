@@ -222,18 +222,25 @@ impl Scenario {
         Ok(warm)
     }
 
-    /// Tokens the workload keeps resident at once (for sizing the KV cache).
+    /// Tokens the workload keeps resident at once (for sizing the KV cache when the pool does
+    /// not give `num_gpu_blocks`). One-turn workloads count the shared prompts plus
+    /// `RESIDENT_REQUESTS` requests' own tokens; agentic sessions count their full final context
+    /// for at most `RESIDENT_SESSIONS` sessions.
     pub fn resident_tokens(&self, sessions: usize) -> usize {
+        const RESIDENT_REQUESTS: usize = 64;
+        const RESIDENT_SESSIONS: usize = 256;
         match &self.workload {
             Workload::SharedPrefix { groups, per_group, system_tokens, question_tokens, .. } => {
                 groups * (system_tokens + per_group * question_tokens)
             }
             Workload::Chat { system_prompts, system_tokens, user_tokens, .. } => {
-                system_prompts * system_tokens + 64 * user_tokens
+                system_prompts * system_tokens + RESIDENT_REQUESTS * user_tokens
             }
-            Workload::Unique { prompt_tokens, .. } => 64 * prompt_tokens,
+            Workload::Unique { prompt_tokens, .. } => RESIDENT_REQUESTS * prompt_tokens,
             Workload::Agentic { preamble_tokens, context_tokens, turns, turn_tokens, output_tokens, .. } => {
-                preamble_tokens + sessions.min(256) * (context_tokens + turns * (turn_tokens + *output_tokens as usize))
+                preamble_tokens
+                    + sessions.min(RESIDENT_SESSIONS)
+                        * (context_tokens + turns * (turn_tokens + *output_tokens as usize))
             }
         }
     }
