@@ -53,7 +53,12 @@ async fn long_prompts_split_into_prefill_and_decode_and_short_or_cached_ones_do_
     assert_eq!(engine_metric(&s, d_index, "attache_sim_remote_prefill_fallbacks_total").await, 0.0);
     assert_eq!(s.envoy_stat("wasmcustom.attache.pd.disaggregated"), 1);
 
-    // The same prompt again: its decode engine holds it now, so it is not split.
+    // The same prompt again: its decode engine holds it now, so it is not split. The repeat may
+    // land on the other Envoy worker, which learns the first decision from the cross-worker
+    // affinity table only after the deciding worker's next flush (`prefix.shared_flush_ms`);
+    // wait past it, as a client's next turn would, so the check is about P/D and not that window.
+    let flush_ms = attache_policies::config::PrefixConfig::default().shared_flush_ms;
+    tokio::time::sleep(Duration::from_millis(5 * flush_ms)).await;
     let again = send(&s, &http, chat(&long, "summarise", 8), &[]).await;
     assert!(again.ok());
     assert_eq!(again.engine_port, o.engine_port, "prefix affinity keeps it on its decode engine");
