@@ -166,6 +166,36 @@ async fn bad_bodies_get_clear_errors_and_the_proxy_keeps_serving() {
     );
 }
 
+/// Header values with bytes that are not UTF-8 (HTTP allows obs-text, 0x80-0xFF) in the headers
+/// the filter reads: the SDK's text getter would trap the worker's VM on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_bytes_that_are_not_utf8_are_served_without_a_trap() {
+    let s = attache_stack("odd-headers", small_pool());
+    let http = fresh_client();
+    let odd = reqwest::header::HeaderValue::from_bytes(b"agent-\xff\xfe-1").expect("obs-text is a valid value");
+    let mut served = 0;
+    for i in 0..6 {
+        let r = http
+            .post(s.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .header("x-session-id", odd.clone())
+            .header("x-session-token", odd.clone())
+            .body(chat(&long_prefix("odd"), &format!("turn {i}"), 2))
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 200, "turn {i}: {:?}", r.text().await);
+        served += 1;
+    }
+    assert_eq!(served, 6);
+    // Scheduled by the filter (not passed through a reloaded VM), and no VM reloaded.
+    let stats = s.envoy_stats();
+    assert_eq!(attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.requests.scheduled"), 6, "{stats}");
+    let reloads: Vec<&str> = stats.lines().filter(|l| l.contains("attache_scheduler.vm_reload")).collect();
+    assert!(!reloads.is_empty(), "Envoy shows the scheduler's reload counters:\n{stats}");
+    assert!(reloads.iter().all(|l| l.ends_with(": 0")), "the filter trapped: {reloads:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sse_streams_pass_through_intact() {
     let s = attache_stack("sse", small_pool());

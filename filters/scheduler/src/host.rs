@@ -21,8 +21,19 @@ pub fn debug(msg: impl FnOnce() -> String) {
     }
 }
 
+/// A header value as text. Read as bytes: the SDK's `get_map_value` unwraps its UTF-8
+/// conversion, so a client's header with a non-UTF-8 byte (HTTP allows obs-text) would trap
+/// the worker's VM. Such bytes become U+FFFD here instead.
+fn header(map: MapType, name: &str) -> Option<String> {
+    let bytes = hostcalls::get_map_value_bytes(map, name).ok().flatten()?;
+    Some(match String::from_utf8(bytes) {
+        Ok(s) => s,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    })
+}
+
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name).ok().flatten()
+    header(MapType::HttpRequestHeaders, name)
 }
 
 pub fn set_request_header(name: &str, value: &str) -> bool {
@@ -34,7 +45,7 @@ pub fn remove_request_header(name: &str) {
 }
 
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name).ok().flatten()
+    header(MapType::HttpResponseHeaders, name)
 }
 
 /// A filter-state value (`wasm.<name>`) set by this or another Wasm filter on this request.
