@@ -43,6 +43,11 @@ pub struct Args {
     /// `--variant 'no-sessions={"role":"scheduler","sessions":{"enabled":false}}'`.
     #[arg(long = "variant")]
     variants: Vec<String>,
+    /// Another build of the filter for a variant, `LABEL=PATH` (the variant's configuration
+    /// defaults to Attaché's): to compare two filter builds side by side in one run, e.g.
+    /// `--variant 'before={}' --variant-wasm before=/tmp/old/attache_scheduler_filter.wasm`.
+    #[arg(long = "variant-wasm")]
+    variant_wasm: Vec<String>,
     #[command(flatten)]
     peers: crate::peers::PeerVersions,
 }
@@ -186,11 +191,21 @@ async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<Syste
     }
     s.external = vec![ExternalEngine { address: fast.to_string(), kv_publisher: None, kv_replay: None }];
     s.write_endpoints(&s.engine_addrs())?;
-    let variant = system.strip_prefix("attache/").and_then(|label| {
-        a.variants.iter().find_map(|v| v.split_once('=').filter(|(l, _)| *l == label).map(|(_, j)| j.to_owned()))
-    });
-    if let Some(json) = variant {
-        let config: Value = serde_json::from_str(&json).with_context(|| format!("variant {system}: bad JSON"))?;
+    let label = system.strip_prefix("attache/");
+    let find = |list: &[String]| {
+        label.and_then(|l| {
+            list.iter().find_map(|v| v.split_once('=').filter(|(k, _)| *k == l).map(|(_, x)| x.to_owned()))
+        })
+    };
+    if let Some(wasm) = find(&a.variant_wasm) {
+        anyhow::ensure!(std::path::Path::new(&wasm).exists(), "variant {system}: no filter at {wasm}");
+        s.paths.wasm = PathBuf::from(wasm);
+    }
+    if let Some(json) = find(&a.variants) {
+        let mut config: Value = serde_json::from_str(&json).with_context(|| format!("variant {system}: bad JSON"))?;
+        if config.as_object().is_some_and(serde_json::Map::is_empty) {
+            config = Stack::default_scheduler_config();
+        }
         return start_attache(s, system, config).await;
     }
     let (kind, config) = match system {

@@ -7,9 +7,12 @@
 
 use std::time::Instant;
 
+use hashbrown::HashMap;
+
 use attache_policies::config::PrefixConfig;
+use attache_policies::endpoint::Endpoint;
 use attache_policies::request::{parse, Api};
-use attache_policies::{prefix, ApproxPrefixIndex};
+use attache_policies::{prefix, ApproxPrefixIndex, PoolState, Scheduler, SchedulingInput};
 
 fn body(i: usize, bytes: usize) -> Result<Vec<u8>, serde_json::Error> {
     let words = ["alpha ", "beta ", "gamma ", "delta ", "envoy ", "filter "];
@@ -23,14 +26,25 @@ fn body(i: usize, bytes: usize) -> Result<Vec<u8>, serde_json::Error> {
         "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]}))
 }
 
+/// A pool of `n` ready, idle endpoints serving `tinyllama`.
+fn pool(n: usize) -> PoolState {
+    let endpoints = (0..n).map(|i| Endpoint::idle(format!("10.0.0.{i}:8000"), "tinyllama")).collect();
+    PoolState { version: 1, endpoints, ..Default::default() }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = PrefixConfig::default();
     let mut ix = ApproxPrefixIndex::new(cfg.index_capacity);
+    let scheduler = Scheduler::default();
+    let mut state = scheduler.new_state();
+    let pools = [pool(1), pool(8)];
+    let inflight = HashMap::new();
     println!("per request, microseconds (native, this machine)");
     for size in [4096usize, 102_400, 409_600] {
         let n = if size > 100_000 { 300 } else { 3000 };
         let bodies = (0..n).map(|i| body(i, size)).collect::<Result<Vec<_>, _>>()?;
         let (mut scan, mut parse_s, mut hash, mut index) = (0.0, 0.0, 0.0, 0.0);
+        let mut decide = [0.0; 2];
         for (i, b) in bodies.iter().enumerate() {
             let t = Instant::now();
             let _: serde::de::IgnoredAny = serde_json::from_slice(b)?;
@@ -45,14 +59,35 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let m = ix.match_lengths(&h);
             ix.record(&h, if (i + m.len()).is_multiple_of(2) { "10.0.0.1:8000" } else { "10.0.0.2:8000" });
             index += t.elapsed().as_secs_f64();
+            // The whole pipeline on the hashes: filters, scorers, picker, then commit.
+            for (p, spent) in pools.iter().zip(decide.iter_mut()) {
+                let t = Instant::now();
+                let input = SchedulingInput {
+                    model: &r.model,
+                    block_hashes: &h,
+                    inflight: &inflight,
+                    seed: h.first().copied().unwrap_or(0),
+                    extra_matches: None,
+                    precise: None,
+                    prompt_tokens: r.prompt.approx_tokens(),
+                    sticky: None,
+                    load_only: false,
+                };
+                let d = scheduler.schedule(&input, p, &mut state)?;
+                scheduler.commit(&d, &h, &mut state);
+                *spent += t.elapsed().as_secs_f64();
+            }
         }
         let us = |v: f64| v / n as f64 * 1e6;
         println!(
-            "{size:>7} B: JSON scan {:>7.1}  parse {:>7.1}  block hashes {:>6.1}  index match+record {:>6.1}",
+            "{size:>7} B: JSON scan {:>7.1}  parse {:>7.1}  block hashes {:>6.1}  index match+record {:>6.1}  \
+             schedule+commit 1 / 8 endpoints {:>6.1} / {:>6.1}",
             us(scan),
             us(parse_s),
             us(hash),
-            us(index)
+            us(index),
+            us(decide[0]),
+            us(decide[1])
         );
     }
     Ok(())

@@ -76,6 +76,19 @@ pub struct LoraState {
 }
 
 impl Endpoint {
+    /// A ready endpoint serving `model` for whole requests, with fresh, idle metrics (for
+    /// tests and the cost examples).
+    pub fn idle(address: String, model: &str) -> Self {
+        Self {
+            address,
+            models: vec![model.to_owned()],
+            role: Role::Both,
+            ready: true,
+            metrics: Some(EndpointMetrics::default()),
+            ..Default::default()
+        }
+    }
+
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| m == model)
     }

@@ -347,7 +347,19 @@ fn slot_of(hash: u64, slots: u64) -> u64 {
 
 /// The `(slot, block hash)` entries a decision writes to the shared table: its probe points.
 pub fn shared_entries(slots: u64, hashes: &[u64]) -> Vec<(u64, u64)> {
-    probe_points(hashes.len()).into_iter().filter_map(|i| hashes.get(i)).map(|h| (slot_of(*h, slots), *h)).collect()
+    shared_entries_beyond(slots, hashes, 0)
+}
+
+/// The entries a decision must write when the table already proves `known` leading blocks for
+/// its endpoint ([`shared_matches`]): only the probe points past them. A repeated prefix then
+/// writes nothing, and a new question on a known system prompt writes only its own tail.
+pub fn shared_entries_beyond(slots: u64, hashes: &[u64], known: usize) -> Vec<(u64, u64)> {
+    probe_points(hashes.len())
+        .into_iter()
+        .filter(|&i| i + 1 > known)
+        .filter_map(|i| hashes.get(i))
+        .map(|h| (slot_of(*h, slots), *h))
+        .collect()
 }
 
 /// Record a decision in the shared table.
@@ -412,6 +424,29 @@ mod shared_tests {
         batched.store_many(&pending);
         assert_eq!(direct.0, batched.0);
         assert_eq!(shared_matches(&mut batched, 1024, &a[..20]).get("e1:1"), Some(&16));
+    }
+
+    #[test]
+    fn entries_the_table_already_proves_are_not_written_again() {
+        let mut m = Mem::default();
+        let system: Vec<u64> = (100..116).collect();
+        shared_record(&mut m, 4096, &system, "e1:1");
+        // The same prompt again: the table proves all 16 blocks, so nothing is written.
+        let known = shared_matches(&mut m, 4096, &system).get("e1:1").copied().unwrap_or(0);
+        assert_eq!(known, 16);
+        assert!(shared_entries_beyond(4096, &system, known).is_empty());
+        // A new question after the system prompt: only the probe points past block 16.
+        let mut asked = system.clone();
+        asked.extend(900..920);
+        let known = shared_matches(&mut m, 4096, &asked).get("e1:1").copied().unwrap_or(0);
+        assert_eq!(known, 16, "probes 0, 1, 3, 7, 15 hold; 31 is new");
+        let tail = shared_entries_beyond(4096, &asked, known);
+        assert_eq!(tail.iter().map(|&(_, h)| h).collect::<Vec<_>>(), vec![asked[31], asked[35]]);
+        for (slot, h) in tail {
+            m.store(slot, h, "e1:1");
+        }
+        // Written that way, the table proves the whole new prompt, as a full rewrite would.
+        assert_eq!(shared_matches(&mut m, 4096, &asked).get("e1:1"), Some(&36));
     }
 
     #[test]

@@ -154,7 +154,7 @@ pub fn pump(w: &mut Worker, current: Option<u32>) -> Pumped {
         let Some(parked) = st.parked.take() else {
             continue;
         };
-        match route(w, &mut st, &parked.req, parked.body_len) {
+        match route(w, &mut st, &parked.req, parked.body_len, now) {
             Ok(()) => {
                 w.flow.gate.dispatched(now);
                 *w.flow.pending.entry(p.tenant.clone()).or_default() += p.tokens as f64;

@@ -13,10 +13,24 @@ pub fn log_enabled(level: LogLevel) -> bool {
     hostcalls::get_log_level().map_or(true, |l| l as u32 <= level as u32)
 }
 
+thread_local! {
+    /// Whether Envoy logs debug lines for this filter, as of the worker's last tick (None: no
+    /// tick has run in this VM, so ask Envoy).
+    static DEBUG_ON: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Re-read Envoy's log level (from the worker's tick): a change through `/logging` takes effect
+/// within one tick, and requests do not pay a host call to ask.
+pub fn refresh_log_level() {
+    let on = log_enabled(LogLevel::Debug);
+    DEBUG_ON.with(|c| c.set(Some(on)));
+}
+
 /// Log at debug level, formatting the message only when it will be logged: debug lines sit on
 /// every request's path.
 pub fn debug(msg: impl FnOnce() -> String) {
-    if log_enabled(LogLevel::Debug) {
+    let on = DEBUG_ON.with(std::cell::Cell::get).unwrap_or_else(|| log_enabled(LogLevel::Debug));
+    if on {
         log(LogLevel::Debug, &msg());
     }
 }

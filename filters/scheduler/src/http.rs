@@ -90,12 +90,11 @@ pub fn shed_response(shed: Shed, detail: &str) -> (ErrorResponse, [(&'static str
 
 /// Find the endpoint this request's session or conversation is bound to (the session token
 /// wins, then the session header's binding, then `previous_response_id`'s).
-fn resolve_sticky(w: &Worker, st: &mut RequestState, req: &InferenceRequest) {
+fn resolve_sticky(w: &Worker, st: &mut RequestState, req: &InferenceRequest, now: u64) {
     let sc = &w.config.sessions;
     if !sc.enabled {
         return;
     }
-    let now = host::now_ms();
     if st.sticky.is_none() {
         if let Some(k) = st.session_key {
             st.sticky = session::lookup(&mut SharedSticky, sc.slots, k, now);
@@ -167,15 +166,16 @@ impl SchedulerHttp {
             return Action::Continue;
         };
         let w = &mut *guard;
-        w.cache.refresh(host::now_ms());
+        let now = host::now_ms();
+        w.cache.refresh(now);
         if let Ok(mut st) = self.st.try_borrow_mut() {
-            resolve_sticky(w, &mut st, &req);
+            resolve_sticky(w, &mut st, &req, now);
         }
         if !w.config.flow.enabled {
             let Ok(mut st) = self.st.try_borrow_mut() else {
                 return Action::Continue;
             };
-            return match route(w, &mut st, &req, body.len()) {
+            return match route(w, &mut st, &req, body.len(), now) {
                 Ok(()) => Action::Continue,
                 Err(e) => {
                     drop(st);

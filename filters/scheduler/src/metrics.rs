@@ -36,7 +36,17 @@ pub struct Metrics {
     disaggregated: Option<u32>,
     sticky_hits: Option<u32>,
     responses_learned: Option<u32>,
+    /// Histogram samples taken on the request path, recorded from the worker's tick. Envoy
+    /// merges histograms only at its stats flush (5 s), so this delays nothing a reader sees.
+    samples: Vec<(u32, u64)>,
+    /// Prefix blocks matched and total since the last tick (`attache.prefix.blocks_*`, added
+    /// from the tick: the counters lag the requests by at most one tick).
+    blocks: (i64, i64),
 }
+
+/// Histogram samples held between ticks; past this, new samples are dropped (counted nowhere:
+/// a histogram is a distribution, and a tick falls due long before a worker decides this many).
+pub const MAX_PENDING_SAMPLES: usize = 8_192;
 
 /// Flow-control metrics. Queue depths are gauges every worker moves up and down, so Envoy's
 /// one stat per name sums them over workers.
@@ -82,6 +92,11 @@ fn inc(id: Option<u32>, by: i64) {
     if let Some(id) = id {
         let _ = hostcalls::increment_metric(id, by);
     }
+}
+
+/// A 0..1 score in thousandths, for the score histograms.
+fn milli(v: f64) -> u64 {
+    (v * 1000.0).round().clamp(0.0, 1000.0) as u64
 }
 
 fn sanitize(address: &str) -> String {
@@ -187,6 +202,27 @@ impl Metrics {
         }
     }
 
+    /// Take a histogram sample now, record it at the next [`Metrics::flush_samples`].
+    fn sample(&mut self, id: Option<u32>, v: u64) {
+        if let Some(id) = id {
+            if self.samples.len() < MAX_PENDING_SAMPLES {
+                self.samples.push((id, v));
+            }
+        }
+    }
+
+    /// Record the histogram samples and block counts taken since the last tick (from the tick).
+    pub fn flush_samples(&mut self) {
+        for (id, v) in self.samples.drain(..) {
+            let _ = hostcalls::record_metric(id, v);
+        }
+        let (matched, total) = std::mem::take(&mut self.blocks);
+        if total > 0 {
+            inc(self.prefix_blocks_matched, matched);
+            inc(self.prefix_blocks_total, total);
+        }
+    }
+
     pub fn scheduled(&mut self, endpoint: &str, prefix: f64, queue: f64, kv: f64, matched: usize, total: usize) {
         inc(self.scheduled, 1);
         let id = match self.picks.get(endpoint) {
@@ -201,22 +237,23 @@ impl Metrics {
         };
         inc(id, 1);
         for (m, v) in [(self.score_prefix, prefix), (self.score_queue, queue), (self.score_kv, kv)] {
-            if let Some(m) = m {
-                let _ = hostcalls::record_metric(m, (v * 1000.0).round().clamp(0.0, 1000.0) as u64);
-            }
+            self.sample(m, milli(v));
         }
-        inc(self.prefix_blocks_matched, matched as i64);
-        inc(self.prefix_blocks_total, total as i64);
+        // Summed here and added from the tick: two host calls fewer per request.
+        self.blocks.0 += matched as i64;
+        self.blocks.1 += total as i64;
     }
 
-    /// How long the host has been silent, seen at a decision; counts load-only decisions.
-    pub fn host_silence(&mut self, silent_ms: u64, load_only: bool) {
+    /// How long the host has been silent (the gauge, set from the worker's tick).
+    pub fn host_silence(&mut self, silent_ms: u64) {
         if let Some(id) = self.host_silent_ms {
             let _ = hostcalls::record_metric(id, silent_ms);
         }
-        if load_only {
-            inc(self.load_only, 1);
-        }
+    }
+
+    /// A decision made on load alone because the host was silent.
+    pub fn load_only_decision(&mut self) {
+        inc(self.load_only, 1);
     }
 
     /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and
@@ -251,9 +288,7 @@ impl Metrics {
     /// Time the filter spent on one request's body: parsing, hashing, scoring and writing the
     /// decision (`attache.decision_us`).
     pub fn decision(&mut self, us: u64) {
-        if let Some(id) = self.decision_us {
-            let _ = hostcalls::record_metric(id, us);
-        }
+        self.sample(self.decision_us, us);
     }
 
     /// `propagation_us`: engine event time to this delta being applied here (0 = unknown).
@@ -279,9 +314,7 @@ impl Metrics {
     }
 
     pub fn precise_score(&mut self, v: f64) {
-        if let Some(m) = self.score_precise {
-            let _ = hostcalls::record_metric(m, (v * 1000.0).round().clamp(0.0, 1000.0) as u64);
-        }
+        self.sample(self.score_precise, milli(v));
     }
 
     pub fn passthrough(&mut self) {

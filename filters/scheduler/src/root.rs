@@ -40,13 +40,40 @@ pub struct Worker {
     /// Decisions not yet written to the cross-worker affinity table: `(slot, hash, endpoint)`,
     /// flushed from the tick, off the request path.
     pub affinity_pending: Vec<(u64, u64, String)>,
+    /// When the host was last heard from, as of this worker's last tick (see [`Worker::housekeep`]).
+    pub heard_ms: Option<u64>,
 }
+
+/// The scheduler's tick period when neither flow control nor the affinity table asks for a
+/// shorter one: it records histogram samples and re-reads the host's heartbeat and the log level.
+pub const HOUSEKEEPING_TICK_MS: u64 = 100;
 
 /// At most this many entries wait for the affinity flush; past it new ones are dropped (the
 /// table is a hint, and the local index has them already).
 pub const AFFINITY_PENDING_MAX: usize = 16_384;
 
 impl Worker {
+    /// Milliseconds since the host was last heard from (0 if it never was). Reads the heartbeat
+    /// from the tick's copy, off the request path; at most one tick old, which errs towards
+    /// silence by that much against `host_stale_ms` (seconds).
+    pub fn host_silent_ms(&mut self, now_ms: u64) -> u64 {
+        if self.heard_ms.is_none() {
+            self.heard_ms = snapshot::heard_ms();
+        }
+        self.heard_ms.map_or(0, |h| now_ms.saturating_sub(h))
+    }
+
+    /// The tick's bookkeeping, kept off the request path: histogram samples, the host's
+    /// heartbeat and its silence gauge, Envoy's log level.
+    pub fn housekeep(&mut self, now_ms: u64) {
+        self.metrics.flush_samples();
+        if let Some(h) = snapshot::heard_ms() {
+            self.heard_ms = Some(h);
+            self.metrics.host_silence(now_ms.saturating_sub(h));
+        }
+        host::refresh_log_level();
+    }
+
     /// Write the pending decisions to the shared affinity table, a page at a time.
     pub fn flush_affinity(&mut self) {
         if self.affinity_pending.is_empty() {
@@ -89,6 +116,7 @@ impl Worker {
             tokenizer,
             flow: FlowState::new(config.flow.enabled),
             affinity_pending: Vec::new(),
+            heard_ms: None,
             scheduler: Scheduler::new(config.scheduler.clone()),
             state: SchedulerState::new(&config.scheduler),
             cache: SnapshotCache::default(),
@@ -198,11 +226,10 @@ impl RootContext for AttacheRoot {
         let prefix = &config.scheduler.prefix;
         let affinity_tick =
             (config.role == Role::Scheduler && prefix.shared_slots > 0).then_some(prefix.shared_flush_ms.max(1));
+        let scheduler = config.role == Role::Scheduler;
         self.worker = Some(Rc::new(RefCell::new(Worker::new(config))));
-        let mut tick_ms = match (flow_tick, affinity_tick) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let mut tick_ms =
+            [flow_tick, affinity_tick, scheduler.then_some(HOUSEKEEPING_TICK_MS)].into_iter().flatten().min();
         if let Some(cfg) = sub_cfg {
             let mut sub = Subscriber::new(cfg);
             tick_ms = Some(tick_ms.map_or(sub.tick_ms(), |t| t.min(sub.tick_ms())));
@@ -225,6 +252,7 @@ impl RootContext for AttacheRoot {
         if self.role == Role::Scheduler {
             if let Some(w) = &self.worker {
                 if let Ok(mut w) = w.try_borrow_mut() {
+                    w.housekeep(host::now_ms());
                     w.flush_affinity();
                     if w.config.flow.enabled {
                         crate::flow::tick(&mut w);

@@ -15,7 +15,7 @@ use crate::host;
 use crate::http::{RequestState, DESTINATION_HEADER};
 use crate::kv_table;
 use crate::root::Worker;
-use crate::snapshot::{self, SharedAffinity};
+use crate::snapshot::SharedAffinity;
 use crate::sticky::SharedSticky;
 
 /// The candidates as custom scorer filters see them (policies::scoring).
@@ -65,11 +65,13 @@ fn prompt_ids(w: &mut Worker, req: &InferenceRequest, id: u32) -> Option<Vec<u32
 }
 
 /// Pick the endpoints for `req` and set the destination header on the effective context.
+/// `now_ms` is the caller's clock reading: one per decision, not one per use.
 pub fn route(
     w: &mut Worker,
     st: &mut RequestState,
     req: &InferenceRequest,
     body_len: usize,
+    now_ms: u64,
 ) -> Result<(), ErrorResponse> {
     let id = st.id;
     let hashes = prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
@@ -90,10 +92,10 @@ pub fn route(
         )
     });
     let stale_after = w.config.scheduler.host_stale_ms;
-    let silent_ms = snapshot::host_silent_ms(host::now_ms()).unwrap_or(0);
+    let silent_ms = w.host_silent_ms(now_ms);
     let load_only = stale_after > 0 && silent_ms > stale_after;
-    w.metrics.host_silence(silent_ms, load_only);
     if load_only {
+        w.metrics.load_only_decision();
         host::debug(|| format!("attache[{id}]: host silent for {silent_ms} ms; load-only scoring"));
     }
     let input = SchedulingInput {
@@ -154,7 +156,7 @@ pub fn route(
     if sc.enabled {
         if let Some(primary) = decision.endpoints.first() {
             if let Some(k) = st.session_key {
-                session::bind(&mut SharedSticky, sc.slots, k, primary, host::now_ms(), sc.ttl_ms);
+                session::bind(&mut SharedSticky, sc.slots, k, primary, now_ms, sc.ttl_ms);
             }
             st.session_token = Some(primary.clone());
         }
@@ -166,7 +168,9 @@ pub fn route(
     if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
         // Written to shared data from the worker's tick (root.rs), off the request path.
         let room = crate::root::AFFINITY_PENDING_MAX.saturating_sub(w.affinity_pending.len());
-        let entries = index::shared_entries(slots, &hashes);
+        // Only what the table does not already prove for this endpoint.
+        let known = shared.as_ref().and_then(|m| m.get(primary)).copied().unwrap_or(0);
+        let entries = index::shared_entries_beyond(slots, &hashes, known);
         w.affinity_pending.extend(entries.into_iter().take(room).map(|(s, h)| (s, h, primary.clone())));
     }
     if let Some(best) = decision.scores.first() {

@@ -164,12 +164,11 @@ pub fn heard(now_ms: u64) {
     let _ = host::set_shared_data(HEARD_KEY, &now_ms.to_le_bytes());
 }
 
-/// Milliseconds since the host was last heard from, or `None` if it never was (then there is
-/// no snapshot either, and nothing to distrust).
-pub fn host_silent_ms(now_ms: u64) -> Option<u64> {
+/// When the host was last heard from (ms since epoch), by any root context of this Envoy, or
+/// `None` if it never was (then there is no snapshot either, and nothing to distrust).
+pub fn heard_ms() -> Option<u64> {
     let bytes = host::shared_data(HEARD_KEY)?;
-    let heard = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    Some(now_ms.saturating_sub(heard))
+    Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
 }
 
 /// A worker's cached view of the newest snapshot.
