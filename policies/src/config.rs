@@ -44,6 +44,13 @@ pub struct PrefixConfig {
     /// A worker writes its decisions to the shared table in batches, from its tick, at this
     /// period (ms), instead of on the request path: other workers learn them this much later.
     pub shared_flush_ms: u64,
+    /// Prefix affinity counts only where an endpoint holds at least this share of the prompt
+    /// (approximate or precise match, 0..1); below it the endpoint scores 0 for prefix, and a
+    /// request that reaches it nowhere is spread like a cold one. llm-d's optimized baseline
+    /// gates affinity the same way (`prefix-cache-affinity-filter`, `affinityThreshold` 0.8):
+    /// a short match, such as a tool preamble every agent session shares, would otherwise pull
+    /// every new session onto the few engines that hold it. 0 scores every match.
+    pub affinity_threshold: f64,
 }
 
 impl Default for PrefixConfig {
@@ -55,6 +62,7 @@ impl Default for PrefixConfig {
             index_capacity: 200_000,
             shared_slots: 65_536,
             shared_flush_ms: 20,
+            affinity_threshold: 0.8,
         }
     }
 }

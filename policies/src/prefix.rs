@@ -115,6 +115,7 @@ mod tests {
             index_capacity: 1000,
             shared_slots: 0,
             shared_flush_ms: 20,
+            affinity_threshold: 0.8,
         }
     }
 

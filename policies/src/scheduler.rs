@@ -133,7 +133,24 @@ impl Scheduler {
             .collect();
         let precise: Vec<(f64, usize)> =
             chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0))).collect();
-        let cold = matched.iter().all(|&m| m == 0) && precise.iter().all(|&(p, _)| p <= 0.0);
+        // The share of the prompt each endpoint holds, by either index; affinity counts only at
+        // or above the threshold.
+        let threshold = self.config.prefix.affinity_threshold;
+        let total_blocks = input.block_hashes.len();
+        let held: Vec<f64> = chosen
+            .iter()
+            .zip(matched.iter().zip(&precise))
+            .map(|(e, (&m, &(ps, pb)))| {
+                let approx = if total_blocks == 0 { 0.0 } else { m as f64 / total_blocks as f64 };
+                // Blocks held over the prompt's full blocks; the tier-weighted score where the
+                // block count is unknown.
+                let keys = if e.block_size == 0 { 0 } else { input.prompt_tokens / e.block_size as usize };
+                let exact = if keys == 0 { ps } else { pb as f64 / keys as f64 };
+                approx.max(exact).min(1.0)
+            })
+            .collect();
+        let gated = |i: usize| held.get(i).is_some_and(|&h| h > 0.0 && h >= threshold);
+        let cold = (0..chosen.len()).all(|i| !gated(i));
         let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
         let sat = &self.config.saturation;
         let load_only_weights;
@@ -170,7 +187,7 @@ impl Scheduler {
                 // The approximate and precise prefix scores measure one thing, what the endpoint
                 // holds (from routing decisions, from the engine's KV events): the stronger one
                 // counts, once, so precise mode does not double prefix affinity against load.
-                let affinity = (w.prefix * prefix).max(w.precise_prefix * precise);
+                let affinity = if gated(i) { (w.prefix * prefix).max(w.precise_prefix * precise) } else { 0.0 };
                 let total =
                     affinity + w.queue * queue + w.kv_cache * kv_cache + w.no_hit_lru * no_hit_lru + w.lora * lora;
                 let cached_tokens = (matched_blocks * block_tokens).max(precise_blocks * e.block_size as usize);
@@ -280,20 +297,8 @@ mod tests {
     use crate::request::Prompt;
 
     fn pool(n: usize) -> PoolState {
-        PoolState {
-            version: 1,
-            endpoints: (0..n)
-                .map(|i| Endpoint {
-                    address: format!("10.0.0.{i}:8000"),
-                    models: vec!["m".into()],
-                    role: Role::Both,
-                    ready: true,
-                    metrics: Some(EndpointMetrics::default()),
-                    ..Default::default()
-                })
-                .collect(),
-            ..Default::default()
-        }
+        let endpoints = (0..n).map(|i| Endpoint::idle(format!("10.0.0.{i}:8000"), "m")).collect();
+        PoolState { version: 1, endpoints, ..Default::default() }
     }
 
     fn run(s: &Scheduler, pool: &PoolState, ix: &mut SchedulerState, prompt: &str, seed: u64) -> Decision {
@@ -339,6 +344,41 @@ mod tests {
             );
         }
         assert_eq!(seen.len(), 4, "unrelated prefixes should use the whole pool");
+    }
+
+    #[test]
+    fn a_short_shared_preamble_does_not_pull_new_sessions_but_a_long_match_does() {
+        // 10 blocks of preamble every session shares, then 7 blocks of its own: 59% held.
+        let preamble = "Tools: read_file, write_file, run_tests, search. ".repeat(52);
+        let own = |k: usize| format!("Repository {k}: ").repeat(110);
+        let sessions = |s: &Scheduler| {
+            let p = pool(4);
+            let mut ix = s.new_state();
+            let first = run(s, &p, &mut ix, &format!("{preamble}{}", own(0)), 1);
+            let d = (1..4).map(|k| run(s, &p, &mut ix, &format!("{preamble}{}", own(k)), k as u64)).collect::<Vec<_>>();
+            (first, d)
+        };
+        let (first, later) = sessions(&Scheduler::default());
+        let held = later[0].all.iter().find(|e| e.address == first.endpoints[0]).map(|e| e.prefix).unwrap_or(0.0);
+        assert!(held > 0.5 && held < 0.8, "the preamble is a partial match: {held}");
+        let mut used: std::collections::HashSet<_> = later.iter().map(|d| d.endpoints[0].clone()).collect();
+        used.insert(first.endpoints[0].clone());
+        assert_eq!(used.len(), 4, "below the threshold, new sessions spread over the pool");
+        assert!(later.iter().all(|d| d.cold), "spread like cold requests");
+        // The same sessions with the gate off: the preamble's holder takes every one.
+        let mut off = Scheduler::default();
+        off.config.prefix.affinity_threshold = 0.0;
+        let (first, later) = sessions(&off);
+        assert!(later.iter().all(|d| d.endpoints[0] == first.endpoints[0]), "affinity to a 59% match");
+        // A long match (a turn's own history, 90%+) still sticks with the gate on.
+        let s = Scheduler::default();
+        let p = pool(4);
+        let mut ix = s.new_state();
+        let history = format!("{preamble}{}", own(9));
+        let a = run(&s, &p, &mut ix, &history, 1);
+        let b = run(&s, &p, &mut ix, &format!("{history} and one more question"), 2);
+        assert_eq!(b.endpoints[0], a.endpoints[0]);
+        assert!(b.scores[0].prefix >= 0.8 && !b.cold);
     }
 
     #[test]
