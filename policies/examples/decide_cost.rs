@@ -54,6 +54,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             parse_s += t.elapsed().as_secs_f64();
             let t = Instant::now();
             let h = prefix::block_hashes(&cfg, &r.model, None, &r.prompt);
+            let anchors = prefix::anchor_blocks(&cfg, &r.message_ends);
             hash += t.elapsed().as_secs_f64();
             let t = Instant::now();
             let m = ix.match_lengths(&h);
@@ -65,6 +66,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let input = SchedulingInput {
                     model: &r.model,
                     block_hashes: &h,
+                    anchors: &anchors,
                     inflight: &inflight,
                     seed: h.first().copied().unwrap_or(0),
                     extra_matches: None,
@@ -74,7 +76,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     load_only: false,
                 };
                 let d = scheduler.schedule(&input, p, &mut state)?;
-                scheduler.commit(&d, &h, &mut state);
+                scheduler.commit(&d, &h, &anchors, &mut state);
                 *spent += t.elapsed().as_secs_f64();
             }
         }

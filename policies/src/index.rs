@@ -21,12 +21,21 @@ pub const DENSE_BLOCKS: usize = 64;
 /// Past the dense head, one block in this many is recorded.
 pub const STRIDE: usize = 8;
 
-/// The positions of an `n`-block prompt that the index records and probes, in order.
-fn sampled(n: usize) -> impl Iterator<Item = usize> {
+/// The positions of an `n`-block prompt that the index records and probes, in order: the
+/// dense head, one in [`STRIDE`] after it, the last block, and the caller's `anchors` (blocks
+/// that end a message, where prompts that share a prefix diverge: a match is exact there).
+fn sampled(n: usize, anchors: &[usize]) -> Vec<usize> {
     let dense = 0..n.min(DENSE_BLOCKS);
     let strided = (DENSE_BLOCKS + STRIDE - 1..n.saturating_sub(1)).step_by(STRIDE);
     let last = (n > DENSE_BLOCKS).then(|| n - 1);
-    dense.chain(strided).chain(last)
+    let mut v: Vec<usize> = dense.chain(strided).chain(last).collect();
+    let before = v.len();
+    v.extend(anchors.iter().copied().filter(|&a| a >= DENSE_BLOCKS && a < n));
+    if v.len() > before {
+        v.sort_unstable();
+        v.dedup();
+    }
+    v
 }
 
 /// Endpoints remembered per block.
@@ -144,14 +153,19 @@ impl ApproxPrefixIndex {
 
     /// Record that the blocks `hashes` were routed to `address`.
     pub fn record(&mut self, hashes: &[u64], address: &str) {
+        self.record_anchored(hashes, &[], address);
+    }
+
+    /// [`Self::record`], also recording the `anchors` (block positions that end a message).
+    pub fn record_anchored(&mut self, hashes: &[u64], anchors: &[usize], address: &str) {
         let id = self.intern(address);
         if self.clock == u32::MAX {
             // Four billion requests: start the recency order afresh rather than wrap it.
             self.clear();
-            return self.record(hashes, address);
+            return self.record_anchored(hashes, anchors, address);
         }
         self.clock += 1;
-        for h in sampled(hashes.len()).map(|p| hashes[p]) {
+        for h in sampled(hashes.len(), anchors).into_iter().map(|p| hashes[p]) {
             let i = match self.find(h) {
                 Some(i) => i,
                 None => {
@@ -177,10 +191,16 @@ impl ApproxPrefixIndex {
     /// consecutively from the start. Stops as soon as no endpoint continues the run. Matched
     /// blocks count as used (they are the last to be evicted from their bucket).
     pub fn match_lengths(&mut self, hashes: &[u64]) -> HashMap<String, usize> {
+        self.match_lengths_anchored(hashes, &[])
+    }
+
+    /// [`Self::match_lengths`], also probing the `anchors` the request's blocks were recorded
+    /// with (see [`Self::record_anchored`]).
+    pub fn match_lengths_anchored(&mut self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
         // (endpoint, blocks confirmed so far); a run continues only through every probe.
         let mut run: Vec<(u16, usize)> = Vec::new();
         let mut confirmed = 0;
-        for p in sampled(hashes.len()) {
+        for p in sampled(hashes.len(), anchors) {
             let Some(s) = self.find(hashes[p]) else { break };
             let slot = &mut self.slots[s];
             slot.stamp = self.clock;
@@ -281,7 +301,7 @@ mod tests {
         let mut ix = ApproxPrefixIndex::new(8_192);
         let a: Vec<u64> = (1..=1_000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
         ix.record(&a, "a:1");
-        let recorded = sampled(1_000).count();
+        let recorded = sampled(1_000, &[]).len();
         assert_eq!(ix.len(), recorded);
         assert_eq!(recorded, 64 + (998 - 71) / 8 + 1 + 1, "dense head, every 8th, the last");
         assert_eq!(ix.match_lengths(&a).get("a:1"), Some(&1_000), "a full match is exact");
@@ -295,6 +315,30 @@ mod tests {
         let mut c = a[..40].to_vec();
         c.extend((0..30u64).map(|i| i ^ 0xfeed));
         assert_eq!(ix.match_lengths(&c).get("a:1"), Some(&40));
+    }
+
+    #[test]
+    fn an_anchor_makes_a_match_exact_where_a_message_ends() {
+        // A 94-block system message, then each request's own question: without an anchor the
+        // shared part reads as 88 blocks (the last sampled probe), with one it reads as 94.
+        let system: Vec<u64> = (1..=94u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        let ask = |q: u64| {
+            let mut v = system.clone();
+            v.extend((0..20u64).map(|i| (q << 32) ^ i ^ 0xabcd));
+            v
+        };
+        let anchors = [93];
+        let mut plain = ApproxPrefixIndex::new(8_192);
+        plain.record(&ask(1), "a:1");
+        assert_eq!(plain.match_lengths(&ask(2)).get("a:1"), Some(&88), "sampled: 7 blocks short");
+        let mut anchored = ApproxPrefixIndex::new(8_192);
+        anchored.record_anchored(&ask(1), &anchors, "a:1");
+        assert_eq!(anchored.match_lengths_anchored(&ask(2), &anchors).get("a:1"), Some(&94));
+        // An anchor never overstates: a prompt that diverges inside the message stops earlier.
+        let mut early = system[..80].to_vec();
+        early.extend((0..34u64).map(|i| i ^ 0x5555));
+        let m = *anchored.match_lengths_anchored(&early, &anchors).get("a:1").unwrap_or(&0);
+        assert!(m <= 80 && m > 80 - STRIDE, "{m}");
     }
 
     #[test]
@@ -329,6 +373,13 @@ pub trait AffinityStore {
 /// Block positions recorded in and probed from the shared table: 0, 1, 3, 7, 15, … and the
 /// last block. A hit at position `i` proves the endpoint was sent the first `i + 1` blocks.
 pub fn probe_points(n_blocks: usize) -> Vec<usize> {
+    anchored_probe_points(n_blocks, &[])
+}
+
+/// [`probe_points`] plus the `anchors` (blocks that end a message,
+/// [`crate::prefix::anchor_blocks`]): a match learned from another worker is then exact where
+/// prompts that share messages diverge, not cut back to a power of two.
+pub fn anchored_probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
     let mut v = Vec::new();
     let mut i = 1usize;
     while i <= n_blocks {
@@ -337,6 +388,12 @@ pub fn probe_points(n_blocks: usize) -> Vec<usize> {
     }
     if n_blocks > 0 && v.last() != Some(&(n_blocks - 1)) {
         v.push(n_blocks - 1);
+    }
+    let before = v.len();
+    v.extend(anchors.iter().copied().filter(|&a| a < n_blocks));
+    if v.len() > before {
+        v.sort_unstable();
+        v.dedup();
     }
     v
 }
@@ -347,14 +404,14 @@ fn slot_of(hash: u64, slots: u64) -> u64 {
 
 /// The `(slot, block hash)` entries a decision writes to the shared table: its probe points.
 pub fn shared_entries(slots: u64, hashes: &[u64]) -> Vec<(u64, u64)> {
-    shared_entries_beyond(slots, hashes, 0)
+    shared_entries_beyond(slots, hashes, &[], 0)
 }
 
 /// The entries a decision must write when the table already proves `known` leading blocks for
 /// its endpoint ([`shared_matches`]): only the probe points past them. A repeated prefix then
 /// writes nothing, and a new question on a known system prompt writes only its own tail.
-pub fn shared_entries_beyond(slots: u64, hashes: &[u64], known: usize) -> Vec<(u64, u64)> {
-    probe_points(hashes.len())
+pub fn shared_entries_beyond(slots: u64, hashes: &[u64], anchors: &[usize], known: usize) -> Vec<(u64, u64)> {
+    anchored_probe_points(hashes.len(), anchors)
         .into_iter()
         .filter(|&i| i + 1 > known)
         .filter_map(|i| hashes.get(i))
@@ -372,8 +429,18 @@ pub fn shared_record(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64], 
 /// Endpoints the shared table says hold a prefix of `hashes`, with the number of leading
 /// blocks proven: the deepest probe point that still matches, per endpoint.
 pub fn shared_matches(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64]) -> HashMap<String, usize> {
+    shared_matches_anchored(store, slots, hashes, &[])
+}
+
+/// [`shared_matches`], also probing the request's `anchors`.
+pub fn shared_matches_anchored(
+    store: &mut dyn AffinityStore,
+    slots: u64,
+    hashes: &[u64],
+    anchors: &[usize],
+) -> HashMap<String, usize> {
     let mut out: HashMap<String, usize> = HashMap::new();
-    for i in probe_points(hashes.len()) {
+    for i in anchored_probe_points(hashes.len(), anchors) {
         let Some(h) = hashes.get(i) else { break };
         match store.load(slot_of(*h, slots)) {
             Some((stored, ep)) if stored == *h => {
@@ -434,19 +501,36 @@ mod shared_tests {
         // The same prompt again: the table proves all 16 blocks, so nothing is written.
         let known = shared_matches(&mut m, 4096, &system).get("e1:1").copied().unwrap_or(0);
         assert_eq!(known, 16);
-        assert!(shared_entries_beyond(4096, &system, known).is_empty());
+        assert!(shared_entries_beyond(4096, &system, &[], known).is_empty());
         // A new question after the system prompt: only the probe points past block 16.
         let mut asked = system.clone();
         asked.extend(900..920);
         let known = shared_matches(&mut m, 4096, &asked).get("e1:1").copied().unwrap_or(0);
         assert_eq!(known, 16, "probes 0, 1, 3, 7, 15 hold; 31 is new");
-        let tail = shared_entries_beyond(4096, &asked, known);
+        let tail = shared_entries_beyond(4096, &asked, &[], known);
         assert_eq!(tail.iter().map(|&(_, h)| h).collect::<Vec<_>>(), vec![asked[31], asked[35]]);
         for (slot, h) in tail {
             m.store(slot, h, "e1:1");
         }
         // Written that way, the table proves the whole new prompt, as a full rewrite would.
         assert_eq!(shared_matches(&mut m, 4096, &asked).get("e1:1"), Some(&36));
+    }
+
+    #[test]
+    fn an_anchor_makes_a_match_learned_from_another_worker_exact_at_a_message_end() {
+        let system: Vec<u64> = (1..=94u64).collect();
+        let ask = |q: u64| {
+            let mut v = system.clone();
+            v.extend((0..20u64).map(|i| 10_000 * q + i));
+            v
+        };
+        let anchors = [93];
+        let mut m = Mem::default();
+        for (slot, h) in shared_entries_beyond(1 << 16, &ask(1), &anchors, 0) {
+            m.store(slot, h, "e1:1");
+        }
+        assert_eq!(shared_matches(&mut m, 1 << 16, &ask(2)).get("e1:1"), Some(&64), "powers of two only");
+        assert_eq!(shared_matches_anchored(&mut m, 1 << 16, &ask(2), &anchors).get("e1:1"), Some(&94));
     }
 
     #[test]

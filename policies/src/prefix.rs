@@ -81,6 +81,23 @@ pub fn block_hashes(cfg: &PrefixConfig, model: &str, cache_salt: Option<&str>, p
     }
 }
 
+/// The approximate index's anchors for a text prompt: for each message boundary (byte offsets
+/// in the text, from [`crate::request::InferenceRequest::message_ends`]), the last block that
+/// lies wholly before it. Requests that share messages share those blocks, so recording them
+/// keeps a match exact at message granularity where the index samples long prompts.
+pub fn anchor_blocks(cfg: &PrefixConfig, message_ends: &[usize]) -> Vec<usize> {
+    let block_bytes = cfg.block_size_tokens.max(1).saturating_mul(cfg.bytes_per_token.max(1));
+    let cap = if cfg.max_prefix_tokens > 0 {
+        cfg.max_prefix_tokens.div_ceil(cfg.block_size_tokens.max(1))
+    } else {
+        usize::MAX
+    };
+    let mut out: Vec<usize> =
+        message_ends.iter().filter_map(|&e| (e / block_bytes).checked_sub(1)).filter(|&b| b < cap).collect();
+    out.dedup();
+    out
+}
+
 /// Precise block keys: the same xxhash64 chain over token ids (little-endian u32), but only
 /// over *full* blocks of the engine's block size, continuing from `parent` (the previous
 /// block's key, or [`chain_seed`] at the start). The host computes these from `BlockStored`
@@ -117,6 +134,22 @@ mod tests {
             shared_flush_ms: 20,
             affinity_threshold: 0.8,
         }
+    }
+
+    #[test]
+    fn anchors_are_the_last_whole_block_before_each_message_end() {
+        // 64-token blocks of 4 bytes: 256 bytes a block.
+        let c = cfg(64, 0);
+        assert_eq!(anchor_blocks(&c, &[100, 256, 700, 24_100]), vec![0, 1, 93]);
+        // Hashing stops at max_prefix_tokens; so do anchors.
+        assert_eq!(anchor_blocks(&cfg(64, 640), &[2_600, 24_100]), vec![9]);
+        // The anchored block's hash is the same in two prompts that share the message.
+        let system = "s".repeat(24_000);
+        let a = block_hashes(&c, "m", None, &Prompt::Text(format!("{system}\nquestion one")));
+        let b = block_hashes(&c, "m", None, &Prompt::Text(format!("{system}\nanother question")));
+        let k = anchor_blocks(&c, &[24_001])[0];
+        assert_eq!(a[k], b[k]);
+        assert_ne!(a[k + 1], b[k + 1]);
     }
 
     #[test]

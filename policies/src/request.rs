@@ -80,6 +80,10 @@ pub struct InferenceRequest {
     /// Chat and Responses requests: the conversation, for rendering with the model's chat
     /// template. Empty for completions.
     pub messages: Vec<ChatMessage>,
+    /// Where each message ends in `prompt`'s rendered text (byte offsets, in order; empty for
+    /// completions): shared prefixes end there, so the approximate index records the block
+    /// before each ([`crate::prefix::anchor_blocks`]).
+    pub message_ends: Vec<usize>,
 }
 
 // The body's variant fields are read with hand-written visitors rather than
@@ -397,17 +401,19 @@ fn chat_messages(system: Option<Cow<'_, str>>, messages: Vec<Message<'_>>) -> Ve
 /// Render messages the way the reference chat template does (`role: content\n` per message,
 /// then `assistant:`), so that shared conversation prefixes give shared text prefixes. Precise
 /// routing renders the model's own template instead ([`crate::chat_template`]).
-fn render_messages(messages: &[ChatMessage]) -> String {
+fn render_messages(messages: &[ChatMessage]) -> (String, Vec<usize>) {
     let len: usize = messages.iter().map(|m| m.role.len() + m.content.len() + 3).sum();
     let mut out = String::with_capacity(len + 10);
+    let mut ends = Vec::with_capacity(messages.len());
     for m in messages {
         out.push_str(&m.role);
         out.push_str(": ");
         out.push_str(&m.content);
         out.push('\n');
+        ends.push(out.len());
     }
     out.push_str("assistant:");
-    out
+    (out, ends)
 }
 
 /// Parse a request body for `api`.
@@ -478,7 +484,12 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         (Api::Responses, _, Some(InputField::Items(items))) => chat_messages(b.instructions, items),
         _ => Vec::new(),
     };
-    let prompt = if messages.is_empty() { prompt } else { Prompt::Text(render_messages(&messages)) };
+    let (prompt, message_ends) = if messages.is_empty() {
+        (prompt, Vec::new())
+    } else {
+        let (text, ends) = render_messages(&messages);
+        (Prompt::Text(text), ends)
+    };
     Ok(InferenceRequest {
         api,
         model,
@@ -491,6 +502,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         user: b.user,
         previous_response_id: b.previous_response_id,
         messages,
+        message_ends,
     })
 }
 
@@ -543,6 +555,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(r.prompt, Prompt::Text("system: be terse\nuser: hi\nthere\nassistant:".into()));
+        // Each message ends just after its newline.
+        assert_eq!(r.message_ends, vec!["system: be terse\n".len(), "system: be terse\nuser: hi\nthere\n".len()]);
         assert_eq!(r.max_tokens, Some(9));
         assert_eq!(
             p(Api::ChatCompletions, r#"{"model":"m","messages":[]}"#),

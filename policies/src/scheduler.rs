@@ -13,6 +13,9 @@ pub struct SchedulingInput<'a> {
     pub model: &'a str,
     /// Approximate prefix block hashes of the prompt (see [`crate::prefix`]).
     pub block_hashes: &'a [u64],
+    /// Blocks of `block_hashes` that end a message ([`crate::prefix::anchor_blocks`]): the
+    /// approximate index records and probes them, so matches are exact where prompts diverge.
+    pub anchors: &'a [usize],
     /// Requests this scheduler instance has in flight per endpoint address.
     pub inflight: &'a HashMap<String, u32>,
     /// Seed for the picker's tie-break.
@@ -233,8 +236,11 @@ impl Scheduler {
             return Err(ScheduleError::NoEndpoints);
         }
         filter::by_saturation(eps, &mut cands, &self.config.saturation);
-        let matches =
-            if input.block_hashes.is_empty() { HashMap::new() } else { state.index.match_lengths(input.block_hashes) };
+        let matches = if input.block_hashes.is_empty() {
+            HashMap::new()
+        } else {
+            state.index.match_lengths_anchored(input.block_hashes, input.anchors)
+        };
         let (all, cold) = self.score(eps, &cands, input, &matches, state, &self.config.weights);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
         let mut order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
@@ -275,16 +281,16 @@ impl Scheduler {
 
     /// Record a decision (llm-d's `PreRequest` step): the approximate index learns where the
     /// prefix went, and a cold request moves its endpoint to the back of the no-hit LRU.
-    pub fn commit(&self, decision: &Decision, block_hashes: &[u64], state: &mut SchedulerState) {
+    pub fn commit(&self, decision: &Decision, block_hashes: &[u64], anchors: &[usize], state: &mut SchedulerState) {
         if let Some(primary) = decision.endpoints.first() {
-            state.index.record(block_hashes, primary);
+            state.index.record_anchored(block_hashes, anchors, primary);
             if decision.cold {
                 state.no_hit_lru.record(primary);
             }
         }
         // The prefill endpoint computed the prompt and keeps it in its prefix cache too.
         if let Some(p) = &decision.prefill {
-            state.index.record(block_hashes, &p.address);
+            state.index.record_anchored(block_hashes, anchors, &p.address);
         }
     }
 }
@@ -309,6 +315,7 @@ mod tests {
                 &SchedulingInput {
                     model: "m",
                     block_hashes: &hashes,
+                    anchors: &[],
                     inflight: &inflight,
                     seed,
                     extra_matches: None,
@@ -321,7 +328,7 @@ mod tests {
                 ix,
             )
             .unwrap();
-        s.commit(&d, &hashes, ix);
+        s.commit(&d, &hashes, &[], ix);
         d
     }
 
@@ -414,6 +421,7 @@ mod tests {
             let input = SchedulingInput {
                 model: "tweet",
                 block_hashes: &hashes,
+                anchors: &[],
                 inflight: &inflight,
                 seed: k,
                 extra_matches: None,
@@ -424,7 +432,7 @@ mod tests {
             };
             let d = s.schedule(&input, &p, &mut ix).unwrap();
             assert_eq!(d.endpoints[0], p.endpoints[1].address, "tweet goes where tweet runs: {:?}", d.scores);
-            s.commit(&d, &hashes, &mut ix);
+            s.commit(&d, &hashes, &[], &mut ix);
         }
         // A base-model cold request still spreads: it goes to the least recently used engine.
         let d = run(&s, &p, &mut ix, "hello", 9);
@@ -449,6 +457,7 @@ mod tests {
         let input = |load_only| SchedulingInput {
             model: "m",
             block_hashes: &hashes,
+            anchors: &[],
             inflight: &inflight,
             seed: 3,
             extra_matches: None,
@@ -510,6 +519,7 @@ mod tests {
             let input = SchedulingInput {
                 model: "m",
                 block_hashes: &hashes,
+                anchors: &[],
                 inflight: &inflight,
                 seed,
                 extra_matches: Some(&extra),
@@ -537,6 +547,7 @@ mod tests {
         let input = SchedulingInput {
             model: "m",
             block_hashes: &[1, 2, 3],
+            anchors: &[],
             inflight: &inflight,
             seed: 5,
             extra_matches: None,
@@ -569,6 +580,7 @@ mod tests {
         let input = SchedulingInput {
             model: "m",
             block_hashes: &hashes,
+            anchors: &[],
             inflight: &inflight,
             seed: 1,
             extra_matches: Some(&shared),
@@ -593,6 +605,7 @@ mod tests {
         let input = SchedulingInput {
             model: "m",
             block_hashes: &[],
+            anchors: &[],
             inflight: &inflight,
             seed: 0,
             extra_matches: None,
@@ -654,6 +667,7 @@ mod tests {
         let input = |sticky: Option<&'static str>| SchedulingInput {
             model: "m",
             block_hashes: &[],
+            anchors: &[],
             inflight: &inflight,
             seed: 9,
             extra_matches: None,

@@ -75,9 +75,10 @@ pub fn route(
 ) -> Result<(), ErrorResponse> {
     let id = st.id;
     let hashes = prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
+    let anchors = prefix::anchor_blocks(&w.config.scheduler.prefix, &req.message_ends);
     let seed = hashes.first().copied().unwrap_or(u64::from(id));
     let slots = w.config.scheduler.prefix.shared_slots;
-    let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes));
+    let shared = (slots > 0).then(|| index::shared_matches_anchored(&mut SharedAffinity, slots, &hashes, &anchors));
     let ids = prompt_ids(w, req, id);
     let ids_len = ids.as_ref().map(Vec::len);
     let pc = &w.config.scheduler.precise;
@@ -101,6 +102,7 @@ pub fn route(
     let input = SchedulingInput {
         model: &req.model,
         block_hashes: &hashes,
+        anchors: &anchors,
         inflight: &w.inflight,
         seed,
         extra_matches: shared.as_ref(),
@@ -164,13 +166,13 @@ pub fn route(
             w.metrics.sticky_hit();
         }
     }
-    w.scheduler.commit(&decision, &hashes, &mut w.state);
+    w.scheduler.commit(&decision, &hashes, &anchors, &mut w.state);
     if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
         // Written to shared data from the worker's tick (root.rs), off the request path.
         let room = crate::root::AFFINITY_PENDING_MAX.saturating_sub(w.affinity_pending.len());
         // Only what the table does not already prove for this endpoint.
         let known = shared.as_ref().and_then(|m| m.get(primary)).copied().unwrap_or(0);
-        let entries = index::shared_entries_beyond(slots, &hashes, known);
+        let entries = index::shared_entries_beyond(slots, &hashes, &anchors, known);
         w.affinity_pending.extend(entries.into_iter().take(room).map(|(s, h)| (s, h, primary.clone())));
     }
     if let Some(best) = decision.scores.first() {
