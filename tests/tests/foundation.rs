@@ -35,6 +35,34 @@ async fn shared_prefix_sticks_and_unrelated_prefixes_spread() {
     assert_eq!(spread.len(), 4, "unrelated prefixes should use every engine: {spread:?}");
 }
 
+/// The affinity gate (`prefix.affinity_threshold`, 0.8): sessions that share only a short
+/// system preamble (about 40% of each prompt) are spread over the pool instead of following
+/// the preamble to the engine that holds it, and each session's next turn, which shares
+/// nearly all of its prompt, still goes back to that session's engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_shared_preamble_does_not_pull_new_sessions_onto_one_engine() {
+    let s = attache_stack("preamble-gate", small_pool());
+    let http = fresh_client();
+    let preamble = "Tools: read_file(path), write_file(path, text), run_tests(), search(query). ".repeat(50);
+    let context =
+        |k: usize| format!("Repository {k}: ") + &format!("src/module_{k}.rs holds parser code. ").repeat(160);
+    let mut first = Vec::new();
+    for k in 0..8 {
+        let o = send(&s, &http, chat(&preamble, &context(k), 2), &[]).await;
+        assert!(o.ok() && o.done, "session {k}: {} {}", o.status, o.body);
+        first.push(o.engine_port.expect("engine port"));
+    }
+    let used: HashSet<_> = first.iter().collect();
+    assert!(used.len() >= 3, "new sessions piled onto the preamble's holder: {first:?}");
+    // Let both Envoy workers learn every decision (the cross-worker table's flush).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for (k, port) in first.iter().enumerate() {
+        let o = send(&s, &http, chat(&preamble, &format!("{} Next step?", context(k)), 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_eq!(o.engine_port, Some(*port), "session {k}'s next turn left its engine");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_engine_is_avoided() {
     // Two running sequences per engine, and slow steps, so a queue builds up for real.
