@@ -57,8 +57,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let anchors = prefix::anchor_blocks(&cfg, &r.message_ends);
             hash += t.elapsed().as_secs_f64();
             let t = Instant::now();
-            let m = ix.match_lengths(&h);
-            ix.record(&h, if (i + m.len()).is_multiple_of(2) { "10.0.0.1:8000" } else { "10.0.0.2:8000" });
+            let m = ix.match_lengths(&h, &anchors);
+            ix.record(&h, &anchors, if (i + m.len()).is_multiple_of(2) { "10.0.0.1:8000" } else { "10.0.0.2:8000" });
             index += t.elapsed().as_secs_f64();
             // The whole pipeline on the hashes: filters, scorers, picker, then commit.
             for (p, spent) in pools.iter().zip(decide.iter_mut()) {

@@ -29,13 +29,18 @@ fn sampled(n: usize, anchors: &[usize]) -> Vec<usize> {
     let strided = (DENSE_BLOCKS + STRIDE - 1..n.saturating_sub(1)).step_by(STRIDE);
     let last = (n > DENSE_BLOCKS).then(|| n - 1);
     let mut v: Vec<usize> = dense.chain(strided).chain(last).collect();
+    add_anchors(&mut v, anchors.iter().copied().filter(|&a| a >= DENSE_BLOCKS && a < n));
+    v
+}
+
+/// Merge `anchors` into the ascending positions `v`, keeping it ascending and without repeats.
+fn add_anchors(v: &mut Vec<usize>, anchors: impl Iterator<Item = usize>) {
     let before = v.len();
-    v.extend(anchors.iter().copied().filter(|&a| a >= DENSE_BLOCKS && a < n));
+    v.extend(anchors);
     if v.len() > before {
         v.sort_unstable();
         v.dedup();
     }
-    v
 }
 
 /// Endpoints remembered per block.
@@ -151,18 +156,14 @@ impl ApproxPrefixIndex {
         self.bucket(hash).find(|&i| self.slots[i].n > 0 && self.slots[i].hash == hash)
     }
 
-    /// Record that the blocks `hashes` were routed to `address`.
-    pub fn record(&mut self, hashes: &[u64], address: &str) {
-        self.record_anchored(hashes, &[], address);
-    }
-
-    /// [`Self::record`], also recording the `anchors` (block positions that end a message).
-    pub fn record_anchored(&mut self, hashes: &[u64], anchors: &[usize], address: &str) {
+    /// Record that the blocks `hashes` were routed to `address`; `anchors` are the block
+    /// positions that end a message ([`crate::prefix::anchor_blocks`]), recorded as well.
+    pub fn record(&mut self, hashes: &[u64], anchors: &[usize], address: &str) {
         let id = self.intern(address);
         if self.clock == u32::MAX {
             // Four billion requests: start the recency order afresh rather than wrap it.
             self.clear();
-            return self.record_anchored(hashes, anchors, address);
+            return self.record(hashes, anchors, address);
         }
         self.clock += 1;
         for h in sampled(hashes.len(), anchors).into_iter().map(|p| hashes[p]) {
@@ -190,13 +191,8 @@ impl ApproxPrefixIndex {
     /// For each endpoint address, the number of leading blocks of `hashes` it holds
     /// consecutively from the start. Stops as soon as no endpoint continues the run. Matched
     /// blocks count as used (they are the last to be evicted from their bucket).
-    pub fn match_lengths(&mut self, hashes: &[u64]) -> HashMap<String, usize> {
-        self.match_lengths_anchored(hashes, &[])
-    }
-
-    /// [`Self::match_lengths`], also probing the `anchors` the request's blocks were recorded
-    /// with (see [`Self::record_anchored`]).
-    pub fn match_lengths_anchored(&mut self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+    /// `anchors` are probed too, as [`Self::record`] recorded them.
+    pub fn match_lengths(&mut self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
         // (endpoint, blocks confirmed so far); a run continues only through every probe.
         let mut run: Vec<(u16, usize)> = Vec::new();
         let mut confirmed = 0;
@@ -247,14 +243,14 @@ mod tests {
     #[test]
     fn consecutive_prefix_per_endpoint() {
         let mut ix = ApproxPrefixIndex::new(100);
-        ix.record(&[1, 2, 3], "a:1");
-        ix.record(&[1, 2], "b:1");
-        ix.record(&[9, 3], "c:1"); // holds block 3 but not 1,2: no leading run
-        let m = ix.match_lengths(&[1, 2, 3, 4]);
+        ix.record(&[1, 2, 3], &[], "a:1");
+        ix.record(&[1, 2], &[], "b:1");
+        ix.record(&[9, 3], &[], "c:1"); // holds block 3 but not 1,2: no leading run
+        let m = ix.match_lengths(&[1, 2, 3, 4], &[]);
         assert_eq!(m.get("a:1"), Some(&3));
         assert_eq!(m.get("b:1"), Some(&2));
         assert_eq!(m.get("c:1"), None);
-        assert!(ix.match_lengths(&[7, 1]).is_empty());
+        assert!(ix.match_lengths(&[7, 1], &[]).is_empty());
     }
 
     #[test]
@@ -262,22 +258,22 @@ mod tests {
         let mut ix = ApproxPrefixIndex::new(10);
         assert_eq!(ix.capacity(), 8, "one bucket of eight ways");
         for i in 0..8u64 {
-            ix.record(&[i], "a:1");
+            ix.record(&[i], &[], "a:1");
         }
         assert_eq!(ix.len(), 8);
         // Using block 0 makes block 1 the least recently used.
-        assert_eq!(ix.match_lengths(&[0]).get("a:1"), Some(&1));
-        ix.record(&[100], "a:1");
+        assert_eq!(ix.match_lengths(&[0], &[]).get("a:1"), Some(&1));
+        ix.record(&[100], &[], "a:1");
         assert_eq!(ix.len(), 8);
-        assert_eq!(ix.match_lengths(&[0]).get("a:1"), Some(&1));
-        assert!(ix.match_lengths(&[1]).is_empty());
+        assert_eq!(ix.match_lengths(&[0], &[]).get("a:1"), Some(&1));
+        assert!(ix.match_lengths(&[1], &[]).is_empty());
         for i in 200..300u64 {
-            ix.record(&[i], "a:1");
+            ix.record(&[i], &[], "a:1");
         }
         assert_eq!(ix.len(), 8);
-        assert_eq!(ix.match_lengths(&[299]).get("a:1"), Some(&1));
+        assert_eq!(ix.match_lengths(&[299], &[]).get("a:1"), Some(&1));
         ix.forget("a:1");
-        assert!(ix.match_lengths(&[299]).is_empty());
+        assert!(ix.match_lengths(&[299], &[]).is_empty());
         assert_eq!(ix.len(), 0);
     }
 
@@ -285,14 +281,14 @@ mod tests {
     fn a_block_remembers_its_latest_endpoints() {
         let mut ix = ApproxPrefixIndex::new(64);
         for e in 0..10 {
-            ix.record(&[5], &format!("e:{e}"));
+            ix.record(&[5], &[], &format!("e:{e}"));
         }
-        let m = ix.match_lengths(&[5]);
+        let m = ix.match_lengths(&[5], &[]);
         assert_eq!(m.len(), MAX_ENDPOINTS_PER_BLOCK);
         assert!(m.contains_key("e:9") && m.contains_key("e:2"));
         assert!(!m.contains_key("e:0") && !m.contains_key("e:1"));
         ix.forget("e:5");
-        assert_eq!(ix.match_lengths(&[5]).len(), MAX_ENDPOINTS_PER_BLOCK - 1);
+        assert_eq!(ix.match_lengths(&[5], &[]).len(), MAX_ENDPOINTS_PER_BLOCK - 1);
         assert_eq!(ix.len(), 1);
     }
 
@@ -300,21 +296,21 @@ mod tests {
     fn long_prompts_are_sampled_and_never_overstated() {
         let mut ix = ApproxPrefixIndex::new(8_192);
         let a: Vec<u64> = (1..=1_000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
-        ix.record(&a, "a:1");
+        ix.record(&a, &[], "a:1");
         let recorded = sampled(1_000, &[]).len();
         assert_eq!(ix.len(), recorded);
         assert_eq!(recorded, 64 + (998 - 71) / 8 + 1 + 1, "dense head, every 8th, the last");
-        assert_eq!(ix.match_lengths(&a).get("a:1"), Some(&1_000), "a full match is exact");
+        assert_eq!(ix.match_lengths(&a, &[]).get("a:1"), Some(&1_000), "a full match is exact");
         // A prompt that shares 500 blocks then diverges: the match is the last probe inside
         // the shared part, at most STRIDE - 1 short, never longer.
         let mut b = a[..500].to_vec();
         b.extend((0..300u64).map(|i| i ^ 0xdead_beef));
-        let m = *ix.match_lengths(&b).get("a:1").unwrap();
+        let m = *ix.match_lengths(&b, &[]).get("a:1").unwrap();
         assert!(m <= 500 && m > 500 - STRIDE, "{m}");
         // The dense head is exact.
         let mut c = a[..40].to_vec();
         c.extend((0..30u64).map(|i| i ^ 0xfeed));
-        assert_eq!(ix.match_lengths(&c).get("a:1"), Some(&40));
+        assert_eq!(ix.match_lengths(&c, &[]).get("a:1"), Some(&40));
     }
 
     #[test]
@@ -329,15 +325,15 @@ mod tests {
         };
         let anchors = [93];
         let mut plain = ApproxPrefixIndex::new(8_192);
-        plain.record(&ask(1), "a:1");
-        assert_eq!(plain.match_lengths(&ask(2)).get("a:1"), Some(&88), "sampled: 7 blocks short");
+        plain.record(&ask(1), &[], "a:1");
+        assert_eq!(plain.match_lengths(&ask(2), &[]).get("a:1"), Some(&88), "sampled: 7 blocks short");
         let mut anchored = ApproxPrefixIndex::new(8_192);
-        anchored.record_anchored(&ask(1), &anchors, "a:1");
-        assert_eq!(anchored.match_lengths_anchored(&ask(2), &anchors).get("a:1"), Some(&94));
+        anchored.record(&ask(1), &anchors, "a:1");
+        assert_eq!(anchored.match_lengths(&ask(2), &anchors).get("a:1"), Some(&94));
         // An anchor never overstates: a prompt that diverges inside the message stops earlier.
         let mut early = system[..80].to_vec();
         early.extend((0..34u64).map(|i| i ^ 0x5555));
-        let m = *anchored.match_lengths_anchored(&early, &anchors).get("a:1").unwrap_or(&0);
+        let m = *anchored.match_lengths(&early, &anchors).get("a:1").unwrap_or(&0);
         assert!(m <= 80 && m > 80 - STRIDE, "{m}");
     }
 
@@ -346,11 +342,11 @@ mod tests {
         let mut ix = ApproxPrefixIndex::new(80_000);
         let hashes: Vec<u64> = (1..=40_000u64).map(|i| i.wrapping_mul(0xff51_afd7_ed55_8ccd)).collect();
         for chunk in hashes.chunks(DENSE_BLOCKS) {
-            ix.record(chunk, "a:1");
+            ix.record(chunk, &[], "a:1");
         }
         // Half full: hashing spreads blocks so that almost no bucket overflows.
         assert!(ix.len() > 39_000, "{}", ix.len());
-        let m = ix.match_lengths(&hashes[..100]);
+        let m = ix.match_lengths(&hashes[..100], &[]);
         assert_eq!(m.get("a:1"), Some(&100));
     }
 }
@@ -371,15 +367,11 @@ pub trait AffinityStore {
 }
 
 /// Block positions recorded in and probed from the shared table: 0, 1, 3, 7, 15, … and the
-/// last block. A hit at position `i` proves the endpoint was sent the first `i + 1` blocks.
-pub fn probe_points(n_blocks: usize) -> Vec<usize> {
-    anchored_probe_points(n_blocks, &[])
-}
-
-/// [`probe_points`] plus the `anchors` (blocks that end a message,
-/// [`crate::prefix::anchor_blocks`]): a match learned from another worker is then exact where
-/// prompts that share messages diverge, not cut back to a power of two.
-pub fn anchored_probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
+/// last block, plus the `anchors` (blocks that end a message, [`crate::prefix::anchor_blocks`]),
+/// so a match learned from another worker is exact where prompts that share messages diverge,
+/// not cut back to a power of two. A hit at position `i` proves the endpoint was sent the first
+/// `i + 1` blocks.
+pub fn probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
     let mut v = Vec::new();
     let mut i = 1usize;
     while i <= n_blocks {
@@ -389,12 +381,7 @@ pub fn anchored_probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
     if n_blocks > 0 && v.last() != Some(&(n_blocks - 1)) {
         v.push(n_blocks - 1);
     }
-    let before = v.len();
-    v.extend(anchors.iter().copied().filter(|&a| a < n_blocks));
-    if v.len() > before {
-        v.sort_unstable();
-        v.dedup();
-    }
+    add_anchors(&mut v, anchors.iter().copied().filter(|&a| a < n_blocks));
     v
 }
 
@@ -402,16 +389,12 @@ fn slot_of(hash: u64, slots: u64) -> u64 {
     hash % slots.max(1)
 }
 
-/// The `(slot, block hash)` entries a decision writes to the shared table: its probe points.
-pub fn shared_entries(slots: u64, hashes: &[u64]) -> Vec<(u64, u64)> {
-    shared_entries_beyond(slots, hashes, &[], 0)
-}
-
-/// The entries a decision must write when the table already proves `known` leading blocks for
-/// its endpoint ([`shared_matches`]): only the probe points past them. A repeated prefix then
-/// writes nothing, and a new question on a known system prompt writes only its own tail.
-pub fn shared_entries_beyond(slots: u64, hashes: &[u64], anchors: &[usize], known: usize) -> Vec<(u64, u64)> {
-    anchored_probe_points(hashes.len(), anchors)
+/// The `(slot, block hash)` entries a decision writes to the shared table: its probe points
+/// past the `known` leading blocks the table already proves for its endpoint
+/// ([`shared_matches`]; 0 writes them all). A repeated prefix then writes nothing, and a new
+/// question on a known system prompt writes only its own tail.
+pub fn shared_entries(slots: u64, hashes: &[u64], anchors: &[usize], known: usize) -> Vec<(u64, u64)> {
+    probe_points(hashes.len(), anchors)
         .into_iter()
         .filter(|&i| i + 1 > known)
         .filter_map(|i| hashes.get(i))
@@ -421,26 +404,22 @@ pub fn shared_entries_beyond(slots: u64, hashes: &[u64], anchors: &[usize], know
 
 /// Record a decision in the shared table.
 pub fn shared_record(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64], endpoint: &str) {
-    for (slot, h) in shared_entries(slots, hashes) {
+    for (slot, h) in shared_entries(slots, hashes, &[], 0) {
         store.store(slot, h, endpoint);
     }
 }
 
 /// Endpoints the shared table says hold a prefix of `hashes`, with the number of leading
 /// blocks proven: the deepest probe point that still matches, per endpoint.
-pub fn shared_matches(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64]) -> HashMap<String, usize> {
-    shared_matches_anchored(store, slots, hashes, &[])
-}
-
-/// [`shared_matches`], also probing the request's `anchors`.
-pub fn shared_matches_anchored(
+/// `anchors` are probed too ([`probe_points`]).
+pub fn shared_matches(
     store: &mut dyn AffinityStore,
     slots: u64,
     hashes: &[u64],
     anchors: &[usize],
 ) -> HashMap<String, usize> {
     let mut out: HashMap<String, usize> = HashMap::new();
-    for i in anchored_probe_points(hashes.len(), anchors) {
+    for i in probe_points(hashes.len(), anchors) {
         let Some(h) = hashes.get(i) else { break };
         match store.load(slot_of(*h, slots)) {
             Some((stored, ep)) if stored == *h => {
@@ -471,10 +450,10 @@ mod shared_tests {
 
     #[test]
     fn probe_points_are_logarithmic_and_end_at_the_last_block() {
-        assert_eq!(probe_points(0), Vec::<usize>::new());
-        assert_eq!(probe_points(1), vec![0]);
-        assert_eq!(probe_points(10), vec![0, 1, 3, 7, 9]);
-        assert_eq!(probe_points(16), vec![0, 1, 3, 7, 15]);
+        assert_eq!(probe_points(0, &[]), Vec::<usize>::new());
+        assert_eq!(probe_points(1, &[]), vec![0]);
+        assert_eq!(probe_points(10, &[]), vec![0, 1, 3, 7, 9]);
+        assert_eq!(probe_points(16, &[]), vec![0, 1, 3, 7, 15]);
     }
 
     #[test]
@@ -486,11 +465,11 @@ mod shared_tests {
         shared_record(&mut direct, 1024, &b, "e2:2");
         let mut batched = Mem::default();
         let mut pending: Vec<(u64, u64, String)> = Vec::new();
-        pending.extend(shared_entries(1024, &a).into_iter().map(|(s, h)| (s, h, "e1:1".to_owned())));
-        pending.extend(shared_entries(1024, &b).into_iter().map(|(s, h)| (s, h, "e2:2".to_owned())));
+        pending.extend(shared_entries(1024, &a, &[], 0).into_iter().map(|(s, h)| (s, h, "e1:1".to_owned())));
+        pending.extend(shared_entries(1024, &b, &[], 0).into_iter().map(|(s, h)| (s, h, "e2:2".to_owned())));
         batched.store_many(&pending);
         assert_eq!(direct.0, batched.0);
-        assert_eq!(shared_matches(&mut batched, 1024, &a[..20]).get("e1:1"), Some(&16));
+        assert_eq!(shared_matches(&mut batched, 1024, &a[..20], &[]).get("e1:1"), Some(&16));
     }
 
     #[test]
@@ -499,21 +478,21 @@ mod shared_tests {
         let system: Vec<u64> = (100..116).collect();
         shared_record(&mut m, 4096, &system, "e1:1");
         // The same prompt again: the table proves all 16 blocks, so nothing is written.
-        let known = shared_matches(&mut m, 4096, &system).get("e1:1").copied().unwrap_or(0);
+        let known = shared_matches(&mut m, 4096, &system, &[]).get("e1:1").copied().unwrap_or(0);
         assert_eq!(known, 16);
-        assert!(shared_entries_beyond(4096, &system, &[], known).is_empty());
+        assert!(shared_entries(4096, &system, &[], known).is_empty());
         // A new question after the system prompt: only the probe points past block 16.
         let mut asked = system.clone();
         asked.extend(900..920);
-        let known = shared_matches(&mut m, 4096, &asked).get("e1:1").copied().unwrap_or(0);
+        let known = shared_matches(&mut m, 4096, &asked, &[]).get("e1:1").copied().unwrap_or(0);
         assert_eq!(known, 16, "probes 0, 1, 3, 7, 15 hold; 31 is new");
-        let tail = shared_entries_beyond(4096, &asked, &[], known);
+        let tail = shared_entries(4096, &asked, &[], known);
         assert_eq!(tail.iter().map(|&(_, h)| h).collect::<Vec<_>>(), vec![asked[31], asked[35]]);
         for (slot, h) in tail {
             m.store(slot, h, "e1:1");
         }
         // Written that way, the table proves the whole new prompt, as a full rewrite would.
-        assert_eq!(shared_matches(&mut m, 4096, &asked).get("e1:1"), Some(&36));
+        assert_eq!(shared_matches(&mut m, 4096, &asked, &[]).get("e1:1"), Some(&36));
     }
 
     #[test]
@@ -526,11 +505,11 @@ mod shared_tests {
         };
         let anchors = [93];
         let mut m = Mem::default();
-        for (slot, h) in shared_entries_beyond(1 << 16, &ask(1), &anchors, 0) {
+        for (slot, h) in shared_entries(1 << 16, &ask(1), &anchors, 0) {
             m.store(slot, h, "e1:1");
         }
-        assert_eq!(shared_matches(&mut m, 1 << 16, &ask(2)).get("e1:1"), Some(&64), "powers of two only");
-        assert_eq!(shared_matches_anchored(&mut m, 1 << 16, &ask(2), &anchors).get("e1:1"), Some(&94));
+        assert_eq!(shared_matches(&mut m, 1 << 16, &ask(2), &[]).get("e1:1"), Some(&64), "powers of two only");
+        assert_eq!(shared_matches(&mut m, 1 << 16, &ask(2), &anchors).get("e1:1"), Some(&94));
     }
 
     #[test]
@@ -540,8 +519,8 @@ mod shared_tests {
         shared_record(&mut m, 64, &a, "e1:1");
         let mut b = a[..10].to_vec();
         b.extend([7, 8, 9]);
-        assert_eq!(shared_matches(&mut m, 64, &b).get("e1:1"), Some(&8), "probe 7 matches, probe 12 does not");
-        assert!(shared_matches(&mut m, 64, &[5, 6]).is_empty());
+        assert_eq!(shared_matches(&mut m, 64, &b, &[]).get("e1:1"), Some(&8), "probe 7 matches, probe 12 does not");
+        assert!(shared_matches(&mut m, 64, &[5, 6], &[]).is_empty());
         for i in 0..10_000u64 {
             shared_record(&mut m, 64, &[i], "e2:1");
         }

@@ -239,7 +239,7 @@ impl Scheduler {
         let matches = if input.block_hashes.is_empty() {
             HashMap::new()
         } else {
-            state.index.match_lengths_anchored(input.block_hashes, input.anchors)
+            state.index.match_lengths(input.block_hashes, input.anchors)
         };
         let (all, cold) = self.score(eps, &cands, input, &matches, state, &self.config.weights);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
@@ -283,14 +283,14 @@ impl Scheduler {
     /// prefix went, and a cold request moves its endpoint to the back of the no-hit LRU.
     pub fn commit(&self, decision: &Decision, block_hashes: &[u64], anchors: &[usize], state: &mut SchedulerState) {
         if let Some(primary) = decision.endpoints.first() {
-            state.index.record_anchored(block_hashes, anchors, primary);
+            state.index.record(block_hashes, anchors, primary);
             if decision.cold {
                 state.no_hit_lru.record(primary);
             }
         }
         // The prefill endpoint computed the prompt and keeps it in its prefix cache too.
         if let Some(p) = &decision.prefill {
-            state.index.record_anchored(block_hashes, anchors, &p.address);
+            state.index.record(block_hashes, anchors, &p.address);
         }
     }
 }

@@ -78,7 +78,7 @@ pub fn route(
     let anchors = prefix::anchor_blocks(&w.config.scheduler.prefix, &req.message_ends);
     let seed = hashes.first().copied().unwrap_or(u64::from(id));
     let slots = w.config.scheduler.prefix.shared_slots;
-    let shared = (slots > 0).then(|| index::shared_matches_anchored(&mut SharedAffinity, slots, &hashes, &anchors));
+    let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes, &anchors));
     let ids = prompt_ids(w, req, id);
     let ids_len = ids.as_ref().map(Vec::len);
     let pc = &w.config.scheduler.precise;
@@ -172,7 +172,7 @@ pub fn route(
         let room = crate::root::AFFINITY_PENDING_MAX.saturating_sub(w.affinity_pending.len());
         // Only what the table does not already prove for this endpoint.
         let known = shared.as_ref().and_then(|m| m.get(primary)).copied().unwrap_or(0);
-        let entries = index::shared_entries_beyond(slots, &hashes, &anchors, known);
+        let entries = index::shared_entries(slots, &hashes, &anchors, known);
         w.affinity_pending.extend(entries.into_iter().take(room).map(|(s, h)| (s, h, primary.clone())));
     }
     if let Some(best) = decision.scores.first() {
