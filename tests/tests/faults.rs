@@ -296,6 +296,11 @@ async fn a_silent_host_turns_scoring_load_only_with_a_metric_and_loses_nothing()
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     s.wait_snapshot(4, Duration::from_secs(10)).expect("snapshot after the partition");
+    // The filters' own view: the silence gauge falls once a heartbeat reaches them.
+    while stat_value(&s.envoy_stats(), "wasmcustom.attache.host.silent_ms") >= 2_500 {
+        assert!(Instant::now() < deadline, "the filters never heard the host again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let after = load_only(&s);
     let mut ports = Vec::new();
     for i in 0..6 {

@@ -54,13 +54,17 @@ pub const AFFINITY_PENDING_MAX: usize = 16_384;
 
 impl Worker {
     /// Milliseconds since the host was last heard from (0 if it never was). Reads the heartbeat
-    /// from the tick's copy, off the request path; at most one tick old, which errs towards
-    /// silence by that much against `host_stale_ms` (seconds).
-    pub fn host_silent_ms(&mut self, now_ms: u64) -> u64 {
-        if self.heard_ms.is_none() {
-            self.heard_ms = snapshot::heard_ms();
+    /// from the tick's copy, off the request path; only when that copy says the host has been
+    /// silent longer than `stale_after_ms` is the shared heartbeat read again, so a host heard
+    /// since the last tick never gets a load-only decision.
+    pub fn host_silent_ms(&mut self, now_ms: u64, stale_after_ms: u64) -> u64 {
+        let silent = |heard: Option<u64>| heard.map_or(0, |h| now_ms.saturating_sub(h));
+        if self.heard_ms.is_none() || silent(self.heard_ms) > stale_after_ms {
+            if let Some(h) = snapshot::heard_ms() {
+                self.heard_ms = Some(h);
+            }
         }
-        self.heard_ms.map_or(0, |h| now_ms.saturating_sub(h))
+        silent(self.heard_ms)
     }
 
     /// The tick's bookkeeping, kept off the request path: histogram samples, the host's

@@ -93,7 +93,7 @@ pub fn route(
         )
     });
     let stale_after = w.config.scheduler.host_stale_ms;
-    let silent_ms = w.host_silent_ms(now_ms);
+    let silent_ms = w.host_silent_ms(now_ms, stale_after);
     let load_only = stale_after > 0 && silent_ms > stale_after;
     if load_only {
         w.metrics.load_only_decision();
