@@ -155,7 +155,8 @@ impl SchedulerHttp {
         Action::Pause
     }
 
-    fn schedule(&mut self, api: Api, body: &[u8]) -> Action {
+    /// `now_ms`: the body callback's clock reading, one per decision.
+    fn schedule(&mut self, api: Api, body: &[u8], now_ms: u64) -> Action {
         let req = match request::parse(api, body) {
             Ok(r) => r,
             Err(e) => return self.reject(ErrorResponse::from(&e)),
@@ -166,7 +167,7 @@ impl SchedulerHttp {
             return Action::Continue;
         };
         let w = &mut *guard;
-        let now = host::now_ms();
+        let now = now_ms;
         w.cache.refresh(now);
         if let Ok(mut st) = self.st.try_borrow_mut() {
             resolve_sticky(w, &mut st, &req, now);
@@ -184,14 +185,19 @@ impl SchedulerHttp {
                 }
             };
         }
-        self.admit(guard, req, body.len())
+        self.admit(guard, req, body.len(), now)
     }
 
     /// Flow control: classify, shed what cannot wait, queue the rest, and dispatch whatever
     /// may go now (this request included, if it is next and the pool has room).
-    fn admit(&mut self, mut guard: std::cell::RefMut<'_, Worker>, req: InferenceRequest, body_len: usize) -> Action {
+    fn admit(
+        &mut self,
+        mut guard: std::cell::RefMut<'_, Worker>,
+        req: InferenceRequest,
+        body_len: usize,
+        now: u64,
+    ) -> Action {
         let w = &mut *guard;
-        let now = host::now_ms();
         let class = {
             let Ok(st) = self.st.try_borrow() else {
                 return Action::Continue;
@@ -265,31 +271,35 @@ impl Context for SchedulerHttp {}
 
 impl HttpContext for SchedulerHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        // Never trust a client's routing headers.
-        host::remove_request_header(DESTINATION_HEADER);
-        host::remove_request_header(PREFILLER_HEADER);
-        let method = host::request_header(":method").unwrap_or_default();
-        let path = host::request_header(":path").unwrap_or_default();
-        let api = if method == "POST" { Api::from_path(&path) } else { None };
+        let headers = host::HeaderMap::request();
+        // Never trust a client's routing headers. (Removing clears Envoy's route cache: only
+        // when there is something to remove.)
+        for name in [DESTINATION_HEADER, PREFILLER_HEADER] {
+            if headers.contains(name) {
+                host::remove_request_header(name);
+            }
+        }
+        let method = headers.get(":method").unwrap_or_default();
+        let path = headers.get(":path").unwrap_or_default();
+        let api = if method == "POST" { Api::from_path(path) } else { None };
         if let (Ok(w), Ok(mut st)) = (self.worker.try_borrow(), self.st.try_borrow_mut()) {
             st.api = api;
             let sc = &w.config.sessions;
             if sc.enabled && api.is_some() {
-                st.sticky = host::request_header(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
-                st.session_key =
-                    sc.headers.iter().find_map(|h| host::request_header(h)).map(|id| session::session_key(&id));
+                st.sticky = headers.get(&sc.token_header).and_then(session::endpoint_of_token);
+                st.session_key = sc.headers.iter().find_map(|h| headers.get(h)).map(session::session_key);
             }
             let f = &w.config.flow;
             if f.enabled {
                 for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
-                    if let Some(v) = host::request_header(h) {
-                        st.flow_headers.push((h.clone(), v));
+                    if let Some(v) = headers.get(h) {
+                        st.flow_headers.push((h.clone(), v.to_owned()));
                     }
                 }
             }
             if w.config.scoring.context {
                 st.started_us = host::now_us();
-                st.session = w.config.scoring.session_headers.iter().find_map(|h| host::request_header(h));
+                st.session = w.config.scoring.session_headers.iter().find_map(|h| headers.get(h)).map(str::to_owned);
             }
         }
         let Some(_) = api else {
@@ -299,7 +309,7 @@ impl HttpContext for SchedulerHttp {
             return Action::Continue;
         };
         let limit = self.worker.try_borrow().map(|w| w.config.scheduler.max_body_bytes).unwrap_or(usize::MAX);
-        if let Some(len) = host::request_header("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
+        if let Some(len) = headers.get("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
             if len > limit {
                 return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge { size: len, limit }));
             }
@@ -332,7 +342,7 @@ impl HttpContext for SchedulerHttp {
         let Some(body) = host::request_body(body_size) else {
             return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
         };
-        let action = self.schedule(api, &body);
+        let action = self.schedule(api, &body, started / 1000);
         drop(body);
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.metrics.decision(host::now_us().saturating_sub(started));
