@@ -18,6 +18,10 @@ use crate::host;
 
 pub const SNAPSHOT_KEY: &str = "attache.snapshot";
 pub const VERSION_KEY: &str = "attache.snapshot.version";
+/// Written (empty) after every snapshot: its CAS token, which Envoy advances on every write,
+/// says whether anything changed. An empty value costs a worker one host call per request
+/// and no copy into the VM (a value would need an allocation call back into the VM too).
+pub const CHANGED_KEY: &str = "attache.snapshot.changed";
 /// When the snapshot stream last carried anything (heartbeats included): ms since the epoch,
 /// 8 bytes little-endian. Workers compare it with their clock to notice a silent host.
 pub const HEARD_KEY: &str = "attache.host.heard_ms";
@@ -71,10 +75,13 @@ fn version_key(s: &v1::Snapshot) -> [u8; 16] {
     k
 }
 
-/// Write a snapshot for every worker: the snapshot first, then the version key.
+/// Write a snapshot for every worker: the snapshot first, then the version key, then the
+/// change signal.
 pub fn publish(s: &v1::Snapshot) -> bool {
     let bytes = s.encode_to_vec();
-    host::set_shared_data(SNAPSHOT_KEY, &bytes) && host::set_shared_data(VERSION_KEY, &version_key(s))
+    host::set_shared_data(SNAPSHOT_KEY, &bytes)
+        && host::set_shared_data(VERSION_KEY, &version_key(s))
+        && host::set_shared_data(CHANGED_KEY, &[])
 }
 
 /// The cross-worker affinity table in shared data, in pages of [`AFFINITY_PAGE_SLOTS`] fixed
@@ -175,6 +182,8 @@ pub fn heard_ms() -> Option<u64> {
 #[derive(Default)]
 pub struct SnapshotCache {
     key: Option<Vec<u8>>,
+    /// The change signal's CAS token when this cache last looked at the version key.
+    seen: Option<u32>,
     pub pool: PoolState,
     /// When this worker last saw a new version (ms since epoch).
     pub updated_ms: u64,
@@ -184,15 +193,23 @@ pub struct SnapshotCache {
 impl SnapshotCache {
     /// Re-read the snapshot if its version key changed. Returns true if the pool changed.
     pub fn refresh(&mut self, now_ms: u64) -> bool {
+        let (_, signal) = host::shared_data_cas(CHANGED_KEY);
+        if signal.is_some() && signal == self.seen {
+            return false;
+        }
         let Some(key) = host::shared_data(VERSION_KEY) else {
             return false;
         };
         if self.key.as_deref() == Some(key.as_slice()) {
+            self.seen = signal;
             return false;
         }
         let Some(bytes) = host::shared_data(SNAPSHOT_KEY) else {
             return false;
         };
+        // Looked at, whatever the outcome: bytes that do not decode are not retried until the
+        // next write.
+        self.seen = signal;
         match decode_pool(&bytes) {
             Ok(pool) => {
                 self.pool = pool;
