@@ -544,6 +544,21 @@ impl Stack {
         stat_value(&self.envoy_stats(), name)
     }
 
+    /// Envoy's stats once counter `name` reads `want`, or when `timeout` runs out (the caller
+    /// asserts on what it got). For the counters the filters add from their tick (the
+    /// per-request ones, `attache.requests.scheduled` and `attache.endpoint.*.picks`): they
+    /// lag the requests by at most one tick.
+    pub fn envoy_stats_when(&self, name: &str, want: u64, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let stats = self.envoy_stats();
+            if stat_value(&stats, name) == want || Instant::now() >= deadline {
+                return stats;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Wait until the filters have a snapshot with `want_ready` ready engines: reads the host's
     /// view through its admin API, then waits for the snapshot agent's gauges to show that host
     /// epoch and at least that version.

@@ -217,7 +217,7 @@ async fn header_bytes_that_are_not_utf8_are_served_without_a_trap() {
     }
     assert_eq!(served, 6);
     // Scheduled by the filter (not passed through a reloaded VM), and no VM reloaded.
-    let stats = s.envoy_stats();
+    let stats = s.envoy_stats_when("wasmcustom.attache.requests.scheduled", 6, Duration::from_secs(2));
     assert_eq!(attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.requests.scheduled"), 6, "{stats}");
     let reloads: Vec<&str> = stats.lines().filter(|l| l.contains("attache_scheduler.vm_reload")).collect();
     assert!(!reloads.is_empty(), "Envoy shows the scheduler's reload counters:\n{stats}");
@@ -379,6 +379,8 @@ async fn decisions_are_counted_in_envoy_prometheus_stats() {
         assert!(o.ok());
     }
     let _ = client::post(&http, &s.url("/v1/completions"), b"nope".to_vec(), &[]).await;
+    // Per-request counters are added from the filters' tick.
+    let _ = s.envoy_stats_when("wasmcustom.attache.requests.scheduled", 6, Duration::from_secs(2));
     let prom = http_get_blocking(s.envoy_admin_port, "/stats/prometheus").unwrap_or_default();
     let scheduled = prom
         .lines()

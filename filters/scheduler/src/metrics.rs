@@ -42,6 +42,10 @@ pub struct Metrics {
     /// Prefix blocks matched and total since the last tick (`attache.prefix.blocks_*`, added
     /// from the tick: the counters lag the requests by at most one tick).
     blocks: (i64, i64),
+    /// Counter increments taken on the request path (`attache.requests.scheduled`, the
+    /// per-endpoint picks), added from the tick: one host call per counter per tick instead
+    /// of one per request.
+    counts: Vec<(u32, i64)>,
 }
 
 /// Histogram samples held between ticks; past this, new samples are dropped (counted nowhere:
@@ -216,6 +220,9 @@ impl Metrics {
         for (id, v) in self.samples.drain(..) {
             let _ = hostcalls::record_metric(id, v);
         }
+        for (id, by) in self.counts.drain(..) {
+            inc(Some(id), by);
+        }
         let (matched, total) = std::mem::take(&mut self.blocks);
         if total > 0 {
             inc(self.prefix_blocks_matched, matched);
@@ -223,8 +230,17 @@ impl Metrics {
         }
     }
 
+    /// Add `by` to counter `id` at the next tick.
+    fn count(&mut self, id: Option<u32>, by: i64) {
+        let Some(id) = id else { return };
+        match self.counts.iter_mut().find(|(k, _)| *k == id) {
+            Some((_, n)) => *n += by,
+            None => self.counts.push((id, by)),
+        }
+    }
+
     pub fn scheduled(&mut self, endpoint: &str, prefix: f64, queue: f64, kv: f64, matched: usize, total: usize) {
-        inc(self.scheduled, 1);
+        self.count(self.scheduled, 1);
         let id = match self.picks.get(endpoint) {
             Some(id) => Some(*id),
             None => {
@@ -235,7 +251,7 @@ impl Metrics {
                 id
             }
         };
-        inc(id, 1);
+        self.count(id, 1);
         for (m, v) in [(self.score_prefix, prefix), (self.score_queue, queue), (self.score_kv, kv)] {
             self.sample(m, milli(v));
         }
