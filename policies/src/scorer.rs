@@ -144,7 +144,12 @@ impl NoHitLru {
         if self.last_cold.len() > 4096 && !self.last_cold.contains_key(address) {
             self.last_cold.clear();
         }
-        self.last_cold.insert(address.to_owned(), self.tick);
+        match self.last_cold.get_mut(address) {
+            Some(t) => *t = self.tick,
+            None => {
+                self.last_cold.insert(address.to_owned(), self.tick);
+            }
+        }
     }
 }
 
