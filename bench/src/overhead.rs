@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_values_t = [4096usize, 102_400, 409_600])]
     body_bytes: Vec<usize>,
     /// Measured requests per system and size (scaled down for large bodies: at least 500).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 6000)]
     requests: usize,
     /// Systems to run (plain Envoy always runs: it is the baseline). Peers:
     /// `vllm-router-cache-aware`, `smg-cache-aware` (their own proxy processes).
@@ -53,7 +53,7 @@ pub struct Args {
 }
 
 const MODEL: &str = "tinyllama";
-/// Measured requests are sent in this many interleaved rounds over the systems.
+/// Measured requests are sent in this many interleaved rounds over the systems (rotated).
 const ROUNDS: usize = 10;
 
 /// vLLM-shaped metrics for the host's scraper: an idle engine.
@@ -254,13 +254,15 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             let warm = (0..(n / 10).max(20)).map(|i| body(1_000_000 + i, size)).collect();
             send(http, sys, warm, &mut Samples::default()).await?;
         }
-        // Interleaved rounds: drift on this shared machine hits every system alike.
+        // Interleaved rounds: drift on this shared machine hits every system alike. Each round
+        // starts one system later, so no system always runs in the same place (right after
+        // the baseline, say).
         let mut samples: Vec<Samples> = stacks.iter().map(|_| Samples::default()).collect();
         let per = n.div_ceil(ROUNDS);
         for r in 0..ROUNDS {
-            for ((sys, http), into) in stacks.iter().zip(&clients).zip(samples.iter_mut()) {
+            for k in (0..stacks.len()).map(|k| (k + r) % stacks.len()) {
                 let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
-                send(http, sys, bodies, into).await?;
+                send(&clients[k], &stacks[k], bodies, &mut samples[k]).await?;
             }
         }
         let mut base: Option<Measured> = None;
@@ -302,7 +304,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "command": "cargo xtask bench overhead",
         "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
-        "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds"},
+        "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
         "runs": runs,
     });
     write_results(&a.out, doc)
