@@ -55,8 +55,9 @@ extern "C" {
     fn proxy_get_header_map_pairs(map_type: MapType, return_data: *mut *mut u8, return_size: *mut usize) -> u32;
 }
 
-/// A request's headers, read with one host call (each host call costs about 2 µs in Envoy's
-/// V8; a request's headers callback used to make eight of them).
+/// A request's headers, read with one host call. In Envoy's V8 a header lookup costs 0.85 µs
+/// when it finds nothing and 2.3 µs when it returns a value; this call, 8.5 µs, replaced six
+/// lookups and two unconditional removals (README, Benchmarks).
 #[derive(Debug, Default)]
 pub struct HeaderMap {
     pairs: Vec<(String, String)>,

@@ -155,8 +155,8 @@ impl SchedulerHttp {
         Action::Pause
     }
 
-    /// `now_ms`: the body callback's clock reading, one per decision.
-    fn schedule(&mut self, api: Api, body: &[u8], now_ms: u64) -> Action {
+    /// `now`: the body callback's clock reading (ms), one per decision.
+    fn schedule(&mut self, api: Api, body: &[u8], now: u64) -> Action {
         let req = match request::parse(api, body) {
             Ok(r) => r,
             Err(e) => return self.reject(ErrorResponse::from(&e)),
@@ -167,7 +167,6 @@ impl SchedulerHttp {
             return Action::Continue;
         };
         let w = &mut *guard;
-        let now = now_ms;
         w.cache.refresh(now);
         if let Ok(mut st) = self.st.try_borrow_mut() {
             resolve_sticky(w, &mut st, &req, now);
