@@ -38,11 +38,11 @@ pub struct PrefixConfig {
     pub bytes_per_token: usize,
     /// Maximum number of (block, endpoint-set) entries the approximate index holds.
     pub index_capacity: usize,
-    /// Slots of the table that shares routing decisions between Envoy workers (shared data).
-    /// Each holds one (block hash, endpoint) pair of about 30 bytes; 0 disables sharing.
+    /// Entries of each worker's cross-worker affinity table (block hash → endpoint, 16 bytes
+    /// each); 0 disables sharing decisions between Envoy workers.
     pub shared_slots: u64,
-    /// A worker writes its decisions to the shared table in batches, from its tick, at this
-    /// period (ms), instead of on the request path: other workers learn them this much later.
+    /// From its tick, at this period (ms), a worker appends its decisions to its affinity log
+    /// in shared data and reads the other workers' logs: they learn a decision within two.
     pub shared_flush_ms: u64,
     /// Prefix affinity counts only where an endpoint holds at least this share of the prompt
     /// (approximate or precise match, 0..1); below it the endpoint scores 0 for prefix, and a

@@ -351,22 +351,7 @@ mod tests {
     }
 }
 
-/// A bounded table shared by every Envoy worker (shared data in the filter): slot → (block
-/// hash, endpoint). It lets a worker learn where *another* worker sent a prefix. Writes
-/// overwrite colliding slots, so its size never exceeds `slots` entries.
-pub trait AffinityStore {
-    fn load(&mut self, slot: u64) -> Option<(u64, String)>;
-    fn store(&mut self, slot: u64, hash: u64, endpoint: &str);
-    /// Store a batch of `(slot, hash, endpoint)` in order (a later entry for the same slot
-    /// wins). Stores that share pages override this to write each page once.
-    fn store_many(&mut self, entries: &[(u64, u64, String)]) {
-        for (slot, hash, endpoint) in entries {
-            self.store(*slot, *hash, endpoint);
-        }
-    }
-}
-
-/// Block positions recorded in and probed from the shared table: 0, 1, 3, 7, 15, … and the
+/// Block positions recorded in and probed from the affinity table: 0, 1, 3, 7, 15, … and the
 /// last block, plus the `anchors` (blocks that end a message, [`crate::prefix::anchor_blocks`]),
 /// so a match learned from another worker is exact where prompts that share messages diverge,
 /// not cut back to a power of two. A hit at position `i` proves the endpoint was sent the first
@@ -385,68 +370,113 @@ pub fn probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
     v
 }
 
-fn slot_of(hash: u64, slots: u64) -> u64 {
-    hash % slots.max(1)
-}
-
-/// The `(slot, block hash)` entries a decision writes to the shared table: its probe points
-/// past the `known` leading blocks the table already proves for its endpoint
-/// ([`shared_matches`]; 0 writes them all). A repeated prefix then writes nothing, and a new
-/// question on a known system prompt writes only its own tail.
-pub fn shared_entries(slots: u64, hashes: &[u64], anchors: &[usize], known: usize) -> Vec<(u64, u64)> {
+/// The `(block hash)` entries a decision adds to the affinity table: its probe points past the
+/// `known` leading blocks the table already proves for its endpoint ([`AffinityTable::matches`];
+/// 0 adds them all). A repeated prefix then adds nothing, and a new question on a known system
+/// prompt adds only its own tail.
+pub fn shared_entries(hashes: &[u64], anchors: &[usize], known: usize) -> Vec<u64> {
     probe_points(hashes.len(), anchors)
         .into_iter()
         .filter(|&i| i + 1 > known)
         .filter_map(|i| hashes.get(i))
-        .map(|h| (slot_of(*h, slots), *h))
+        .copied()
         .collect()
 }
 
-/// Record a decision in the shared table.
-pub fn shared_record(store: &mut dyn AffinityStore, slots: u64, hashes: &[u64], endpoint: &str) {
-    for (slot, h) in shared_entries(slots, hashes, &[], 0) {
-        store.store(slot, h, endpoint);
-    }
+/// What every Envoy worker learns of the others' decisions: a bounded, direct-mapped table of
+/// `slots` entries, block hash → the endpoint it was routed to. Each worker holds its own copy,
+/// fed by its own decisions at once and by the other workers' from its tick (the filter's
+/// affinity log), so a request reads only this worker's memory. A colliding hash overwrites,
+/// so the table never holds more than `slots` entries (16 bytes each).
+pub struct AffinityTable {
+    /// `(hash, endpoint id + 1)`; 0 marks an empty slot.
+    slots: Vec<(u64, u16)>,
+    ids: HashMap<String, u16>,
+    names: Vec<String>,
 }
 
-/// Endpoints the shared table says hold a prefix of `hashes`, with the number of leading
-/// blocks proven: the deepest probe point that still matches, per endpoint.
-/// `anchors` are probed too ([`probe_points`]).
-pub fn shared_matches(
-    store: &mut dyn AffinityStore,
-    slots: u64,
-    hashes: &[u64],
-    anchors: &[usize],
-) -> HashMap<String, usize> {
-    let mut out: HashMap<String, usize> = HashMap::new();
-    for i in probe_points(hashes.len(), anchors) {
-        let Some(h) = hashes.get(i) else { break };
-        match store.load(slot_of(*h, slots)) {
-            Some((stored, ep)) if stored == *h => {
-                let e = out.entry(ep).or_insert(0);
-                *e = (*e).max(i + 1);
-            }
-            // Deeper blocks of a chain cannot match if this one does not.
-            _ => break,
+impl AffinityTable {
+    /// A table of `slots` entries (0: a table that holds nothing).
+    pub fn new(slots: u64) -> Self {
+        Self { slots: vec![(0, 0); slots as usize], ids: HashMap::new(), names: Vec::new() }
+    }
+
+    /// Entries the table can hold.
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.slots.iter().filter(|(_, id)| *id != 0).count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn slot_of(&self, hash: u64) -> Option<usize> {
+        let n = self.slots.len() as u64;
+        (n > 0).then(|| (hash % n) as usize)
+    }
+
+    fn intern(&mut self, endpoint: &str) -> u16 {
+        if let Some(id) = self.ids.get(endpoint) {
+            return *id;
+        }
+        if self.names.len() >= usize::from(u16::MAX) - 1 {
+            // More distinct endpoints than any pool has: start afresh rather than wrap ids.
+            self.slots.fill((0, 0));
+            self.ids.clear();
+            self.names.clear();
+        }
+        self.names.push(endpoint.to_owned());
+        let id = self.names.len() as u16;
+        self.ids.insert(endpoint.to_owned(), id);
+        id
+    }
+
+    /// Record that the block `hash` (and so its whole prefix) was routed to `endpoint`.
+    pub fn store(&mut self, hash: u64, endpoint: &str) {
+        if endpoint.is_empty() {
+            return;
+        }
+        let Some(s) = self.slot_of(hash) else { return };
+        let id = self.intern(endpoint);
+        self.slots[s] = (hash, id);
+    }
+
+    /// Record a whole decision: every probe point of `hashes` (and `anchors`).
+    pub fn record(&mut self, hashes: &[u64], anchors: &[usize], endpoint: &str) {
+        for h in shared_entries(hashes, anchors, 0) {
+            self.store(h, endpoint);
         }
     }
-    out
+
+    /// Endpoints the table says hold a prefix of `hashes`, with the number of leading blocks
+    /// proven: the deepest probe point that still matches, per endpoint. `anchors` are probed
+    /// too ([`probe_points`]).
+    pub fn matches(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+        let mut found: Vec<(u16, usize)> = Vec::new();
+        for i in probe_points(hashes.len(), anchors) {
+            let Some(h) = hashes.get(i) else { break };
+            let Some(s) = self.slot_of(*h) else { break };
+            match self.slots[s] {
+                (stored, id) if id != 0 && stored == *h => match found.iter_mut().find(|(x, _)| *x == id) {
+                    Some((_, n)) => *n = (*n).max(i + 1),
+                    None => found.push((id, i + 1)),
+                },
+                // Deeper blocks of a chain cannot match if this one does not.
+                _ => break,
+            }
+        }
+        found.into_iter().filter_map(|(id, n)| self.names.get(usize::from(id) - 1).map(|a| (a.clone(), n))).collect()
+    }
 }
 
 #[cfg(test)]
 mod shared_tests {
     use super::*;
-
-    #[derive(Default)]
-    struct Mem(std::collections::HashMap<u64, (u64, String)>);
-    impl AffinityStore for Mem {
-        fn load(&mut self, slot: u64) -> Option<(u64, String)> {
-            self.0.get(&slot).cloned()
-        }
-        fn store(&mut self, slot: u64, hash: u64, endpoint: &str) {
-            self.0.insert(slot, (hash, endpoint.to_owned()));
-        }
-    }
 
     #[test]
     fn probe_points_are_logarithmic_and_end_at_the_last_block() {
@@ -457,42 +487,26 @@ mod shared_tests {
     }
 
     #[test]
-    fn a_batch_of_entries_records_what_direct_stores_would() {
-        let a: Vec<u64> = (100..140).collect();
-        let b: Vec<u64> = (500..503).collect();
-        let mut direct = Mem::default();
-        shared_record(&mut direct, 1024, &a, "e1:1");
-        shared_record(&mut direct, 1024, &b, "e2:2");
-        let mut batched = Mem::default();
-        let mut pending: Vec<(u64, u64, String)> = Vec::new();
-        pending.extend(shared_entries(1024, &a, &[], 0).into_iter().map(|(s, h)| (s, h, "e1:1".to_owned())));
-        pending.extend(shared_entries(1024, &b, &[], 0).into_iter().map(|(s, h)| (s, h, "e2:2".to_owned())));
-        batched.store_many(&pending);
-        assert_eq!(direct.0, batched.0);
-        assert_eq!(shared_matches(&mut batched, 1024, &a[..20], &[]).get("e1:1"), Some(&16));
-    }
-
-    #[test]
-    fn entries_the_table_already_proves_are_not_written_again() {
-        let mut m = Mem::default();
+    fn entries_the_table_already_proves_are_not_added_again() {
+        let mut m = AffinityTable::new(4096);
         let system: Vec<u64> = (100..116).collect();
-        shared_record(&mut m, 4096, &system, "e1:1");
-        // The same prompt again: the table proves all 16 blocks, so nothing is written.
-        let known = shared_matches(&mut m, 4096, &system, &[]).get("e1:1").copied().unwrap_or(0);
+        m.record(&system, &[], "e1:1");
+        // The same prompt again: the table proves all 16 blocks, so nothing is added.
+        let known = m.matches(&system, &[]).get("e1:1").copied().unwrap_or(0);
         assert_eq!(known, 16);
-        assert!(shared_entries(4096, &system, &[], known).is_empty());
+        assert!(shared_entries(&system, &[], known).is_empty());
         // A new question after the system prompt: only the probe points past block 16.
         let mut asked = system.clone();
         asked.extend(900..920);
-        let known = shared_matches(&mut m, 4096, &asked, &[]).get("e1:1").copied().unwrap_or(0);
+        let known = m.matches(&asked, &[]).get("e1:1").copied().unwrap_or(0);
         assert_eq!(known, 16, "probes 0, 1, 3, 7, 15 hold; 31 is new");
-        let tail = shared_entries(4096, &asked, &[], known);
-        assert_eq!(tail.iter().map(|&(_, h)| h).collect::<Vec<_>>(), vec![asked[31], asked[35]]);
-        for (slot, h) in tail {
-            m.store(slot, h, "e1:1");
+        let tail = shared_entries(&asked, &[], known);
+        assert_eq!(tail, vec![asked[31], asked[35]]);
+        for h in tail {
+            m.store(h, "e1:1");
         }
-        // Written that way, the table proves the whole new prompt, as a full rewrite would.
-        assert_eq!(shared_matches(&mut m, 4096, &asked, &[]).get("e1:1"), Some(&36));
+        // Added that way, the table proves the whole new prompt, as a full record would.
+        assert_eq!(m.matches(&asked, &[]).get("e1:1"), Some(&36));
     }
 
     #[test]
@@ -504,26 +518,37 @@ mod shared_tests {
             v
         };
         let anchors = [93];
-        let mut m = Mem::default();
-        for (slot, h) in shared_entries(1 << 16, &ask(1), &anchors, 0) {
-            m.store(slot, h, "e1:1");
-        }
-        assert_eq!(shared_matches(&mut m, 1 << 16, &ask(2), &[]).get("e1:1"), Some(&64), "powers of two only");
-        assert_eq!(shared_matches(&mut m, 1 << 16, &ask(2), &anchors).get("e1:1"), Some(&94));
+        let mut m = AffinityTable::new(1 << 16);
+        m.record(&ask(1), &anchors, "e1:1");
+        assert_eq!(m.matches(&ask(2), &[]).get("e1:1"), Some(&64), "powers of two only");
+        assert_eq!(m.matches(&ask(2), &anchors).get("e1:1"), Some(&94));
     }
 
     #[test]
-    fn another_worker_learns_the_prefix_and_the_table_stays_bounded() {
-        let mut m = Mem::default();
+    fn the_deepest_probe_wins_per_endpoint_and_a_gap_ends_the_match() {
+        let mut m = AffinityTable::new(1 << 12);
         let a: Vec<u64> = (100..120).collect();
-        shared_record(&mut m, 64, &a, "e1:1");
+        m.record(&a[..4], &[], "e1:1");
+        m.record(&a, &[], "e2:1");
+        // e2 was sent all 20 blocks; block 3's slot now names e2, so e1 is proven to block 1.
+        let got = m.matches(&a, &[]);
+        assert_eq!(got.get("e2:1"), Some(&20));
+        assert_eq!(got.get("e1:1"), None, "every probe e1 wrote was overwritten by e2's");
         let mut b = a[..10].to_vec();
         b.extend([7, 8, 9]);
-        assert_eq!(shared_matches(&mut m, 64, &b, &[]).get("e1:1"), Some(&8), "probe 7 matches, probe 12 does not");
-        assert!(shared_matches(&mut m, 64, &[5, 6], &[]).is_empty());
+        assert_eq!(m.matches(&b, &[]).get("e2:1"), Some(&8), "probe 7 matches, probe 12 does not");
+        assert!(m.matches(&[5, 6], &[]).is_empty());
+    }
+
+    #[test]
+    fn the_table_stays_bounded_and_an_empty_one_matches_nothing() {
+        let mut m = AffinityTable::new(64);
         for i in 0..10_000u64 {
-            shared_record(&mut m, 64, &[i], "e2:1");
+            m.store(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), &format!("e{}:1", i % 7));
         }
-        assert!(m.0.len() <= 64);
+        assert!(m.len() <= 64 && m.capacity() == 64);
+        let mut off = AffinityTable::new(0);
+        off.record(&[1, 2, 3], &[], "e1:1");
+        assert!(off.is_empty() && off.matches(&[1, 2, 3], &[]).is_empty());
     }
 }

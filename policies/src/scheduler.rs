@@ -21,7 +21,7 @@ pub struct SchedulingInput<'a> {
     /// Seed for the picker's tie-break.
     pub seed: u64,
     /// Prefix matches learned elsewhere (other Envoy workers, see
-    /// [`crate::index::shared_matches`]): endpoint → leading blocks held.
+    /// [`crate::index::AffinityTable::matches`]): endpoint → leading blocks held.
     pub extra_matches: Option<&'a HashMap<String, usize>>,
     /// Precise prefix scores from the engines' KV events ([`crate::precise::scores`]):
     /// endpoint id → (score, matched blocks).

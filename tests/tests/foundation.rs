@@ -63,6 +63,40 @@ async fn a_short_shared_preamble_does_not_pull_new_sessions_onto_one_engine() {
     }
 }
 
+/// Envoy's two workers share their decisions through the affinity log: a prefix one worker
+/// routed is learned by the other from its tick (`attache.affinity.learned`), so a repeat that
+/// lands on either worker follows it. Every request opens a new connection, so the repeats
+/// reach both workers; a worker that had not learned the prefix would route it cold, by its own
+/// least-recently-used order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_routed_by_one_worker_is_followed_by_the_other() {
+    let s = attache_stack("cross-worker", small_pool());
+    let http = fresh_client();
+    let mut first = Vec::new();
+    for g in 0..8 {
+        let o = send(&s, &http, chat(&long_prefix(&format!("tenant-{g}")), "start", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        first.push(o.engine_port.expect("engine port"));
+    }
+    let learned = || s.envoy_stat("wasmcustom.attache.affinity.learned");
+    for _ in 0..100 {
+        if learned() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(learned() > 0, "no worker learned another's decisions");
+    // Two flush periods: the deciding worker's write, then the other's read.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for round in 0..3 {
+        for (g, port) in first.iter().enumerate() {
+            let o = send(&s, &http, chat(&long_prefix(&format!("tenant-{g}")), &format!("step {round}"), 2), &[]).await;
+            assert!(o.ok(), "{} {}", o.status, o.body);
+            assert_eq!(o.engine_port, Some(*port), "prefix {g}, repeat {round} left its engine");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_saturated_engine_is_avoided() {
     // Two running sequences per engine, and slow steps, so a queue builds up for real.

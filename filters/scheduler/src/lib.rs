@@ -13,6 +13,7 @@
 //! Nothing here may panic: a panic is a Wasm trap that kills the worker's VM. Every host call
 //! goes through the fallible `hostcalls` wrappers in [`host`].
 
+pub mod affinity;
 pub mod config;
 pub mod flow;
 pub mod host;

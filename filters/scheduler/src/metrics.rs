@@ -36,6 +36,7 @@ pub struct Metrics {
     disaggregated: Option<u32>,
     sticky_hits: Option<u32>,
     responses_learned: Option<u32>,
+    affinity_learned: Option<u32>,
     /// Histogram samples taken on the request path, recorded from the worker's tick. Envoy
     /// merges histograms only at its stats flush (5 s), so this delays nothing a reader sees.
     samples: Vec<(u32, u64)>,
@@ -122,6 +123,7 @@ impl Metrics {
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
             host_silent_ms: define(MetricType::Gauge, "attache.host.silent_ms"),
             load_only: define(MetricType::Counter, "attache.host.load_only_decisions"),
+            affinity_learned: define(MetricType::Counter, "attache.affinity.learned"),
             propagation_us: define(MetricType::Histogram, "attache.precise.propagation_us"),
             decision_us: define(MetricType::Histogram, "attache.decision_us"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
@@ -270,6 +272,13 @@ impl Metrics {
     /// A decision made on load alone because the host was silent.
     pub fn load_only_decision(&mut self) {
         inc(self.load_only, 1);
+    }
+
+    /// Entries learned from the other workers' affinity logs (`attache.affinity.learned`).
+    pub fn affinity_learned(&mut self, entries: usize) {
+        if entries > 0 {
+            inc(self.affinity_learned, entries as i64);
+        }
     }
 
     /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and

@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
+use attache_policies::index::AffinityTable;
 use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::{Scheduler, SchedulerState};
 use attache_proto::v1;
@@ -13,6 +14,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
+use crate::affinity::AffinityLog;
 use crate::config::{FilterConfig, Role, SubscribeConfig};
 use crate::flow::FlowState;
 use crate::host;
@@ -20,7 +22,7 @@ use crate::http::SchedulerHttp;
 use crate::kv_table;
 use crate::metrics::Metrics;
 use crate::picker;
-use crate::snapshot::{self, SharedAffinity, SnapshotCache, Subscriber};
+use crate::snapshot::{self, SnapshotCache, Subscriber};
 
 /// State shared by one worker's HTTP contexts.
 pub struct Worker {
@@ -37,9 +39,14 @@ pub struct Worker {
     pub tokenizer: Option<PromptTokenizer>,
     /// Flow control: this worker's queue, saturation gate and fairness board.
     pub flow: FlowState,
-    /// Decisions not yet written to the cross-worker affinity table: `(slot, hash, endpoint)`,
-    /// flushed from the tick, off the request path.
-    pub affinity_pending: Vec<(u64, u64, String)>,
+    /// What this worker knows of every worker's decisions (its own at once, the others' from
+    /// the affinity log at each tick), probed on the request path without a host call.
+    pub affinity: AffinityTable,
+    /// This worker's side of the affinity log in shared data ([`crate::affinity`]).
+    pub affinity_log: AffinityLog,
+    /// This worker's decisions not yet appended to its log: `(block hash, endpoint)`, written
+    /// from the tick, off the request path.
+    pub affinity_pending: Vec<(u64, String)>,
     /// When the host was last heard from, as of this worker's last tick (see [`Worker::housekeep`]).
     pub heard_ms: Option<u64>,
 }
@@ -47,10 +54,6 @@ pub struct Worker {
 /// The scheduler's tick period when neither flow control nor the affinity table asks for a
 /// shorter one: it records histogram samples and re-reads the host's heartbeat and the log level.
 pub const HOUSEKEEPING_TICK_MS: u64 = 100;
-
-/// At most this many entries wait for the affinity flush; past it new ones are dropped (the
-/// table is a hint, and the local index has them already).
-pub const AFFINITY_PENDING_MAX: usize = 16_384;
 
 impl Worker {
     /// Milliseconds since the host was last heard from (0 if it never was). Reads the heartbeat
@@ -78,13 +81,18 @@ impl Worker {
         host::refresh_log_level();
     }
 
-    /// Write the pending decisions to the shared affinity table, a page at a time.
+    /// Append this worker's pending decisions to its affinity log, and learn the other
+    /// workers' new ones from theirs.
     pub fn flush_affinity(&mut self) {
-        if self.affinity_pending.is_empty() {
+        if self.affinity.capacity() == 0 {
             return;
         }
-        let batch = std::mem::take(&mut self.affinity_pending);
-        attache_policies::index::AffinityStore::store_many(&mut SharedAffinity, &batch);
+        if !self.affinity_pending.is_empty() {
+            let batch = std::mem::take(&mut self.affinity_pending);
+            self.affinity_log.write(&batch);
+        }
+        let learned = self.affinity_log.read_into(&mut self.affinity);
+        self.metrics.affinity_learned(learned);
     }
 }
 
@@ -119,6 +127,8 @@ impl Worker {
         Self {
             tokenizer,
             flow: FlowState::new(config.flow.enabled),
+            affinity: AffinityTable::new(config.scheduler.prefix.shared_slots),
+            affinity_log: AffinityLog::default(),
             affinity_pending: Vec::new(),
             heard_ms: None,
             scheduler: Scheduler::new(config.scheduler.clone()),

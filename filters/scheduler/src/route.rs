@@ -15,7 +15,6 @@ use crate::host;
 use crate::http::{RequestState, DESTINATION_HEADER};
 use crate::kv_table;
 use crate::root::Worker;
-use crate::snapshot::SharedAffinity;
 use crate::sticky::SharedSticky;
 
 /// The candidates as custom scorer filters see them (policies::scoring).
@@ -77,8 +76,8 @@ pub fn route(
     let hashes = prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
     let anchors = prefix::anchor_blocks(&w.config.scheduler.prefix, &req.message_ends);
     let seed = hashes.first().copied().unwrap_or(u64::from(id));
-    let slots = w.config.scheduler.prefix.shared_slots;
-    let shared = (slots > 0).then(|| index::shared_matches(&mut SharedAffinity, slots, &hashes, &anchors));
+    let sharing = w.affinity.capacity() > 0;
+    let shared = sharing.then(|| w.affinity.matches(&hashes, &anchors));
     let ids = prompt_ids(w, req, id);
     let ids_len = ids.as_ref().map(Vec::len);
     let pc = &w.config.scheduler.precise;
@@ -167,13 +166,17 @@ pub fn route(
         }
     }
     w.scheduler.commit(&decision, &hashes, &anchors, &mut w.state);
-    if let (true, Some(primary)) = (slots > 0, decision.endpoints.first()) {
-        // Written to shared data from the worker's tick (root.rs), off the request path.
-        let room = crate::root::AFFINITY_PENDING_MAX.saturating_sub(w.affinity_pending.len());
-        // Only what the table does not already prove for this endpoint.
+    if let (true, Some(primary)) = (sharing, decision.endpoints.first()) {
+        // Only what the table does not already prove for this endpoint: into this worker's
+        // table now, and into its affinity log from the tick (root.rs), off the request path.
         let known = shared.as_ref().and_then(|m| m.get(primary)).copied().unwrap_or(0);
-        let entries = index::shared_entries(slots, &hashes, &anchors, known);
-        w.affinity_pending.extend(entries.into_iter().take(room).map(|(s, h)| (s, h, primary.clone())));
+        let room = crate::affinity::PENDING_MAX.saturating_sub(w.affinity_pending.len());
+        for (i, h) in index::shared_entries(&hashes, &anchors, known).into_iter().enumerate() {
+            w.affinity.store(h, primary);
+            if i < room {
+                w.affinity_pending.push((h, primary.clone()));
+            }
+        }
     }
     if let Some(best) = decision.scores.first() {
         if precise_scores.is_some() {
