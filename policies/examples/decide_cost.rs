@@ -5,6 +5,8 @@
 //!
 //! `cargo run --release -p attache-policies --example decide_cost`
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use hashbrown::HashMap;
@@ -13,6 +15,37 @@ use attache_policies::config::PrefixConfig;
 use attache_policies::endpoint::Endpoint;
 use attache_policies::request::{parse, Api};
 use attache_policies::{prefix, ApproxPrefixIndex, PoolState, Scheduler, SchedulingInput};
+
+/// Counts allocations, so each stage's allocations per request print beside its time (in the
+/// filter every allocation is a call into dlmalloc compiled to Wasm).
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: forwards to the system allocator unchanged; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System.alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: as for `alloc` and `dealloc`.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.load(Ordering::Relaxed)
+}
 
 fn body(i: usize, bytes: usize) -> Result<Vec<u8>, serde_json::Error> {
     let words = ["alpha ", "beta ", "gamma ", "delta ", "envoy ", "filter "];
@@ -45,24 +78,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let bodies = (0..n).map(|i| body(i, size)).collect::<Result<Vec<_>, _>>()?;
         let (mut scan, mut parse_s, mut hash, mut index) = (0.0, 0.0, 0.0, 0.0);
         let mut decide = [0.0; 2];
+        // Allocations: parse, hashes, index, schedule+commit on 1 and 8 endpoints.
+        let mut counts = [0u64; 5];
         for (i, b) in bodies.iter().enumerate() {
             let t = Instant::now();
             let _: serde::de::IgnoredAny = serde_json::from_slice(b)?;
             scan += t.elapsed().as_secs_f64();
-            let t = Instant::now();
+            let (t, a) = (Instant::now(), allocs());
             let r = parse(Api::ChatCompletions, b)?;
             parse_s += t.elapsed().as_secs_f64();
-            let t = Instant::now();
+            counts[0] += allocs() - a;
+            let (t, a) = (Instant::now(), allocs());
             let h = prefix::block_hashes(&cfg, &r.model, None, &r.prompt);
             let anchors = prefix::anchor_blocks(&cfg, &r.message_ends);
             hash += t.elapsed().as_secs_f64();
-            let t = Instant::now();
+            counts[1] += allocs() - a;
+            let (t, a) = (Instant::now(), allocs());
             let m = ix.match_lengths(&h, &anchors);
             ix.record(&h, &anchors, if (i + m.len()).is_multiple_of(2) { "10.0.0.1:8000" } else { "10.0.0.2:8000" });
             index += t.elapsed().as_secs_f64();
+            counts[2] += allocs() - a;
             // The whole pipeline on the hashes: filters, scorers, picker, then commit.
-            for (p, spent) in pools.iter().zip(decide.iter_mut()) {
-                let t = Instant::now();
+            for (k, (p, spent)) in pools.iter().zip(decide.iter_mut()).enumerate() {
+                let (t, a) = (Instant::now(), allocs());
                 let input = SchedulingInput {
                     model: &r.model,
                     block_hashes: &h,
@@ -78,6 +116,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let d = scheduler.schedule(&input, p, &mut state)?;
                 scheduler.commit(&d, &h, &anchors, &mut state);
                 *spent += t.elapsed().as_secs_f64();
+                counts[3 + k] += allocs() - a;
             }
         }
         let us = |v: f64| v / n as f64 * 1e6;
@@ -90,6 +129,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             us(index),
             us(decide[0]),
             us(decide[1])
+        );
+        let per = |c: u64| c as f64 / n as f64;
+        println!(
+            "{:>9}  allocations per request: parse {:.0}  block hashes {:.0}  index {:.0}  schedule+commit {:.0} / {:.0}",
+            "",
+            per(counts[0]),
+            per(counts[1]),
+            per(counts[2]),
+            per(counts[3]),
+            per(counts[4])
         );
     }
     Ok(())

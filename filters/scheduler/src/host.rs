@@ -1,6 +1,9 @@
 //! Thin, fallible wrappers over proxy-wasm host calls. The SDK's trait helpers unwrap; these
 //! return or log instead, so a host error never becomes a trap.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType};
 
@@ -57,10 +60,13 @@ extern "C" {
 
 /// A request's headers, read with one host call. In Envoy's V8 a header lookup costs 0.85 µs
 /// when it finds nothing and 2.3 µs when it returns a value; this call, 8.5 µs, replaced six
-/// lookups and two unconditional removals (README, Benchmarks).
+/// lookups and two unconditional removals (README, Benchmarks). The buffer is kept as Envoy
+/// wrote it and a value becomes text only when asked for (without a copy when it is UTF-8).
 #[derive(Debug, Default)]
 pub struct HeaderMap {
-    pairs: Vec<(String, String)>,
+    bytes: Vec<u8>,
+    /// Byte ranges of each name and value in `bytes`.
+    pairs: Vec<(Range<usize>, Range<usize>)>,
 }
 
 impl HeaderMap {
@@ -78,12 +84,16 @@ impl HeaderMap {
             }
             Vec::from_raw_parts(data, size, size)
         };
-        Self { pairs: decode_pairs(&bytes).unwrap_or_default() }
+        let pairs = decode_pairs(&bytes).unwrap_or_default();
+        Self { bytes, pairs }
     }
 
     /// The first value of header `name` (names compare case-insensitively).
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.pairs.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    pub fn get(&self, name: &str) -> Option<Cow<'_, str>> {
+        self.pairs
+            .iter()
+            .find(|(k, _)| self.bytes.get(k.clone()).is_some_and(|k| k.eq_ignore_ascii_case(name.as_bytes())))
+            .map(|(_, v)| String::from_utf8_lossy(self.bytes.get(v.clone()).unwrap_or_default()))
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -91,13 +101,10 @@ impl HeaderMap {
     }
 }
 
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
 /// proxy-wasm's serialized map: `u32` count, then `u32` name and value sizes per pair, then
-/// each name and value followed by a NUL. None if the buffer is shorter than it says.
-fn decode_pairs(b: &[u8]) -> Option<Vec<(String, String)>> {
+/// each name and value followed by a NUL. Returns the byte ranges of each name and value;
+/// None if the buffer is shorter than it says.
+fn decode_pairs(b: &[u8]) -> Option<Vec<(Range<usize>, Range<usize>)>> {
     let u32_at = |at: usize| -> Option<usize> {
         let w: [u8; 4] = b.get(at..at.checked_add(4)?)?.try_into().ok()?;
         Some(u32::from_le_bytes(w) as usize)
@@ -110,11 +117,11 @@ fn decode_pairs(b: &[u8]) -> Option<Vec<(String, String)>> {
     let mut p = n.checked_mul(8)?.checked_add(4)?;
     for i in 0..n {
         let (k, v) = (u32_at(4 + i * 8)?, u32_at(8 + i * 8)?);
-        let key = b.get(p..p.checked_add(k)?)?;
-        p = p.checked_add(k + 1)?;
-        let value = b.get(p..p.checked_add(v)?)?;
-        p = p.checked_add(v + 1)?;
-        pairs.push((text(key), text(value)));
+        let key = p..p.checked_add(k)?;
+        p = key.end.checked_add(1)?;
+        let value = p..p.checked_add(v)?;
+        p = value.end.checked_add(1)?;
+        pairs.push((key, value));
     }
     (p <= b.len()).then_some(pairs)
 }
@@ -214,7 +221,8 @@ pub fn response_body(size: usize) -> Option<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::decode_pairs;
+    use super::{decode_pairs, HeaderMap};
+    use std::borrow::Cow;
 
     fn encode(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
         let mut b = (pairs.len() as u32).to_le_bytes().to_vec();
@@ -231,13 +239,19 @@ mod tests {
         b
     }
 
+    fn map(b: Vec<u8>) -> HeaderMap {
+        let pairs = decode_pairs(&b).expect("well-formed");
+        HeaderMap { bytes: b, pairs }
+    }
+
     #[test]
     fn pairs_decode_with_non_utf8_bytes_replaced() {
-        let b = encode(&[(b":method", b"POST"), (b"x-obs", b"caf\xe9"), (b"empty", b"")]);
-        let got = decode_pairs(&b).expect("well-formed");
-        assert_eq!(got[0], (":method".to_owned(), "POST".to_owned()));
-        assert_eq!(got[1], ("x-obs".to_owned(), "caf\u{fffd}".to_owned()));
-        assert_eq!(got[2], ("empty".to_owned(), String::new()));
+        let h = map(encode(&[(b":method", b"POST"), (b"X-Obs", b"caf\xe9"), (b"empty", b"")]));
+        assert_eq!(h.get(":method").as_deref(), Some("POST"));
+        assert_eq!(h.get("x-obs").as_deref(), Some("caf\u{fffd}"), "names compare case-insensitively");
+        assert_eq!(h.get("empty").as_deref(), Some(""));
+        assert!(h.get("absent").is_none() && !h.contains("absent"));
+        assert!(matches!(h.get(":method"), Some(Cow::Borrowed(_))), "UTF-8 values are not copied");
         assert_eq!(decode_pairs(&[]), Some(Vec::new()));
     }
 

@@ -1,6 +1,7 @@
 //! The per-request HTTP context: buffer, parse, classify, then route now or wait in the
 //! flow-control queue.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -280,25 +281,25 @@ impl HttpContext for SchedulerHttp {
         }
         let method = headers.get(":method").unwrap_or_default();
         let path = headers.get(":path").unwrap_or_default();
-        let api = if method == "POST" { Api::from_path(path) } else { None };
+        let api = if method == "POST" { Api::from_path(&path) } else { None };
         if let (Ok(w), Ok(mut st)) = (self.worker.try_borrow(), self.st.try_borrow_mut()) {
             st.api = api;
             let sc = &w.config.sessions;
             if sc.enabled && api.is_some() {
-                st.sticky = headers.get(&sc.token_header).and_then(session::endpoint_of_token);
-                st.session_key = sc.headers.iter().find_map(|h| headers.get(h)).map(session::session_key);
+                st.sticky = headers.get(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
+                st.session_key = sc.headers.iter().find_map(|h| headers.get(h)).map(|v| session::session_key(&v));
             }
             let f = &w.config.flow;
             if f.enabled {
                 for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
                     if let Some(v) = headers.get(h) {
-                        st.flow_headers.push((h.clone(), v.to_owned()));
+                        st.flow_headers.push((h.clone(), v.into_owned()));
                     }
                 }
             }
             if w.config.scoring.context {
                 st.started_us = host::now_us();
-                st.session = w.config.scoring.session_headers.iter().find_map(|h| headers.get(h)).map(str::to_owned);
+                st.session = w.config.scoring.session_headers.iter().find_map(|h| headers.get(h)).map(Cow::into_owned);
             }
         }
         let Some(_) = api else {
