@@ -36,7 +36,12 @@ pub struct PrefixConfig {
     pub max_prefix_tokens: usize,
     /// Bytes per pseudo-token when the prompt is text (llm-d packs 4 bytes per uint32).
     pub bytes_per_token: usize,
-    /// Maximum number of (block, endpoint-set) entries the approximate index holds.
+    /// Maximum number of (block, endpoint-set) entries the approximate index holds (32 bytes
+    /// each, allocated once). 50,000 blocks of 64 tokens is about 1.3 times the KV capacity of
+    /// the peer benchmarks' pool (8 engines of 19,212 16-token blocks); a pool with more cache
+    /// needs more. A larger table costs
+    /// request time in Envoy: each decision touches a dozen random pages of it, and at 200,000
+    /// (6.4 MB) a 4 KB request took 14 µs more Envoy CPU (README, Benchmarks).
     pub index_capacity: usize,
     /// Entries of each worker's cross-worker affinity table (block hash → endpoint, 16 bytes
     /// each); 0 disables sharing decisions between Envoy workers.
@@ -59,7 +64,7 @@ impl Default for PrefixConfig {
             block_size_tokens: 64,
             max_prefix_tokens: 131_072,
             bytes_per_token: 4,
-            index_capacity: 200_000,
+            index_capacity: 50_000,
             shared_slots: 65_536,
             shared_flush_ms: 20,
             affinity_threshold: 0.8,
