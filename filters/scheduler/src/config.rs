@@ -84,13 +84,48 @@ impl FilterConfig {
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
             return Ok(Self::default());
         }
-        serde_json::from_slice(bytes).map_err(|e| e.to_string())
+        let c: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        c.check_memory()?;
+        Ok(c)
+    }
+
+    /// The tables allocated once per worker must fit the VM: Envoy caps a Wasm VM's memory
+    /// at 1 GiB, and a VM that cannot allocate them traps at start.
+    fn check_memory(&self) -> Result<(), String> {
+        let p = &self.scheduler.prefix;
+        if p.index_capacity > MAX_INDEX_CAPACITY {
+            return Err(format!(
+                "scheduler.prefix.index_capacity {} exceeds {MAX_INDEX_CAPACITY} (32 bytes a block, allocated in every worker)",
+                p.index_capacity
+            ));
+        }
+        if p.shared_slots > MAX_SHARED_SLOTS {
+            return Err(format!(
+                "scheduler.prefix.shared_slots {} exceeds {MAX_SHARED_SLOTS} (16 bytes a slot, allocated in every worker)",
+                p.shared_slots
+            ));
+        }
+        Ok(())
     }
 }
+
+/// Most blocks the approximate index may hold: 128 MB of the VM.
+pub const MAX_INDEX_CAPACITY: usize = 4_000_000;
+/// Most entries of the cross-worker affinity table: 64 MB of the VM.
+pub const MAX_SHARED_SLOTS: u64 = 4 * 1024 * 1024;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tables_too_large_for_the_vm_are_refused_with_the_field_named() {
+        let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":10000000000}}}"#).unwrap_err();
+        assert!(e.contains("index_capacity 10000000000 exceeds 4000000"), "{e}");
+        let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"shared_slots":99999999}}}"#).unwrap_err();
+        assert!(e.contains("shared_slots 99999999 exceeds"), "{e}");
+        assert!(FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":4000000}}}"#).is_ok());
+    }
 
     #[test]
     fn parses_defaults_and_rejects_typos() {
