@@ -46,7 +46,8 @@ fn page_key(writer: u64, seq: u64) -> String {
     format!("attache.aff.w{writer}.p{}", seq % RING)
 }
 
-fn read_u64(bytes: &[u8]) -> Option<u64> {
+/// A little-endian `u64` from the first 8 bytes (shared-data values).
+pub fn read_u64(bytes: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
 }
 
