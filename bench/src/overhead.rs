@@ -142,6 +142,24 @@ struct Measured {
 struct Samples {
     lat_us: Vec<f64>,
     cpu_ns: u64,
+    /// Each measured round's p50 (µs), in round order.
+    round_p50_us: Vec<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 50.0)
+}
+
+/// How much a system's added p50 moves between rounds: each round's p50 minus the baseline's
+/// p50 in the same round, as [min, median, max]. A spread wider than the margin to a bound says
+/// the one figure should not be read as met (or missed) by that margin.
+fn round_spread(sys: &[f64], base: &[f64]) -> Option<[f64; 3]> {
+    let d: Vec<f64> = sys.iter().zip(base).map(|(s, b)| s - b).collect();
+    let min = d.iter().copied().reduce(f64::min)?;
+    let max = d.iter().copied().reduce(f64::max)?;
+    Some([min.round(), median(&d).round(), max.round()])
 }
 
 impl Samples {
@@ -262,11 +280,16 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         for r in 0..ROUNDS {
             for k in (0..stacks.len()).map(|k| (k + r) % stacks.len()) {
                 let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
+                let before = samples[k].lat_us.len();
                 send(&clients[k], &stacks[k], bodies, &mut samples[k]).await?;
+                let p50 = median(&samples[k].lat_us[before..]);
+                samples[k].round_p50_us.push(p50);
             }
         }
+        let base_rounds = samples.first().map(|s| s.round_p50_us.clone()).unwrap_or_default();
         let mut base: Option<Measured> = None;
         for (sys, smp) in stacks.iter().zip(samples) {
+            let spread = base.as_ref().and_then(|_| round_spread(&smp.round_p50_us, &base_rounds));
             let m = smp.summary();
             let sys = &sys.name;
             let (added50, added99, added_cpu) = match &base {
@@ -277,12 +300,16 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 "  {size:>7} B {sys:<24} p50 {:>8.1} us p99 {:>8.1} us (added {:>7.1} / {:>7.1}); proxy CPU {:.6} s/req (added {:.6}); {n} requests",
                 m.p50_us, m.p99_us, added50, added99, m.cpu_s_per_req, added_cpu
             );
+            if let Some([lo, mid, hi]) = spread {
+                println!("  {:>7}   {:<24} added p50 per round: min {lo}, median {mid}, max {hi} us", "", "");
+            }
             runs.push(json!({
                 "system": sys, "body_bytes": size, "requests": n,
                 "p50_us": m.p50_us.round(), "p99_us": m.p99_us.round(),
                 "added_p50_us": added50.round(), "added_p99_us": added99.round(),
                 "cpu_s_per_req": (m.cpu_s_per_req * 1e7).round() / 1e7,
                 "added_cpu_s_per_req": (added_cpu * 1e7).round() / 1e7,
+                "added_p50_us_per_round": spread.map(|[lo, mid, hi]| json!({"min": lo, "median": mid, "max": hi})),
             }));
             if base.is_none() {
                 base = Some(m);
@@ -302,10 +329,24 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "scenario": "overhead",
         "decision_us_all_sizes": decision,
         "command": "cargo xtask bench overhead",
-        "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size",
+        "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size; added_p50_us_per_round = min, median and max over the 10 rounds of (system p50 - baseline p50 in that round), how far the one added_p50_us figure moves with the machine",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
         "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
         "runs": runs,
     });
     write_results(&a.out, doc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_spread;
+
+    #[test]
+    fn spread_pairs_each_round_with_the_baseline_of_the_same_round() {
+        // The machine slows down in round 2: both systems move, the added time does not.
+        let base = [500.0, 900.0, 510.0];
+        let sys = [600.0, 1020.0, 590.0];
+        assert_eq!(round_spread(&sys, &base), Some([80.0, 100.0, 120.0]));
+        assert_eq!(round_spread(&[], &[]), None);
+    }
 }
