@@ -422,7 +422,13 @@ async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
     let mut per_stage = Vec::new();
     let mut extra = serde_json::Map::new();
     for system in a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let r = run_system(system, &sc, plan.clone(), a).await.with_context(|| format!("{}: {system}", sc.name))?;
+        let steal = crate::procstat::StealMeter::start();
+        let mut r = run_system(system, &sc, plan.clone(), a).await.with_context(|| format!("{}: {system}", sc.name))?;
+        // Hypervisor steal while this system ran: the other guests' share of this VM's CPUs,
+        // which moves a system's figures between runs.
+        if let (Some(o), Some(p)) = (r.extra.as_object_mut(), steal.percent()) {
+            o.insert("steal_pct".into(), json!((p * 10.0).round() / 10.0));
+        }
         rows.push(r.summary);
         per_stage.push((system.to_string(), r.stages));
         extra.insert(system.to_string(), r.extra);

@@ -19,7 +19,7 @@ use attache_e2e::{EnvoyKind, Stack};
 use axum::routing::{get, post};
 use serde_json::{json, Value};
 
-use crate::procstat::cpu_ns;
+use crate::procstat::{cpu_ns, StealMeter};
 use crate::run::{percentile, write_results};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -277,6 +277,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         // the baseline, say).
         let mut samples: Vec<Samples> = stacks.iter().map(|_| Samples::default()).collect();
         let per = n.div_ceil(ROUNDS);
+        let steal = StealMeter::start();
         for r in 0..ROUNDS {
             for k in (0..stacks.len()).map(|k| (k + r) % stacks.len()) {
                 let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
@@ -286,6 +287,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 samples[k].round_p50_us.push(p50);
             }
         }
+        let steal_pct = steal.percent().map(|p| (p * 10.0).round() / 10.0);
+        println!("  {size:>7} B: hypervisor steal during these rounds {steal_pct:?} % of CPU time");
         let base_rounds = samples.first().map(|s| s.round_p50_us.clone()).unwrap_or_default();
         let mut base: Option<Measured> = None;
         for (sys, smp) in stacks.iter().zip(samples) {
@@ -310,6 +313,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 "cpu_s_per_req": (m.cpu_s_per_req * 1e7).round() / 1e7,
                 "added_cpu_s_per_req": (added_cpu * 1e7).round() / 1e7,
                 "added_p50_us_per_round": spread.map(|[lo, mid, hi]| json!({"min": lo, "median": mid, "max": hi})),
+                "steal_pct": steal_pct,
             }));
             if base.is_none() {
                 base = Some(m);
@@ -329,7 +333,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "scenario": "overhead",
         "decision_us_all_sizes": decision,
         "command": "cargo xtask bench overhead",
-        "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size; added_p50_us_per_round = min, median and max over the 10 rounds of (system p50 - baseline p50 in that round), how far the one added_p50_us figure moves with the machine",
+        "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size; added_p50_us_per_round = min, median and max over the 10 rounds of (system p50 - baseline p50 in that round), how far the one added_p50_us figure moves with the machine; steal_pct = CPU time the hypervisor gave other guests during that size's rounds",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
         "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
         "runs": runs,
