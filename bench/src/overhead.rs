@@ -48,6 +48,11 @@ pub struct Args {
     /// `--variant 'before={}' --variant-wasm before=/tmp/old/attache_scheduler_filter.wasm`.
     #[arg(long = "variant-wasm")]
     variant_wasm: Vec<String>,
+    /// Another Envoy template for a variant, `LABEL=PATH` (an edited copy of
+    /// `envoy/attache.yaml`, same placeholders): to see what a piece of the route or pool costs,
+    /// e.g. `--variant 'noretry={}' --variant-template noretry=/tmp/attache-noretry.yaml`.
+    #[arg(long = "variant-template")]
+    variant_template: Vec<String>,
     #[command(flatten)]
     peers: crate::peers::PeerVersions,
 }
@@ -218,6 +223,10 @@ async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<Syste
     if let Some(wasm) = find(&a.variant_wasm) {
         anyhow::ensure!(std::path::Path::new(&wasm).exists(), "variant {system}: no filter at {wasm}");
         s.paths.wasm = PathBuf::from(wasm);
+    }
+    if let Some(tpl) = find(&a.variant_template) {
+        anyhow::ensure!(std::path::Path::new(&tpl).exists(), "variant {system}: no template at {tpl}");
+        s.envoy_template = Some(PathBuf::from(tpl));
     }
     if let Some(json) = find(&a.variants) {
         let mut config: Value = serde_json::from_str(&json).with_context(|| format!("variant {system}: bad JSON"))?;

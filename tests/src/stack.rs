@@ -182,6 +182,9 @@ pub struct Stack {
     pub endpoint_labels: Vec<Vec<(String, String)>>,
     /// `llm-d.ai/role` per engine (`prefill`, `decode`, `both`); engines not listed are `both`.
     pub endpoint_roles: Vec<String>,
+    /// An Envoy template to render instead of `envoy/<kind>.yaml` (same placeholders): what a
+    /// benchmark variant uses to measure an edited route or cluster.
+    pub envoy_template: Option<PathBuf>,
 }
 
 /// An engine this stack does not start, and where its KV events are published.
@@ -238,6 +241,7 @@ impl Stack {
             host_kubernetes: None,
             endpoint_labels: Vec::new(),
             endpoint_roles: Vec::new(),
+            envoy_template: None,
         })
     }
 
@@ -452,7 +456,8 @@ impl Stack {
             EnvoyKind::AttachePerWorker => "attache-per-worker.yaml",
             EnvoyKind::RoundRobin => "round-robin.yaml",
         };
-        let tpl = std::fs::read_to_string(self.paths.root.join("envoy").join(file))?;
+        let path = self.envoy_template.clone().unwrap_or_else(|| self.paths.root.join("envoy").join(file));
+        let tpl = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let mut eps = String::new();
         for a in self.engine_addrs() {
             let (ip, port) = a.split_once(':').context("engine address")?;
