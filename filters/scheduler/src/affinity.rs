@@ -46,11 +46,6 @@ fn page_key(writer: u64, seq: u64) -> String {
     format!("attache.aff.w{writer}.p{}", seq % RING)
 }
 
-/// A little-endian `u64` from the first 8 bytes (shared-data values).
-pub fn read_u64(bytes: &[u8]) -> Option<u64> {
-    Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
-}
-
 /// Encode one page: `seq`, then each `(hash, endpoint)`. Endpoints longer than 255 bytes or
 /// empty are left out.
 pub fn encode_page(seq: u64, entries: &[(u64, String)]) -> Vec<u8> {
@@ -71,11 +66,11 @@ pub fn encode_page(seq: u64, entries: &[(u64, String)]) -> Vec<u8> {
 /// Decode a page: its sequence number and entries. A truncated or non-UTF-8 entry ends the
 /// page (what came before it stands); a page too short for its sequence number is `None`.
 pub fn decode_page(bytes: &[u8]) -> Option<(u64, Vec<(u64, &str)>)> {
-    let seq = read_u64(bytes)?;
+    let seq = host::read_u64(bytes)?;
     let mut rest = bytes.get(8..)?;
     let mut entries = Vec::new();
     while !rest.is_empty() {
-        let Some(hash) = read_u64(rest) else { break };
+        let Some(hash) = host::read_u64(rest) else { break };
         let Some(&len) = rest.get(8) else { break };
         let end = 9 + usize::from(len);
         let Some(addr) = rest.get(9..end).and_then(|b| std::str::from_utf8(b).ok()) else { break };
@@ -101,11 +96,11 @@ impl AffinityLog {
         }
         for _ in 0..8 {
             let (value, cas) = host::shared_data_cas(WRITERS_KEY);
-            let n = value.as_deref().and_then(read_u64).unwrap_or(0);
+            let n = value.as_deref().and_then(host::read_u64).unwrap_or(0);
             if host::set_shared_data_cas(WRITERS_KEY, &(n + 1).to_le_bytes(), cas) {
                 let id = n % MAX_WRITERS;
                 // A reloaded VM that took a used id goes on from that log's head.
-                self.next_seq = host::shared_data(&head_key(id)).as_deref().and_then(read_u64).unwrap_or(0);
+                self.next_seq = host::shared_data(&head_key(id)).as_deref().and_then(host::read_u64).unwrap_or(0);
                 self.writer = Some(id);
                 return self.writer;
             }
@@ -137,14 +132,14 @@ impl AffinityLog {
 
     /// Read every other writer's new pages into `table`. Returns the entries learned.
     pub fn read_into(&mut self, table: &mut AffinityTable) -> usize {
-        let writers = host::shared_data(WRITERS_KEY).as_deref().and_then(read_u64).unwrap_or(0).min(MAX_WRITERS);
+        let writers = host::shared_data(WRITERS_KEY).as_deref().and_then(host::read_u64).unwrap_or(0).min(MAX_WRITERS);
         self.read_to.resize(writers as usize, None);
         let mut learned = 0;
         for id in 0..writers {
             if Some(id) == self.writer {
                 continue;
             }
-            let Some(head) = host::shared_data(&head_key(id)).as_deref().and_then(read_u64) else { continue };
+            let Some(head) = host::shared_data(&head_key(id)).as_deref().and_then(host::read_u64) else { continue };
             let oldest = head.saturating_sub(RING);
             let from = match self.read_to.get(id as usize).copied().flatten() {
                 Some(n) if n == head => continue,

@@ -181,6 +181,12 @@ pub fn now_ms() -> u64 {
     now_us() / 1000
 }
 
+/// A little-endian `u64` from the first 8 bytes: how counters, heads and clocks are stored
+/// in shared data.
+pub fn read_u64(bytes: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
+}
+
 pub fn shared_data(key: &str) -> Option<Vec<u8>> {
     hostcalls::get_shared_data(key).ok().and_then(|(v, _)| v)
 }

@@ -98,7 +98,7 @@ pub fn heard(now_ms: u64) {
 /// When the host was last heard from (ms since epoch), by any root context of this Envoy, or
 /// `None` if it never was (then there is no snapshot either, and nothing to distrust).
 pub fn heard_ms() -> Option<u64> {
-    crate::affinity::read_u64(&host::shared_data(HEARD_KEY)?)
+    host::read_u64(&host::shared_data(HEARD_KEY)?)
 }
 
 /// A worker's cached view of the newest snapshot.
