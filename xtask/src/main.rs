@@ -222,6 +222,20 @@ fn test(args: &[String]) -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    // The measurement build (per-stage clock readings) must keep compiling too.
+    run(cargo().args([
+        "clippy",
+        "--release",
+        "-p",
+        "attache-scheduler-filter",
+        "--target",
+        "wasm32-wasip1",
+        "--features",
+        "stage-timings",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     let mut totals = (0, 0, 0);
     let result = (|| {
         run_tests(cargo().args(["test", "--profile", "ci", "--workspace", "--exclude", "attache-e2e"]), &mut totals)?;

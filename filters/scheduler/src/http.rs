@@ -18,6 +18,7 @@ use crate::flow::Pumped;
 use crate::host;
 use crate::root::Worker;
 use crate::route::route;
+use crate::stages::{self, Stage};
 use crate::sticky::SharedSticky;
 
 /// The header Envoy's override_host LB policy (or an ORIGINAL_DST cluster) routes on.
@@ -162,6 +163,7 @@ impl SchedulerHttp {
             Ok(r) => r,
             Err(e) => return self.reject(ErrorResponse::from(&e)),
         };
+        stages::mark(Stage::Parse);
         let worker = self.worker.clone();
         let Ok(mut guard) = worker.try_borrow_mut() else {
             host::log(LogLevel::Error, "attache: worker state busy; passing request through");
@@ -169,9 +171,11 @@ impl SchedulerHttp {
         };
         let w = &mut *guard;
         w.cache.refresh(now);
+        stages::mark(Stage::SnapshotCheck);
         if let Ok(mut st) = self.st.try_borrow_mut() {
             resolve_sticky(w, &mut st, &req, now);
         }
+        stages::mark(Stage::Sticky);
         if !w.config.flow.enabled {
             let Ok(mut st) = self.st.try_borrow_mut() else {
                 return Action::Continue;
@@ -339,14 +343,19 @@ impl HttpContext for SchedulerHttp {
             return Action::Pause;
         }
         let started = host::now_us();
+        stages::begin();
         let Some(body) = host::request_body(body_size) else {
             return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
         };
+        stages::mark(Stage::ReadBody);
         let action = self.schedule(api, &body, started / 1000);
         drop(body);
+        stages::mark(Stage::Return);
         if let Ok(mut w) = self.worker.try_borrow_mut() {
             w.metrics.decision(host::now_us().saturating_sub(started));
         }
+        stages::mark(Stage::DecisionMetric);
+        stages::finish();
         action
     }
 

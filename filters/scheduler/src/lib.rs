@@ -24,6 +24,7 @@ pub mod picker;
 pub mod root;
 pub mod route;
 pub mod snapshot;
+pub mod stages;
 pub mod sticky;
 
 #[cfg(target_arch = "wasm32")]

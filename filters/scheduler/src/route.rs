@@ -15,6 +15,7 @@ use crate::host;
 use crate::http::{RequestState, DESTINATION_HEADER};
 use crate::kv_table;
 use crate::root::Worker;
+use crate::stages::{self, Stage};
 use crate::sticky::SharedSticky;
 
 /// The candidates as custom scorer filters see them (policies::scoring).
@@ -75,9 +76,11 @@ pub fn route(
     let id = st.id;
     let hashes = prefix::block_hashes(&w.config.scheduler.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
     let anchors = prefix::anchor_blocks(&w.config.scheduler.prefix, &req.message_ends);
+    stages::mark(Stage::BlockHashes);
     let seed = hashes.first().copied().unwrap_or(u64::from(id));
     let sharing = w.affinity.capacity() > 0;
     let shared = sharing.then(|| w.affinity.matches(&hashes, &anchors));
+    stages::mark(Stage::AffinityProbe);
     let ids = prompt_ids(w, req, id);
     let ids_len = ids.as_ref().map(Vec::len);
     let pc = &w.config.scheduler.precise;
@@ -110,7 +113,9 @@ pub fn route(
         sticky: st.sticky.as_deref(),
         load_only,
     };
+    stages::mark(Stage::PromptTokens);
     let decision = w.scheduler.schedule(&input, &w.cache.pool, &mut w.state).map_err(|e| ErrorResponse::from(&e))?;
+    stages::mark(Stage::Pipeline);
     if !host::set_request_header(DESTINATION_HEADER, &decision.header_value()) {
         return Err(ErrorResponse::new(
             500,
@@ -120,6 +125,7 @@ pub fn route(
             "could not set the destination header",
         ));
     }
+    stages::mark(Stage::DestinationHeader);
     if let Some(prefiller) = decision.prefiller() {
         // P/D: the decode endpoint's sidecar runs the prefill there first (llm-d's contract).
         if !host::set_request_header(PREFILLER_HEADER, prefiller) {
@@ -165,7 +171,9 @@ pub fn route(
             w.metrics.sticky_hit();
         }
     }
+    stages::mark(Stage::Handoff);
     w.scheduler.commit(&decision, &hashes, &anchors, &mut w.state);
+    stages::mark(Stage::IndexRecord);
     if let (true, Some(primary)) = (sharing, decision.endpoints.first()) {
         // Only what the table does not already prove for this endpoint: into this worker's
         // table now, and into its affinity log from the tick (root.rs), off the request path.
@@ -178,6 +186,7 @@ pub fn route(
             }
         }
     }
+    stages::mark(Stage::AffinityStore);
     if let Some(best) = decision.scores.first() {
         if precise_scores.is_some() {
             w.metrics.precise_score(best.precise);
@@ -208,5 +217,6 @@ pub fn route(
             )
         });
     }
+    stages::mark(Stage::Accounting);
     Ok(())
 }
