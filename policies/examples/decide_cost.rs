@@ -106,6 +106,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     block_hashes: &h,
                     anchors: &anchors,
                     inflight: &inflight,
+                    inflight_tokens: None,
                     seed: h.first().copied().unwrap_or(0),
                     extra_matches: None,
                     precise: None,

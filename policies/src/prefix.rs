@@ -133,6 +133,7 @@ mod tests {
             shared_slots: 0,
             shared_flush_ms: 20,
             affinity_threshold: 0.8,
+            affinity_filter: crate::config::AffinityGate::default(),
         }
     }
 

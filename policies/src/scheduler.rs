@@ -18,6 +18,9 @@ pub struct SchedulingInput<'a> {
     pub anchors: &'a [usize],
     /// Requests this scheduler instance has in flight per endpoint address.
     pub inflight: &'a HashMap<String, u32>,
+    /// Uncached prompt tokens of those requests per endpoint address (llm-d's
+    /// `inflight-load-producer`), for the affinity filter's TTFT gate; `None` counts none.
+    pub inflight_tokens: Option<&'a HashMap<String, u64>>,
     /// Seed for the picker's tie-break.
     pub seed: u64,
     /// Prefix matches learned elsewhere (other Envoy workers, see
@@ -50,6 +53,8 @@ pub struct ScoredEndpoint {
     pub matched_blocks: usize,
     /// Prompt tokens this endpoint is expected to hold (approximate or precise, the larger).
     pub cached_tokens: usize,
+    /// It holds at least `prefix.affinity_threshold` of the prompt.
+    pub affine: bool,
 }
 
 /// The scheduler's verdict.
@@ -205,6 +210,7 @@ impl Scheduler {
                     total,
                     matched_blocks,
                     cached_tokens: cached_tokens.min(input.prompt_tokens),
+                    affine: gated(i),
                 })
             })
             .collect();
@@ -243,7 +249,15 @@ impl Scheduler {
         };
         let (all, cold) = self.score(eps, &cands, input, &matches, state, &self.config.weights);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
-        let mut order = picker::max_score(&totals, self.config.max_endpoints, input.seed);
+        let mut order = picker::max_score(&totals, totals.len(), input.seed);
+        if !input.load_only && self.affinity_holds(&all, input) {
+            // Affine candidates first, each group in score order: the primary keeps the cache,
+            // the others remain fallbacks.
+            let (affine, rest): (Vec<usize>, Vec<usize>) =
+                order.iter().partition(|&&i| all.get(i).is_some_and(|s| s.affine));
+            order = affine.into_iter().chain(rest).collect();
+        }
+        order.truncate(self.config.max_endpoints);
         // Session affinity: the sticky endpoint leads while it is a candidate (ready, serving
         // the model, not saturated); the scored order supplies the fallbacks.
         let sticky = input.sticky.and_then(|a| all.iter().position(|s| s.address == a));
@@ -277,6 +291,23 @@ impl Scheduler {
             prefill,
             sticky: sticky.is_some(),
         })
+    }
+
+    /// Whether the affinity filter applies (llm-d's `prefix-cache-affinity-filter` with its
+    /// TTFT load gate, see [`crate::config::AffinityGate`]): some candidate is affine, and the
+    /// best affine one's estimated TTFT is within the penalty of the best other's.
+    fn affinity_holds(&self, all: &[ScoredEndpoint], input: &SchedulingInput<'_>) -> bool {
+        let gate = &self.config.prefix.affinity_filter;
+        if !gate.enabled || all.iter().all(|s| !s.affine) || all.iter().all(|s| s.affine) {
+            return false;
+        }
+        let est = |s: &ScoredEndpoint| {
+            let queued = input.inflight_tokens.and_then(|m| m.get(&s.address)).copied().unwrap_or(0);
+            let own = input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
+            gate.ttft_ms(queued.saturating_add(own))
+        };
+        let best = |affine: bool| all.iter().filter(|s| s.affine == affine).map(est).fold(f64::INFINITY, f64::min);
+        best(true) - best(false) <= gate.max_ttft_penalty_ms
     }
 
     /// Record a decision (llm-d's `PreRequest` step): the approximate index learns where the
@@ -317,6 +348,7 @@ mod tests {
                     block_hashes: &hashes,
                     anchors: &[],
                     inflight: &inflight,
+                    inflight_tokens: None,
                     seed,
                     extra_matches: None,
                     precise: None,
@@ -423,6 +455,7 @@ mod tests {
                 block_hashes: &hashes,
                 anchors: &[],
                 inflight: &inflight,
+                inflight_tokens: None,
                 seed: k,
                 extra_matches: None,
                 precise: None,
@@ -459,6 +492,7 @@ mod tests {
             block_hashes: &hashes,
             anchors: &[],
             inflight: &inflight,
+            inflight_tokens: None,
             seed: 3,
             extra_matches: None,
             precise: None,
@@ -521,6 +555,7 @@ mod tests {
                 block_hashes: &hashes,
                 anchors: &[],
                 inflight: &inflight,
+                inflight_tokens: None,
                 seed,
                 extra_matches: Some(&extra),
                 precise: None,
@@ -549,6 +584,7 @@ mod tests {
             block_hashes: &[1, 2, 3],
             anchors: &[],
             inflight: &inflight,
+            inflight_tokens: None,
             seed: 5,
             extra_matches: None,
             precise: Some(&precise),
@@ -566,7 +602,9 @@ mod tests {
     fn approximate_and_precise_affinity_count_once_against_load() {
         // Endpoint 0 holds the prompt by both measures but has a queue; endpoint 1 holds
         // nothing and is idle. Affinity (3) must not count twice (6) against load (2 + 2).
-        let s = Scheduler::default();
+        // (Scores alone: the affinity filter, which would keep the holder, is off.)
+        let mut s = Scheduler::default();
+        s.config.prefix.affinity_filter.enabled = false;
         let mut p = pool(2);
         for (i, e) in p.endpoints.iter_mut().enumerate() {
             e.id = i as u32;
@@ -582,6 +620,7 @@ mod tests {
             block_hashes: &hashes,
             anchors: &[],
             inflight: &inflight,
+            inflight_tokens: None,
             seed: 1,
             extra_matches: Some(&shared),
             precise: Some(&precise),
@@ -598,6 +637,56 @@ mod tests {
     }
 
     #[test]
+    fn the_affinity_filter_keeps_a_warm_request_on_its_cache_until_the_ttft_gate() {
+        // Endpoint 0 holds 90% of a 6,400-token prompt but is the busiest (its queue and KV
+        // below saturation); endpoints 1 and 2 are idle and hold nothing.
+        let mut s = Scheduler::default();
+        let mut p = pool(3);
+        for (i, e) in p.endpoints.iter_mut().enumerate() {
+            e.id = i as u32;
+            e.block_size = 16;
+        }
+        p.endpoints[0].metrics = Some(EndpointMetrics { waiting: 4.0, kv_usage: 0.9, ..Default::default() });
+        let precise: HashMap<u32, (f64, usize)> = [(0, (0.9, 360))].into_iter().collect();
+        let holder = p.endpoints[0].address.clone();
+        let inflight: HashMap<String, u32> = [(holder.clone(), 6)].into_iter().collect();
+        let mut tokens: HashMap<String, u64> = [(holder.clone(), 1_000)].into_iter().collect();
+        let mut st = s.new_state();
+        let mut pick = |s: &Scheduler, tokens: &HashMap<String, u64>| {
+            let input = SchedulingInput {
+                model: "m",
+                block_hashes: &[1, 2, 3],
+                anchors: &[],
+                inflight: &inflight,
+                inflight_tokens: Some(tokens),
+                seed: 2,
+                extra_matches: None,
+                precise: Some(&precise),
+                prompt_tokens: 6_400,
+                sticky: None,
+                load_only: false,
+            };
+            s.schedule(&input, &p, &mut st).unwrap()
+        };
+        let d = pick(&s, &tokens);
+        assert_eq!(d.endpoints[0], holder, "the affine endpoint leads: {:?}", d.scores);
+        assert!(d.scores[0].affine && !d.scores[1].affine);
+        assert_eq!(d.endpoints.len(), 3, "the others stay as fallbacks");
+        let idle_total = d.scores[1].total;
+        assert!(idle_total > d.scores[0].total, "by score alone the idle endpoint would win");
+        // Scores alone (filter off) pick an idle endpoint.
+        s.config.prefix.affinity_filter.enabled = false;
+        assert_ne!(pick(&s, &tokens).endpoints[0], holder);
+        s.config.prefix.affinity_filter.enabled = true;
+        // The TTFT gate: 300,000 queued uncached tokens at 15,928 tokens/s is 18.8 s behind an
+        // idle endpoint's 6,400 / 15,928 = 0.4 s, more than the 18 s penalty.
+        tokens.insert(holder.clone(), 300_000);
+        assert_ne!(pick(&s, &tokens).endpoints[0], holder, "the gate yields to load");
+        tokens.insert(holder.clone(), 280_000);
+        assert_eq!(pick(&s, &tokens).endpoints[0], holder, "17.6 s + 0.04 s behind 0.4 s is within 18 s");
+    }
+
+    #[test]
     fn errors_and_fallbacks() {
         let s = Scheduler::default();
         let mut ix = s.new_state();
@@ -607,6 +696,7 @@ mod tests {
             block_hashes: &[],
             anchors: &[],
             inflight: &inflight,
+            inflight_tokens: None,
             seed: 0,
             extra_matches: None,
             precise: None,
@@ -669,6 +759,7 @@ mod tests {
             block_hashes: &[],
             anchors: &[],
             inflight: &inflight,
+            inflight_tokens: None,
             seed: 9,
             extra_matches: None,
             precise: None,

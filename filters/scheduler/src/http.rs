@@ -45,6 +45,8 @@ pub struct RequestState {
     pub answered: bool,
     /// Endpoint counted in `inflight`, released when the request ends.
     pub dispatched: Option<String>,
+    /// Uncached prompt tokens counted in `inflight_tokens` for `dispatched`.
+    pub dispatched_tokens: u64,
     /// Session key from the configured headers (rollout bucket).
     pub session: Option<String>,
     /// When the request headers arrived, µs.
@@ -119,6 +121,7 @@ impl SchedulerHttp {
             api: None,
             answered: false,
             dispatched: None,
+            dispatched_tokens: 0,
             session: None,
             started_us: 0,
             handed_off: None,
@@ -430,8 +433,8 @@ impl HttpContext for SchedulerHttp {
     }
 
     fn on_log(&mut self) {
-        let (parked, dispatched) = match self.st.try_borrow_mut() {
-            Ok(mut st) => (st.parked.take().is_some(), st.dispatched.take()),
+        let (parked, dispatched, tokens) = match self.st.try_borrow_mut() {
+            Ok(mut st) => (st.parked.take().is_some(), st.dispatched.take(), std::mem::take(&mut st.dispatched_tokens)),
             Err(_) => return,
         };
         let Ok(mut w) = self.worker.try_borrow_mut() else {
@@ -447,6 +450,9 @@ impl HttpContext for SchedulerHttp {
         if let Some(addr) = dispatched {
             if let Some(n) = w.inflight.get_mut(&addr) {
                 *n = n.saturating_sub(1);
+            }
+            if let Some(t) = w.inflight_tokens.get_mut(&addr) {
+                *t = t.saturating_sub(tokens);
             }
             if w.config.flow.enabled {
                 // A request ended: the pool may have room for a waiting one.

@@ -33,6 +33,8 @@ pub struct Worker {
     pub cache: SnapshotCache,
     /// Requests this worker has dispatched and not yet finished, per endpoint.
     pub inflight: HashMap<String, u32>,
+    /// Uncached prompt tokens of those requests per endpoint (the affinity filter's TTFT gate).
+    pub inflight_tokens: HashMap<String, u64>,
     pub metrics: Metrics,
     /// The model's tokenizer and chat template, for precise routing of text and chat prompts
     /// (None if not configured or if it failed its start-up check).
@@ -135,6 +137,7 @@ impl Worker {
             state: SchedulerState::new(&config.scheduler),
             cache: SnapshotCache::default(),
             inflight: HashMap::new(),
+            inflight_tokens: HashMap::new(),
             metrics,
             config: std::rc::Rc::new(config),
         }

@@ -106,6 +106,7 @@ pub fn route(
         block_hashes: &hashes,
         anchors: &anchors,
         inflight: &w.inflight,
+        inflight_tokens: Some(&w.inflight_tokens),
         seed,
         extra_matches: shared.as_ref(),
         precise: precise_scores.as_ref(),
@@ -113,6 +114,7 @@ pub fn route(
         sticky: st.sticky.as_deref(),
         load_only,
     };
+    let input_tokens = input.prompt_tokens;
     stages::mark(Stage::PromptTokens);
     let decision = w.scheduler.schedule(&input, &w.cache.pool, &mut w.state).map_err(|e| ErrorResponse::from(&e))?;
     stages::mark(Stage::Pipeline);
@@ -200,7 +202,10 @@ pub fn route(
             decision.total_blocks,
         );
         *w.inflight.entry(best.address.clone()).or_insert(0) += 1;
+        let uncached = input_tokens.saturating_sub(best.cached_tokens) as u64;
+        *w.inflight_tokens.entry(best.address.clone()).or_insert(0) += uncached;
         st.dispatched = Some(best.address.clone());
+        st.dispatched_tokens = uncached;
         host::debug(|| {
             format!(
                 "attache[{id}]: model={} -> {} (prefix={:.3} queue={:.3} kv={:.3} total={:.3} matched={}/{} candidates={} snapshot={})",
