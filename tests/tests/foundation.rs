@@ -117,21 +117,7 @@ async fn a_saturated_engine_is_avoided() {
         flood.push(tokio::spawn(async move { client::post(&http, &url, body.into_bytes(), &[]).await }));
     }
     // Wait until the host reports the queue.
-    let mut waiting = 0.0;
-    for _ in 0..100 {
-        if let Some(b) = http_get_blocking(s.host_admin_port, "/v1/snapshot") {
-            let v: Value = serde_json::from_str(&b).unwrap_or(Value::Null);
-            waiting = v["endpoints"]
-                .as_array()
-                .and_then(|a| a.iter().find(|e| e["address"] == format!("127.0.0.1:{hot}")))
-                .and_then(|e| e["waiting"].as_f64())
-                .unwrap_or(0.0);
-            if waiting >= 5.0 {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let waiting = wait_for_queue(&s, hot, 5.0).await;
     assert!(waiting >= 5.0, "flood did not build a queue (waiting {waiting})");
     tokio::time::sleep(Duration::from_millis(300)).await; // let the snapshot reach the filters
 
@@ -143,6 +129,50 @@ async fn a_saturated_engine_is_avoided() {
     for f in flood {
         f.abort();
     }
+}
+
+/// The affinity filter (`prefix.affinity_filter`) through the real Envoy: an engine that holds
+/// a prompt but has a queue (below saturation) keeps the prompt's next request, where scores
+/// alone send it to an idle engine. The prefix weight is 1 here so that the two outcomes
+/// differ: the holder scores 1 x its share + 0 (worst queue) + KV, an idle engine 2 + 2 + KV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_affinity_filter_keeps_a_busy_holder_that_scores_alone_would_leave() {
+    async fn next_request_goes_to_holder(name: &str, filter: bool) -> bool {
+        let mut s = Stack::new(name).expect("stack");
+        let opts = SimOpts { engines: 3, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() };
+        s.start_sim(opts).expect("sim");
+        s.start_host().expect("host");
+        let config = serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304,
+            "weights": {"prefix": 1.0}, "prefix": {"affinity_filter": {"enabled": filter}}}});
+        s.start_envoy(EnvoyKind::Attache, &config, 2).expect("envoy");
+        s.wait_snapshot(3, Duration::from_secs(20)).expect("snapshot");
+        let http = fresh_client();
+        let prefix = long_prefix("busy-holder");
+        let first = send(&s, &http, chat(&prefix, "q0", 2), &[]).await;
+        assert!(first.ok(), "{}", first.body);
+        let holder = first.engine_port.expect("port");
+        // Four short-lived requests straight to the holder: two run, the others wait (under
+        // the saturation threshold of five).
+        let url = format!("http://127.0.0.1:{holder}/v1/completions");
+        let mut load = Vec::new();
+        for i in 0..4 {
+            let (http, url) = (http.clone(), url.clone());
+            let body =
+                serde_json::json!({"model": MODEL, "prompt": format!("load {i}"), "max_tokens": 300}).to_string();
+            load.push(tokio::spawn(async move { client::post(&http, &url, body.into_bytes(), &[]).await }));
+        }
+        let waiting = wait_for_queue(&s, holder, 1.0).await;
+        assert!((1.0..5.0).contains(&waiting), "the holder should have a queue below saturation (waiting {waiting})");
+        tokio::time::sleep(Duration::from_millis(300)).await; // let the snapshot reach the filters
+        let o = send(&s, &http, chat(&prefix, "q1", 2), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        for l in load {
+            l.abort();
+        }
+        o.engine_port == Some(holder)
+    }
+    assert!(next_request_goes_to_holder("affinity-filter-on", true).await, "the filter left the holder");
+    assert!(!next_request_goes_to_holder("affinity-filter-off", false).await, "scores alone kept the holder");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

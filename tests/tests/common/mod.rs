@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use attache_e2e::client::{self, Outcome};
+use attache_e2e::stack::http_get_blocking;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 
 pub const MODEL: &str = "tinyllama";
@@ -47,4 +48,25 @@ pub async fn send(s: &Stack, http: &reqwest::Client, body: Vec<u8>, headers: &[(
 /// A long shared prefix (about 2,000 pseudo-tokens).
 pub fn long_prefix(tag: &str) -> String {
     format!("{tag}: ").to_string() + &"You are a careful assistant. Follow the operating manual exactly. ".repeat(120)
+}
+
+/// Poll the host's snapshot (every 50 ms, up to 10 s) until the engine on `port` reports at
+/// least `at_least` waiting requests; returns the last figure seen.
+pub async fn wait_for_queue(s: &Stack, port: u16, at_least: f64) -> f64 {
+    let mut waiting = 0.0;
+    for _ in 0..200 {
+        if let Some(b) = http_get_blocking(s.host_admin_port, "/v1/snapshot") {
+            let v: serde_json::Value = serde_json::from_str(&b).unwrap_or(serde_json::Value::Null);
+            waiting = v["endpoints"]
+                .as_array()
+                .and_then(|a| a.iter().find(|e| e["address"] == format!("127.0.0.1:{port}")))
+                .and_then(|e| e["waiting"].as_f64())
+                .unwrap_or(0.0);
+            if waiting >= at_least {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    waiting
 }
