@@ -53,6 +53,13 @@ pub struct Args {
     /// e.g. `--variant 'noretry={}' --variant-template noretry=/tmp/attache-noretry.yaml`.
     #[arg(long = "variant-template")]
     variant_template: Vec<String>,
+    /// A size whose rounds saw more hypervisor steal than this (% of CPU time) is measured
+    /// again, up to `--attempts` times in all; the last attempt is kept whatever its steal.
+    /// Every discarded attempt stays in the JSON (`discarded_attempts`), with its figures.
+    #[arg(long, default_value_t = 5.0)]
+    max_steal_pct: f64,
+    #[arg(long, default_value_t = 3)]
+    attempts: usize,
     #[command(flatten)]
     peers: crate::peers::PeerVersions,
 }
@@ -270,6 +277,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         stacks.push(start(sys, fast, &a).await?);
     }
     let mut runs = Vec::new();
+    let mut discarded = Vec::new();
     for &size in &a.body_bytes {
         let n = (a.requests * 4096 / size.max(1)).max(500).min(a.requests);
         // One client per system, so each keeps its own warm connection.
@@ -281,23 +289,29 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             let warm = (0..(n / 10).max(20)).map(|i| body(1_000_000 + i, size)).collect();
             send(http, sys, warm, &mut Samples::default()).await?;
         }
-        // Interleaved rounds: drift on this shared machine hits every system alike. Each round
-        // starts one system later, so no system always runs in the same place (right after
-        // the baseline, say).
-        let mut samples: Vec<Samples> = stacks.iter().map(|_| Samples::default()).collect();
-        let per = n.div_ceil(ROUNDS);
-        let steal = StealMeter::start();
-        for r in 0..ROUNDS {
-            for k in (0..stacks.len()).map(|k| (k + r) % stacks.len()) {
-                let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
-                let before = samples[k].lat_us.len();
-                send(&clients[k], &stacks[k], bodies, &mut samples[k]).await?;
-                let p50 = median(&samples[k].lat_us[before..]);
-                samples[k].round_p50_us.push(p50);
+        let mut attempt = 0;
+        let (samples, steal_pct) = loop {
+            attempt += 1;
+            let (samples, steal_pct) = rounds(&stacks, &clients, n, size).await?;
+            println!("  {size:>7} B: hypervisor steal during these rounds {steal_pct:?} % of CPU time");
+            if !measure_again(steal_pct, attempt, a.max_steal_pct, a.attempts) {
+                break (samples, steal_pct);
             }
-        }
-        let steal_pct = steal.percent().map(|p| (p * 10.0).round() / 10.0);
-        println!("  {size:>7} B: hypervisor steal during these rounds {steal_pct:?} % of CPU time");
+            // Measured under a noisy neighbour: keep the figures in the record, measure again.
+            let base = samples.first().map_or(0.0, |b| median(&b.lat_us));
+            let added: serde_json::Map<String, Value> = stacks
+                .iter()
+                .zip(&samples)
+                .skip(1)
+                .map(|(sys, smp)| (sys.name.clone(), json!((median(&smp.lat_us) - base).round())))
+                .collect();
+            println!(
+                "  {size:>7} B: steal over {} %, measuring again; this attempt's added p50: {added:?}",
+                a.max_steal_pct
+            );
+            discarded
+                .push(json!({"body_bytes": size, "attempt": attempt, "steal_pct": steal_pct, "added_p50_us": added}));
+        };
         let base_rounds = samples.first().map(|s| s.round_p50_us.clone()).unwrap_or_default();
         let mut base: Option<Measured> = None;
         for (sys, smp) in stacks.iter().zip(samples) {
@@ -323,6 +337,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 "added_cpu_s_per_req": (added_cpu * 1e7).round() / 1e7,
                 "added_p50_us_per_round": spread.map(|[lo, mid, hi]| json!({"min": lo, "median": mid, "max": hi})),
                 "steal_pct": steal_pct,
+                "attempt": attempt,
             }));
             if base.is_none() {
                 base = Some(m);
@@ -345,14 +360,57 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size; added_p50_us_per_round = min, median and max over the 10 rounds of (system p50 - baseline p50 in that round), how far the one added_p50_us figure moves with the machine; steal_pct = CPU time the hypervisor gave other guests during that size's rounds",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
         "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
+        "steal_gate": format!("a size whose rounds saw more than {} % steal is measured again, at most {} attempts in all; the last is kept whatever its steal; discarded_attempts lists the others with their added p50", a.max_steal_pct, a.attempts.max(1)),
+        "discarded_attempts": discarded,
         "runs": runs,
     });
     write_results(&a.out, doc)
 }
 
+/// Whether attempt `attempt` (from 1) of a size, which saw `steal_pct` steal, is discarded
+/// and measured again: over the limit, with attempts left. Unknown steal is not over it.
+fn measure_again(steal_pct: Option<f64>, attempt: usize, max_steal_pct: f64, attempts: usize) -> bool {
+    steal_pct.is_some_and(|p| p > max_steal_pct) && attempt < attempts.max(1)
+}
+
+/// One size's measurement: `n` requests per system in interleaved rounds, so drift on this
+/// shared machine hits every system alike. Each round starts one system later, so no system
+/// always runs in the same place (right after the baseline, say). Returns each system's
+/// samples and the hypervisor steal over the rounds.
+async fn rounds(
+    stacks: &[System],
+    clients: &[reqwest::Client],
+    n: usize,
+    size: usize,
+) -> anyhow::Result<(Vec<Samples>, Option<f64>)> {
+    let mut samples: Vec<Samples> = stacks.iter().map(|_| Samples::default()).collect();
+    let per = n.div_ceil(ROUNDS);
+    let steal = StealMeter::start();
+    for r in 0..ROUNDS {
+        for k in (0..stacks.len()).map(|k| (k + r) % stacks.len()) {
+            let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
+            let before = samples[k].lat_us.len();
+            send(&clients[k], &stacks[k], bodies, &mut samples[k]).await?;
+            let p50 = median(&samples[k].lat_us[before..]);
+            samples[k].round_p50_us.push(p50);
+        }
+    }
+    Ok((samples, steal.percent().map(|p| (p * 10.0).round() / 10.0)))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::round_spread;
+    use super::{measure_again, round_spread};
+
+    #[test]
+    fn a_noisy_attempt_is_measured_again_until_the_last() {
+        assert!(measure_again(Some(18.9), 1, 5.0, 3));
+        assert!(measure_again(Some(5.1), 2, 5.0, 3));
+        assert!(!measure_again(Some(18.9), 3, 5.0, 3), "the last attempt is kept");
+        assert!(!measure_again(Some(5.0), 1, 5.0, 3), "at the limit is not over it");
+        assert!(!measure_again(None, 1, 5.0, 3));
+        assert!(!measure_again(Some(50.0), 1, 5.0, 0), "zero attempts means one");
+    }
 
     #[test]
     fn spread_pairs_each_round_with_the_baseline_of_the_same_round() {
