@@ -33,6 +33,17 @@ fn sampled(n: usize, anchors: &[usize]) -> Vec<usize> {
     v
 }
 
+/// How many leading blocks a prompt of `n` blocks may share with an endpoint that
+/// [`ApproxPrefixIndex::match_lengths`] proved holds `matched`: past the dense blocks only
+/// sampled positions are recorded, so the shared run can extend up to, not including, the next
+/// sampled position. Exact where positions are dense (and at anchors).
+pub fn match_upper_bound(n: usize, anchors: &[usize], matched: usize) -> usize {
+    if matched == 0 || matched >= n {
+        return matched.min(n);
+    }
+    sampled(n, anchors).into_iter().find(|&p| p >= matched).unwrap_or(n)
+}
+
 /// Merge `anchors` into the ascending positions `v`, keeping it ascending and without repeats.
 fn add_anchors(v: &mut Vec<usize>, anchors: impl Iterator<Item = usize>) {
     let before = v.len();
@@ -239,6 +250,24 @@ impl ApproxPrefixIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_strided_match_is_bounded_by_the_next_sampled_block() {
+        // 113 blocks that share their first 93 with a recorded prompt: the probes confirm 88
+        // (the last sampled block before they diverge is 87), the next probe, 95, fails.
+        let a: Vec<u64> = (0..113).collect();
+        let b: Vec<u64> = (0..113).map(|i| if i < 93 { i } else { 1_000 + i }).collect();
+        let mut ix = ApproxPrefixIndex::new(1_000);
+        ix.record(&a, &[], "e");
+        let m = ix.match_lengths(&b, &[])["e"];
+        assert_eq!(m, 88);
+        assert_eq!(match_upper_bound(113, &[], m), 95);
+        // Dense positions and anchors are exact; nothing and everything stay as they are.
+        assert_eq!(match_upper_bound(113, &[], 40), 40);
+        assert_eq!(match_upper_bound(113, &[90], 88), 90);
+        assert_eq!(match_upper_bound(113, &[], 0), 0);
+        assert_eq!(match_upper_bound(113, &[], 113), 113);
+    }
 
     #[test]
     fn consecutive_prefix_per_endpoint() {

@@ -149,7 +149,10 @@ impl Scheduler {
             .iter()
             .zip(matched.iter().zip(&precise))
             .map(|(e, (&m, &(ps, pb)))| {
-                let approx = if total_blocks == 0 { 0.0 } else { m as f64 / total_blocks as f64 };
+                // For the gate, what it may hold: a strided match is known only to the last
+                // sampled block before the prompts diverge (index::match_upper_bound).
+                let bound = crate::index::match_upper_bound(total_blocks, input.anchors, m);
+                let approx = if total_blocks == 0 { 0.0 } else { bound as f64 / total_blocks as f64 };
                 // Blocks held over the prompt's full blocks; the tier-weighted score where the
                 // block count is unknown.
                 let keys = if e.block_size == 0 { 0 } else { input.prompt_tokens / e.block_size as usize };
