@@ -108,14 +108,7 @@ async fn a_saturated_engine_is_avoided() {
     let hot = first.engine_port.expect("port");
 
     // Flood the hot engine directly (bypassing Envoy) with long requests.
-    let flood_url = format!("http://127.0.0.1:{hot}/v1/completions");
-    let mut flood = Vec::new();
-    for i in 0..10 {
-        let http = http.clone();
-        let url = flood_url.clone();
-        let body = serde_json::json!({"model": MODEL, "prompt": format!("flood {i}"), "max_tokens": 3000}).to_string();
-        flood.push(tokio::spawn(async move { client::post(&http, &url, body.into_bytes(), &[]).await }));
-    }
+    let flood = load_engine(&http, hot, 10, 3000);
     // Wait until the host reports the queue.
     let waiting = wait_for_queue(&s, hot, 5.0).await;
     assert!(waiting >= 5.0, "flood did not build a queue (waiting {waiting})");
@@ -153,14 +146,7 @@ async fn the_affinity_filter_keeps_a_busy_holder_that_scores_alone_would_leave()
         let holder = first.engine_port.expect("port");
         // Four short-lived requests straight to the holder: two run, the others wait (under
         // the saturation threshold of five).
-        let url = format!("http://127.0.0.1:{holder}/v1/completions");
-        let mut load = Vec::new();
-        for i in 0..4 {
-            let (http, url) = (http.clone(), url.clone());
-            let body =
-                serde_json::json!({"model": MODEL, "prompt": format!("load {i}"), "max_tokens": 300}).to_string();
-            load.push(tokio::spawn(async move { client::post(&http, &url, body.into_bytes(), &[]).await }));
-        }
+        let load = load_engine(&http, holder, 4, 300);
         let waiting = wait_for_queue(&s, holder, 1.0).await;
         assert!((1.0..5.0).contains(&waiting), "the holder should have a queue below saturation (waiting {waiting})");
         tokio::time::sleep(Duration::from_millis(300)).await; // let the snapshot reach the filters

@@ -70,3 +70,21 @@ pub async fn wait_for_queue(s: &Stack, port: u16, at_least: f64) -> f64 {
     }
     waiting
 }
+
+/// Send `n` completions of `max_tokens` each straight to the engine on `port` (bypassing
+/// Envoy), to give it running and waiting requests; abort the handles to end them.
+pub fn load_engine(
+    http: &reqwest::Client,
+    port: u16,
+    n: usize,
+    max_tokens: u64,
+) -> Vec<tokio::task::JoinHandle<Outcome>> {
+    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    (0..n)
+        .map(|i| {
+            let (http, url) = (http.clone(), url.clone());
+            let body = serde_json::json!({"model": MODEL, "prompt": format!("load {i}"), "max_tokens": max_tokens});
+            tokio::spawn(async move { client::post(&http, &url, body.to_string().into_bytes(), &[]).await })
+        })
+        .collect()
+}
