@@ -15,6 +15,20 @@ pub fn max_score(scores: &[f64], max: usize, seed: u64) -> Vec<usize> {
     order.into_iter().take(max.max(1)).map(|(i, _, _)| i).collect()
 }
 
+/// The tier a candidate leads in, highest first: the filters' verdict that the score order
+/// alone must not overturn (a session's sticky endpoint, then the affinity filter's holders).
+pub mod tier {
+    pub const NONE: u8 = 0;
+    pub const AFFINE: u8 = 1;
+    pub const STICKY: u8 = 2;
+}
+
+/// Reorder positions (already in score order) so higher tiers lead; within a tier the score
+/// order stands (a stable sort). One logic for the scheduler and the custom-scorer picker.
+pub fn by_tier(order: &mut [usize], tier: impl Fn(usize) -> u8) {
+    order.sort_by_key(|&i| std::cmp::Reverse(tier(i)));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -27,5 +41,16 @@ mod tests {
         let firsts: std::collections::HashSet<usize> = (0..64).map(|s| max_score(&[1.0; 4], 1, s)[0]).collect();
         assert!(firsts.len() >= 3, "ties should spread over candidates, got {firsts:?}");
         assert_eq!(max_score(&[1.0; 4], 4, 9), max_score(&[1.0; 4], 4, 9));
+    }
+
+    #[test]
+    fn higher_tiers_lead_and_keep_their_score_order() {
+        let mut order = vec![3, 0, 2, 1, 4];
+        let tiers = [tier::AFFINE, tier::NONE, tier::AFFINE, tier::NONE, tier::STICKY];
+        by_tier(&mut order, |i| tiers[i]);
+        assert_eq!(order, vec![4, 0, 2, 3, 1]);
+        let mut flat = vec![2, 1, 0];
+        by_tier(&mut flat, |_| tier::NONE);
+        assert_eq!(flat, vec![2, 1, 0], "no tiers: the score order stands");
     }
 }

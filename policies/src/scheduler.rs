@@ -77,6 +77,9 @@ pub struct Decision {
     pub prefill: Option<ScoredEndpoint>,
     /// The primary is the request's sticky endpoint.
     pub sticky: bool,
+    /// Per candidate of `all`, the tier it leads in ([`picker::tier`]): what the custom-scorer
+    /// picker must keep when it re-picks (`scoring::TIERS_PROPERTY`).
+    pub tiers: Vec<u8>,
 }
 
 impl Decision {
@@ -253,22 +256,20 @@ impl Scheduler {
         let (all, cold) = self.score(eps, &cands, input, &matches, state, &self.config.weights);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
         let mut order = picker::max_score(&totals, totals.len(), input.seed);
-        if !input.load_only && self.affinity_holds(&all, input) {
-            // Affine candidates first, each group in score order: the primary keeps the cache,
-            // the others remain fallbacks.
-            let (affine, rest): (Vec<usize>, Vec<usize>) =
-                order.iter().partition(|&&i| all.get(i).is_some_and(|s| s.affine));
-            order = affine.into_iter().chain(rest).collect();
-        }
-        order.truncate(self.config.max_endpoints);
-        // Session affinity: the sticky endpoint leads while it is a candidate (ready, serving
-        // the model, not saturated); the scored order supplies the fallbacks.
+        // Affine candidates lead when the filter holds (the primary keeps the cache, the others
+        // remain fallbacks); a session's sticky endpoint leads while it is a candidate (ready,
+        // serving the model, not saturated). Within each tier the score order stands.
+        let affinity_held = !input.load_only && self.affinity_holds(&all, input);
         let sticky = input.sticky.and_then(|a| all.iter().position(|s| s.address == a));
-        if let Some(pos) = sticky {
-            order.retain(|&i| i != pos);
-            order.insert(0, pos);
-            order.truncate(self.config.max_endpoints.max(1));
-        }
+        let tiers: Vec<u8> = (0..all.len())
+            .map(|i| match all.get(i) {
+                _ if sticky == Some(i) => picker::tier::STICKY,
+                Some(s) if affinity_held && s.affine => picker::tier::AFFINE,
+                _ => picker::tier::NONE,
+            })
+            .collect();
+        picker::by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(picker::tier::NONE));
+        order.truncate(if sticky.is_some() { self.config.max_endpoints.max(1) } else { self.config.max_endpoints });
         let scores: Vec<ScoredEndpoint> = order.iter().filter_map(|&i| all.get(i).cloned()).collect();
         let Some(primary) = scores.first() else {
             return Err(ScheduleError::NoEndpoints);
@@ -293,6 +294,7 @@ impl Scheduler {
             cold,
             prefill,
             sticky: sticky.is_some(),
+            tiers,
         })
     }
 
@@ -674,12 +676,15 @@ mod tests {
         let d = pick(&s, &tokens);
         assert_eq!(d.endpoints[0], holder, "the affine endpoint leads: {:?}", d.scores);
         assert!(d.scores[0].affine && !d.scores[1].affine);
+        assert_eq!(d.tiers, vec![picker::tier::AFFINE, picker::tier::NONE, picker::tier::NONE], "the picker keeps it");
         assert_eq!(d.endpoints.len(), 3, "the others stay as fallbacks");
         let idle_total = d.scores[1].total;
         assert!(idle_total > d.scores[0].total, "by score alone the idle endpoint would win");
         // Scores alone (filter off) pick an idle endpoint.
         s.config.prefix.affinity_filter.enabled = false;
-        assert_ne!(pick(&s, &tokens).endpoints[0], holder);
+        let d = pick(&s, &tokens);
+        assert_ne!(d.endpoints[0], holder);
+        assert!(d.tiers.iter().all(|&t| t == picker::tier::NONE), "no filter, no tier: {:?}", d.tiers);
         s.config.prefix.affinity_filter.enabled = true;
         // The TTFT gate: 300,000 queued uncached tokens at 15,928 tokens/s is 18.8 s behind an
         // idle endpoint's 6,400 / 15,928 = 0.4 s, more than the 18 s penalty.

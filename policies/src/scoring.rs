@@ -24,6 +24,10 @@ pub const SCORES_PROPERTY: &str = "attache_scores";
 /// Filter-state key a scorer sets to its `slot/arm/version` while it scores and clears when
 /// done. Still set when the response starts means the scorer trapped on this request.
 pub const SCORING_PROPERTY: &str = "attache_scoring";
+/// Filter-state key (`wasm.attache_tiers`) of the tiers the scheduler's filters put the
+/// candidates in, one byte per candidate in context order ([`crate::picker::tier`]): scores,
+/// custom ones included, order candidates within a tier, never across. Absent: no tiers.
+pub const TIERS_PROPERTY: &str = "attache_tiers";
 /// Rollout buckets: a request's bucket is in `0..BUCKETS`.
 pub const BUCKETS: u16 = 10_000;
 
@@ -406,10 +410,15 @@ pub fn combine(ctx: &ScoringContext, sheet: &ScoreSheet) -> (Vec<f64>, usize) {
     (totals, ignored)
 }
 
-/// Pick endpoints (primary + fallbacks) from the combined scores, with the context's seed.
-pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet) -> (Vec<&'a str>, usize) {
+/// Pick endpoints (primary + fallbacks) from the combined scores, with the context's seed,
+/// keeping the scheduler's `tiers` (one per candidate; any other length counts as none).
+pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (Vec<&'a str>, usize) {
     let (totals, ignored) = combine(ctx, sheet);
-    let order = crate::picker::max_score(&totals, usize::from(ctx.max_endpoints.max(1)), ctx.seed);
+    let mut order = crate::picker::max_score(&totals, totals.len(), ctx.seed);
+    if tiers.len() == totals.len() {
+        crate::picker::by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(crate::picker::tier::NONE));
+    }
+    order.truncate(usize::from(ctx.max_endpoints.max(1)));
     let addrs = order.iter().filter_map(|&i| ctx.candidates.get(i).map(|c| c.address.as_str())).collect();
     (addrs, ignored)
 }
@@ -459,6 +468,36 @@ mod tests {
     }
 
     #[test]
+    fn custom_scores_order_candidates_within_the_schedulers_tiers() {
+        use crate::picker::tier;
+        let c = ctx();
+        let mut s = ScoreSheet::default();
+        // A heavy scorer wants candidate 2; the affinity filter kept candidate 0 (the holder).
+        s.put(ScoreEntry {
+            slot: "cost".into(),
+            arm: Arm::Stable,
+            version: "v1".into(),
+            weight: 10.0,
+            scores: vec![0.0, 0.5, 1.0],
+        });
+        assert_eq!(pick(&c, &s, &[]).0, vec!["10.0.0.2:8000", "10.0.0.1:8000"]);
+        let affine = [tier::AFFINE, tier::NONE, tier::NONE];
+        assert_eq!(
+            pick(&c, &s, &affine).0,
+            vec!["10.0.0.0:8000", "10.0.0.2:8000"],
+            "holder leads, scores pick fallbacks"
+        );
+        // Two holders: the scorer chooses between them.
+        let two = [tier::AFFINE, tier::AFFINE, tier::NONE];
+        assert_eq!(pick(&c, &s, &two).0, vec!["10.0.0.1:8000", "10.0.0.0:8000"]);
+        // A sticky endpoint leads over the holders.
+        let sticky = [tier::AFFINE, tier::STICKY, tier::NONE];
+        assert_eq!(pick(&c, &s, &sticky).0[0], "10.0.0.1:8000");
+        // Tiers of the wrong length are ignored, not misapplied.
+        assert_eq!(pick(&c, &s, &[tier::AFFINE]).0[0], "10.0.0.2:8000");
+    }
+
+    #[test]
     fn garbage_is_an_error_never_a_panic() {
         let bytes = ctx().encode();
         for cut in 0..bytes.len() {
@@ -488,7 +527,7 @@ mod tests {
             weight: 1.0,
             scores: vec![0.0, 0.0, 1.0],
         });
-        assert_eq!(pick(&c, &s).0[0], "10.0.0.2:8000");
+        assert_eq!(pick(&c, &s, &[]).0[0], "10.0.0.2:8000");
         // Replacing the slot's entry (canary after stable) keeps one entry per slot.
         s.put(ScoreEntry {
             slot: "slo".into(),
@@ -498,7 +537,7 @@ mod tests {
             scores: vec![1.0, 0.0, 0.0],
         });
         assert_eq!(s.entries.len(), 1);
-        assert_eq!(pick(&c, &s).0[0], "10.0.0.0:8000");
+        assert_eq!(pick(&c, &s, &[]).0[0], "10.0.0.0:8000");
         // Out-of-range and NaN scores are clamped, a wrong-length entry is ignored.
         s.put(ScoreEntry {
             slot: "x".into(),
@@ -517,7 +556,7 @@ mod tests {
         let (totals, ignored) = combine(&c, &s);
         assert_eq!(ignored, 1);
         assert_eq!(totals, vec![2.0, 6.0, 1.0]);
-        assert_eq!(pick(&c, &s).0, vec!["10.0.0.1:8000", "10.0.0.0:8000"]);
+        assert_eq!(pick(&c, &s, &[]).0, vec!["10.0.0.1:8000", "10.0.0.0:8000"]);
     }
 
     #[test]

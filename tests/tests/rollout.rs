@@ -396,6 +396,29 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
     }
     assert!(on_l4 >= 14, "cost scorer should steer to the l4 engine: {on_l4}/16");
 
+    // Scores order candidates within the scheduler's filters' verdict, never across it: a
+    // prefix an h100 engine holds stays there (the affinity filter), and so does a session
+    // pinned to an h100 engine (its token), however much the cost scorer prefers the l4.
+    let mut held = 0;
+    let mut kept = 0;
+    for (g, port) in before.iter().enumerate() {
+        if port.is_none() || *port == Some(l4) {
+            continue;
+        }
+        held += 1;
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("before-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_eq!(o.header("x-attache-scorers"), Some(header.as_str()), "the cost scorer acted");
+        kept += usize::from(o.engine_port == *port);
+    }
+    assert!(held >= 8, "the 16 cold prefixes should have spread off the l4 engine: {before:?}");
+    assert_eq!(kept, held, "a held prefix stays on its holder with the cost scorer on");
+    let h100 = p.s.engine_addrs()[1].clone();
+    let token = attache_policies::session::token_for(&h100);
+    let o = send(&p.s, &http, chat("pinned", "hi", 2), &[("x-session-token", &token)]).await;
+    assert!(o.ok(), "{} {}", o.status, o.body);
+    assert_eq!(o.engine_port, h100.rsplit(':').next().and_then(|x| x.parse().ok()), "the session's engine leads");
+
     // Refusals, each with its own error; nothing changes.
     let before_status = status(&p).await;
     let raw = p.s.paths.module("attache_scorer_cost_aware");

@@ -1,6 +1,6 @@
 //! The picker filter: runs after the custom scorer filters, combines their weighted scores
-//! with the scheduler's built-in totals (policies::scoring::pick) and rewrites the destination
-//! header. Without any scorer output it changes nothing: the scheduler's pick stands.
+//! with the scheduler's built-in totals (policies::scoring::pick), keeps the scheduler's tiers
+//! (a sticky session, the affinity filter's holders lead) and rewrites the destination header. Without any scorer output it changes nothing: the scheduler's pick stands.
 
 use std::rc::Rc;
 
@@ -81,7 +81,10 @@ impl HttpContext for PickerHttp {
         if sheet.entries.is_empty() {
             return Action::Continue;
         }
-        let (picked, ignored) = scoring::pick(&ctx, &sheet);
+        // The scheduler's filters' verdict (sticky session, affinity filter): scores order the
+        // candidates within a tier, never across.
+        let tiers = host::property(scoring::TIERS_PROPERTY).unwrap_or_default();
+        let (picked, ignored) = scoring::pick(&ctx, &sheet, &tiers);
         inc(m.ignored_entries, ignored);
         let Some(primary) = picked.first() else {
             return Action::Continue;

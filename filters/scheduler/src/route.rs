@@ -155,6 +155,9 @@ pub fn route(
             stream: req.stream,
             candidates: scoring_candidates(&decision, &w.cache.pool),
         };
+        if decision.tiers.iter().any(|&t| t != attache_policies::picker::tier::NONE) {
+            let _ = host::set_property(scoring::TIERS_PROPERTY, &decision.tiers);
+        }
         if host::set_property(scoring::CONTEXT_PROPERTY, &ctx.encode()) {
             st.handed_off = Some(ctx.candidates.into_iter().map(|c| (c.address, c.prefix_hit)).collect());
         }
