@@ -380,23 +380,38 @@ mod tests {
     }
 }
 
-/// Block positions recorded in and probed from the affinity table: 0, 1, 3, 7, 15, … and the
-/// last block, plus the `anchors` (blocks that end a message, [`crate::prefix::anchor_blocks`]),
-/// so a match learned from another worker is exact where prompts that share messages diverge,
-/// not cut back to a power of two. A hit at position `i` proves the endpoint was sent the first
-/// `i + 1` blocks.
+/// Leading-block counts up to which the affinity table probes by doubling (1, 2, 4, 8, 16);
+/// past it, probes are at most an eighth of the run apart.
+const TABLE_DOUBLING_UNTIL: usize = 16;
+
+/// Block positions recorded in and probed from the affinity table: 0, 1, 3, 7, 15, then every
+/// eighth of the run so far (17, 19, …, 31, 35, …, 63, 71, …) and the last block, plus the
+/// `anchors` (blocks that end a message, [`crate::prefix::anchor_blocks`]), so a match learned
+/// from another worker is exact where prompts that share messages diverge and, elsewhere, short
+/// of the shared run by less than an eighth past 16 blocks ([`table_match_upper_bound`]). A hit
+/// at position `i` proves the endpoint was sent the first `i + 1` blocks.
 pub fn probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
     let mut v = Vec::new();
-    let mut i = 1usize;
-    while i <= n_blocks {
-        v.push(i - 1);
-        i = i.saturating_mul(2);
+    let mut count = 1usize;
+    while count <= n_blocks {
+        v.push(count - 1);
+        count = if count < TABLE_DOUBLING_UNTIL { count * 2 } else { count + count / 8 };
     }
     if n_blocks > 0 && v.last() != Some(&(n_blocks - 1)) {
         v.push(n_blocks - 1);
     }
     add_anchors(&mut v, anchors.iter().copied().filter(|&a| a < n_blocks));
     v
+}
+
+/// How many leading blocks a prompt of `n` blocks may share with an endpoint that
+/// [`AffinityTable::matches`] proved holds `matched`: up to, not including, the next probe
+/// point (the table's counterpart of [`match_upper_bound`]).
+pub fn table_match_upper_bound(n: usize, anchors: &[usize], matched: usize) -> usize {
+    if matched == 0 || matched >= n {
+        return matched.min(n);
+    }
+    probe_points(n, anchors).into_iter().find(|&p| p >= matched).unwrap_or(n)
 }
 
 /// The `(block hash)` entries a decision adds to the affinity table: its probe points past the
@@ -513,6 +528,29 @@ mod shared_tests {
         assert_eq!(probe_points(1, &[]), vec![0]);
         assert_eq!(probe_points(10, &[]), vec![0, 1, 3, 7, 9]);
         assert_eq!(probe_points(16, &[]), vec![0, 1, 3, 7, 15]);
+        assert_eq!(probe_points(40, &[]), vec![0, 1, 3, 7, 15, 17, 19, 21, 23, 26, 29, 32, 36, 39]);
+        // Past 16 blocks consecutive probes are at most an eighth of the run apart.
+        let p = probe_points(2_000, &[]);
+        assert!(p.windows(2).all(|w| w[1] < 16 || (w[1] - w[0]) * 8 <= w[0] + 1), "{p:?}");
+        assert!(p.len() < 60, "logarithmic: {} probes for 2,000 blocks", p.len());
+    }
+
+    #[test]
+    fn a_table_match_is_bounded_by_the_next_probe() {
+        // A prompt of 200 blocks sharing its first 161 (80.5%) with what another worker sent.
+        let (n, shared) = (200, 161);
+        let last_below = |k: usize| probe_points(n, &[]).into_iter().rfind(|&p| p < k).unwrap_or(0) + 1;
+        let confirmed = last_below(shared);
+        assert_eq!(confirmed, 144, "the table proves 144 blocks: 0.72, under the 0.8 gate");
+        let bound = table_match_upper_bound(n, &[], confirmed);
+        assert_eq!(bound, 161, "it may hold up to the next probe, block 161: 0.805");
+        // A 59% match (a shared preamble) stays under the gate.
+        let weak = last_below(118);
+        assert!((table_match_upper_bound(n, &[], weak) as f64 / n as f64) < 0.8);
+        // Anchors are probes too: a match that ends at one is bounded by the probe after it.
+        assert_eq!(table_match_upper_bound(n, &[150], 151), 161);
+        assert_eq!(table_match_upper_bound(n, &[], 0), 0);
+        assert_eq!(table_match_upper_bound(n, &[], n), n);
     }
 
     #[test]
@@ -528,9 +566,9 @@ mod shared_tests {
         let mut asked = system.clone();
         asked.extend(900..920);
         let known = m.matches(&asked, &[]).get("e1:1").copied().unwrap_or(0);
-        assert_eq!(known, 16, "probes 0, 1, 3, 7, 15 hold; 31 is new");
+        assert_eq!(known, 16, "probes 0, 1, 3, 7, 15 hold; 17 is new");
         let tail = shared_entries(&asked, &[], known);
-        assert_eq!(tail, vec![asked[31], asked[35]]);
+        assert_eq!(tail, [17, 19, 21, 23, 26, 29, 32, 35].map(|i| asked[i]).to_vec());
         for h in tail {
             m.store(h, "e1:1");
         }
@@ -549,7 +587,7 @@ mod shared_tests {
         let anchors = [93];
         let mut m = AffinityTable::new(1 << 16);
         m.record(&ask(1), &anchors, "e1:1");
-        assert_eq!(m.matches(&ask(2), &[]).get("e1:1"), Some(&64), "powers of two only");
+        assert_eq!(m.matches(&ask(2), &[]).get("e1:1"), Some(&91), "probes an eighth apart: block 90");
         assert_eq!(m.matches(&ask(2), &anchors).get("e1:1"), Some(&94));
     }
 

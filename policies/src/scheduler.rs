@@ -134,14 +134,17 @@ impl Scheduler {
         w: &ScorerWeights,
     ) -> (Vec<ScoredEndpoint>, bool) {
         let chosen: Vec<&crate::Endpoint> = cands.iter().filter_map(|&i| eps.get(i)).collect();
-        let matched: Vec<usize> = chosen
+        // Leading blocks each endpoint is proven to hold, by this worker's index and by what the
+        // other workers learned (the affinity table).
+        let proven: Vec<(usize, usize)> = chosen
             .iter()
             .map(|e| {
                 let local = matches.get(&e.address).copied().unwrap_or(0);
                 let extra = input.extra_matches.and_then(|m| m.get(&e.address)).copied().unwrap_or(0);
-                local.max(extra)
+                (local, extra)
             })
             .collect();
+        let matched: Vec<usize> = proven.iter().map(|&(local, extra)| local.max(extra)).collect();
         let precise: Vec<(f64, usize)> =
             chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0))).collect();
         // The share of the prompt each endpoint holds, by either index; affinity counts only at
@@ -150,11 +153,13 @@ impl Scheduler {
         let total_blocks = input.block_hashes.len();
         let held: Vec<f64> = chosen
             .iter()
-            .zip(matched.iter().zip(&precise))
-            .map(|(e, (&m, &(ps, pb)))| {
-                // For the gate, what it may hold: a strided match is known only to the last
-                // sampled block before the prompts diverge (index::match_upper_bound).
-                let bound = crate::index::match_upper_bound(total_blocks, input.anchors, m);
+            .zip(proven.iter().zip(&precise))
+            .map(|(e, (&(local, extra), &(ps, pb)))| {
+                // For the gate, what it may hold: a match is known only to the last block either
+                // index records before the prompts diverge (index::match_upper_bound,
+                // index::table_match_upper_bound).
+                let bound = crate::index::match_upper_bound(total_blocks, input.anchors, local)
+                    .max(crate::index::table_match_upper_bound(total_blocks, input.anchors, extra));
                 let approx = if total_blocks == 0 { 0.0 } else { bound as f64 / total_blocks as f64 };
                 // Blocks held over the prompt's full blocks; the tier-weighted score where the
                 // block count is unknown.
@@ -341,6 +346,23 @@ mod tests {
     fn pool(n: usize) -> PoolState {
         let endpoints = (0..n).map(|i| Endpoint::idle(format!("10.0.0.{i}:8000"), "m")).collect();
         PoolState { version: 1, endpoints, ..Default::default() }
+    }
+
+    /// A request for model `m` with these block hashes and nothing else known.
+    fn bare<'a>(hashes: &'a [u64], inflight: &'a HashMap<String, u32>) -> SchedulingInput<'a> {
+        SchedulingInput {
+            model: "m",
+            block_hashes: hashes,
+            anchors: &[],
+            inflight,
+            inflight_tokens: None,
+            seed: 3,
+            extra_matches: None,
+            precise: None,
+            prompt_tokens: hashes.len() * 64,
+            sticky: None,
+            load_only: false,
+        }
     }
 
     fn run(s: &Scheduler, pool: &PoolState, ix: &mut SchedulerState, prompt: &str, seed: u64) -> Decision {
@@ -639,6 +661,28 @@ mod tests {
         // 3 (affinity, once) + 0 (worst queue) + 2 * 0.4 (KV) + LRU; the idle one: 2 + 2 + LRU.
         assert!((holder.total - (3.8 + holder.no_hit_lru)).abs() < 1e-9, "{}", holder.total);
         assert_eq!(d.endpoints[0], p.endpoints[1].address, "the idle endpoint wins");
+    }
+
+    #[test]
+    fn a_match_learned_from_another_worker_is_gated_by_what_it_may_hold() {
+        // A 200-block token prompt whose first 161 blocks (80.5%) another worker sent to
+        // endpoint 0: the affinity table proves 144 (0.72, under the 0.8 gate) and bounds it
+        // at 161. The gate must judge the bound, as it does for this worker's own index.
+        let s = Scheduler::default();
+        let p = pool(3);
+        let hashes: Vec<u64> = (1..=200).collect();
+        let shared: HashMap<String, usize> = [(p.endpoints[0].address.clone(), 144)].into_iter().collect();
+        let inflight = HashMap::new();
+        let mut st = s.new_state();
+        let input = SchedulingInput { extra_matches: Some(&shared), ..bare(&hashes, &inflight) };
+        let d = s.schedule(&input, &p, &mut st).unwrap();
+        assert!(!d.cold, "the holder passes the gate");
+        assert_eq!(d.endpoints[0], p.endpoints[0].address);
+        assert!((d.scores[0].prefix - 0.72).abs() < 1e-9, "the score counts proven blocks: {}", d.scores[0].prefix);
+        // Proven 128 (bounded at 143, 0.715): under the gate, spread cold.
+        let weak: HashMap<String, usize> = [(p.endpoints[0].address.clone(), 128)].into_iter().collect();
+        let d = s.schedule(&SchedulingInput { extra_matches: Some(&weak), ..input }, &p, &mut st).unwrap();
+        assert!(d.cold);
     }
 
     #[test]
