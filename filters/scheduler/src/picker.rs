@@ -1,6 +1,7 @@
 //! The picker filter: runs after the custom scorer filters, combines their weighted scores
 //! with the scheduler's built-in totals (policies::scoring::pick), keeps the scheduler's tiers
-//! (a sticky session, the affinity filter's holders lead) and rewrites the destination header. Without any scorer output it changes nothing: the scheduler's pick stands.
+//! (a sticky session, the affinity filter's holders lead) and rewrites the destination header.
+//! Without any scorer output it changes nothing: the scheduler's pick stands.
 
 use std::rc::Rc;
 
