@@ -498,7 +498,8 @@ impl AffinityTable {
     }
 
     /// Endpoints the table says hold a prefix of `hashes`, with the number of leading blocks
-    /// proven: the deepest probe point that still matches, per endpoint. `anchors` are probed
+    /// proven: the deepest probe point that matches, per endpoint, even past a probe whose
+    /// slot a colliding entry took. `anchors` are probed
     /// too ([`probe_points`]).
     pub fn matches(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
         let mut found: Vec<(u16, usize)> = Vec::new();
@@ -510,8 +511,11 @@ impl AffinityTable {
                     Some((_, n)) => *n = (*n).max(i + 1),
                     None => found.push((id, i + 1)),
                 },
-                // Deeper blocks of a chain cannot match if this one does not.
-                _ => break,
+                // A miss does not end the walk: a later decision whose block collided with this
+                // one overwrote its slot, and a deeper hit still proves the whole prefix (a
+                // block's hash chains every block before it). Past a real divergence the deeper
+                // probes miss too.
+                _ => {}
             }
         }
         found.into_iter().filter_map(|(id, n)| self.names.get(usize::from(id) - 1).map(|a| (a.clone(), n))).collect()
@@ -592,7 +596,7 @@ mod shared_tests {
     }
 
     #[test]
-    fn the_deepest_probe_wins_per_endpoint_and_a_gap_ends_the_match() {
+    fn the_deepest_probe_wins_per_endpoint_and_a_divergence_ends_the_match() {
         let mut m = AffinityTable::new(1 << 12);
         let a: Vec<u64> = (100..120).collect();
         m.record(&a[..4], &[], "e1:1");
@@ -605,6 +609,22 @@ mod shared_tests {
         b.extend([7, 8, 9]);
         assert_eq!(m.matches(&b, &[]).get("e2:1"), Some(&8), "probe 7 matches, probe 12 does not");
         assert!(m.matches(&[5, 6], &[]).is_empty());
+    }
+
+    #[test]
+    fn a_probe_overwritten_by_a_colliding_entry_does_not_cut_the_match() {
+        let slots = 1u64 << 12;
+        let mut m = AffinityTable::new(slots);
+        let prompt: Vec<u64> = (1..=100u64).map(|i| i * 7_919).collect();
+        m.record(&prompt, &[], "e1:1");
+        assert_eq!(m.matches(&prompt, &[]).get("e1:1"), Some(&100));
+        // Another prompt's block lands in the slot of probe 19 (same hash modulo the table).
+        let probe = probe_points(prompt.len(), &[]);
+        assert!(probe.contains(&19));
+        m.store(prompt[19] + slots, "e2:1");
+        let got = m.matches(&prompt, &[]);
+        assert_eq!(got.get("e1:1"), Some(&100), "the deeper probes still prove all 100 blocks");
+        assert_eq!(got.get("e2:1"), None, "the colliding entry names another chain");
     }
 
     #[test]
