@@ -302,18 +302,11 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
         // Keep the attempt the hypervisor disturbed least; record the others with their figures.
         let kept = least_disturbed(attempts.iter().map(|(_, steal)| *steal));
-        let mut attempt = 0;
-        let mut chosen = None;
-        for (i, (samples, steal_pct)) in attempts.into_iter().enumerate() {
-            if i == kept {
-                attempt = i + 1;
-                chosen = Some((samples, steal_pct));
-                continue;
-            }
+        for (i, (samples, steal_pct)) in attempts.iter().enumerate().filter(|&(i, _)| i != kept) {
             let base = samples.first().map_or(0.0, |b| median(&b.lat_us));
             let added: serde_json::Map<String, Value> = stacks
                 .iter()
-                .zip(&samples)
+                .zip(samples)
                 .skip(1)
                 .map(|(sys, smp)| (sys.name.clone(), json!((median(&smp.lat_us) - base).round())))
                 .collect();
@@ -321,9 +314,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             discarded
                 .push(json!({"body_bytes": size, "attempt": i + 1, "steal_pct": steal_pct, "added_p50_us": added}));
         }
-        let Some((samples, steal_pct)) = chosen else {
-            anyhow::bail!("no attempt measured at {size} B");
-        };
+        let attempt = kept + 1;
+        let (samples, steal_pct) = attempts.swap_remove(kept);
         let base_rounds = samples.first().map(|s| s.round_p50_us.clone()).unwrap_or_default();
         let mut base: Option<Measured> = None;
         for (sys, smp) in stacks.iter().zip(samples) {
@@ -379,8 +371,6 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     write_results(&a.out, doc)
 }
 
-/// Whether attempt `attempt` (from 1) of a size, which saw `steal_pct` steal, is discarded
-/// and measured again: over the limit, with attempts left. Unknown steal is not over it.
 /// Which attempt to keep: the one with the least hypervisor steal (the first of equals; an
 /// attempt whose steal could not be read counts as undisturbed only if no attempt was read).
 fn least_disturbed(steals: impl Iterator<Item = Option<f64>>) -> usize {
@@ -394,6 +384,8 @@ fn least_disturbed(steals: impl Iterator<Item = Option<f64>>) -> usize {
     best.map_or(0, |(i, _)| i)
 }
 
+/// Whether attempt `attempt` (from 1) of a size, which saw `steal_pct` steal, is discarded
+/// and measured again: over the limit, with attempts left. Unknown steal is not over it.
 fn measure_again(steal_pct: Option<f64>, attempt: usize, max_steal_pct: f64, attempts: usize) -> bool {
     steal_pct.is_some_and(|p| p > max_steal_pct) && attempt < attempts.max(1)
 }
