@@ -130,13 +130,14 @@ fn body(i: usize, bytes: usize) -> Vec<u8> {
 }
 
 pub(crate) fn reference(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/vllm").join(path)
+    attache_fixtures::vllm(path)
 }
 
 /// The precise scheduler configuration: the reference model's tokenizer and chat template, so
 /// chat prompts are rendered and tokenized in the filter as vLLM would.
 pub(crate) fn precise_config() -> anyhow::Result<Value> {
-    let read = |p: &str| std::fs::read_to_string(reference(p)).with_context(|| format!("reading reference/vllm/{p}"));
+    let read =
+        |p: &str| std::fs::read_to_string(reference(p)).with_context(|| format!("reading {}", reference(p).display()));
     Ok(json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304, "precise": {
         "enabled": true, "tokenizer_json": read("model/tokenizer.json")?,
         "chat_template": read("model/chat_template.jinja")?, "bos_token": "<s>", "eos_token": "</s>",

@@ -20,9 +20,7 @@ fn main() -> anyhow::Result<()> {
 
 fn snapshot(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let metrics = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/vllm/metrics.under-load.txt"),
-    )?;
+    let metrics = attache_fixtures::read_vllm("metrics.under-load.txt")?;
     let mut pool = PoolState::default();
     let eps: Vec<StaticEndpoint> = serde_json::from_value(serde_json::json!([
         {"address": "10.0.0.1:8000", "models": ["m", "sql"], "role": "decode", "labels": {"attache.io/accelerator": "l4"}},

@@ -326,14 +326,13 @@ mod tests {
     /// hash modes: decodes with no skipped events, the same events as the reference decoder.
     #[test]
     fn real_vllm_0_32_captures_decode() {
-        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/vllm/");
         for (frames_file, decoded_file) in [
             ("kv-events.jsonl", "kv-events.decoded.jsonl"),
             ("sha256_cbor/kv-events.jsonl", "sha256_cbor/kv-events.decoded.jsonl"),
             ("kv-events.replay.jsonl", "kv-events.decoded.jsonl"),
         ] {
-            let frames = std::fs::read_to_string(format!("{root}{frames_file}")).unwrap();
-            let decoded = std::fs::read_to_string(format!("{root}{decoded_file}")).unwrap();
+            let frames = attache_fixtures::read_vllm(frames_file).unwrap();
+            let decoded = attache_fixtures::read_vllm(decoded_file).unwrap();
             let mut n = 0;
             for (line, want) in frames.lines().zip(decoded.lines()) {
                 let v: serde_json::Value = serde_json::from_str(line).unwrap();

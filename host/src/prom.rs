@@ -266,11 +266,8 @@ mod tests {
 
     #[test]
     fn real_vllm_0_32_capture() {
-        // Ground truth: /metrics of a real vLLM 0.32.0, captured in shared/reference/vllm/.
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/vllm/metrics.under-load.txt");
-        let Ok(text) = std::fs::read_to_string(path) else {
-            panic!("reference capture missing at {path}");
-        };
+        // Ground truth: /metrics of a real vLLM 0.32.0 (tests/fixtures/vllm-0.32/).
+        let text = attache_fixtures::read_vllm("metrics.under-load.txt").unwrap();
         let e = parse(&text);
         assert_eq!(e.bad_lines, 0);
         let m = engine_metrics(&text, "vllm").unwrap();

@@ -117,8 +117,7 @@ mod tests {
     use serde::Deserialize;
 
     fn reference(file: &str) -> String {
-        let p = format!("{}/../../shared/reference/vllm/{file}", env!("CARGO_MANIFEST_DIR"));
-        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{p}: {e}"))
+        attache_fixtures::read_vllm(file).unwrap()
     }
 
     fn reference_config() -> PreciseConfig {

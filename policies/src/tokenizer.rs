@@ -418,7 +418,7 @@ mod tests {
     use super::*;
 
     fn reference(path: &str) -> Option<String> {
-        std::fs::read_to_string(format!("{}/../../shared/reference/vllm/{path}", env!("CARGO_MANIFEST_DIR"))).ok()
+        attache_fixtures::read_vllm(path).ok()
     }
 
     fn load() -> Tokenizer {

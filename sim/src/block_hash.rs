@@ -1,4 +1,4 @@
-//! vLLM's prefix-cache block hash, `sha256_cbor` flavour (`reference/vllm/README.md`):
+//! vLLM's prefix-cache block hash, `sha256_cbor` flavour (`tests/fixtures/vllm-0.32/README.md`):
 //! `h[i] = sha256(cbor([h[i-1] (32 bytes), [tokens of block i], extra_keys]))`, seeded with
 //! `NONE = sha256(cbor("vllm-none-hash"))`. The event id is the digest's last 8 bytes as a
 //! big-endian u64.
@@ -85,9 +85,7 @@ mod tests {
     #[test]
     fn reproduces_real_vllm_block_hashes() {
         // First BlockStored batch of the real vLLM 0.32 run with sha256_cbor, block size 32.
-        let path =
-            concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/vllm/sha256_cbor/kv-events.decoded.jsonl");
-        let text = std::fs::read_to_string(path).unwrap();
+        let text = attache_fixtures::read_vllm("sha256_cbor/kv-events.decoded.jsonl").unwrap();
         let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
         let ev = &first["payload"][1][0];
         assert_eq!(ev["type"], "BlockStored");

@@ -1,4 +1,4 @@
-//! Publishing KV events exactly as vLLM does (`reference/engines.md` §2, `reference/vllm/`):
+//! Publishing KV events exactly as vLLM does (`reference/engines.md` §2, `tests/fixtures/vllm-0.32/`):
 //! a ZMQ PUB socket sending `[topic, seq (8 bytes BE), msgpack [ts, events, dp_rank]]`, one
 //! message per engine step with events, and a ROUTER socket that replays buffered messages
 //! from a requested sequence number, then an end marker. Events are tagged maps (vLLM ≥ 0.26)
@@ -304,9 +304,8 @@ mod tests {
     /// is byte-for-byte the captured payload (same ts).
     #[test]
     fn map_encoding_is_byte_identical_to_real_vllm() {
-        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference/vllm/");
-        let frames = std::fs::read_to_string(format!("{root}kv-events.jsonl")).unwrap();
-        let decoded = std::fs::read_to_string(format!("{root}kv-events.decoded.jsonl")).unwrap();
+        let frames = attache_fixtures::read_vllm("kv-events.jsonl").unwrap();
+        let decoded = attache_fixtures::read_vllm("kv-events.decoded.jsonl").unwrap();
         let mut checked = 0;
         for (fl, dl) in frames.lines().zip(decoded.lines()) {
             let f: serde_json::Value = serde_json::from_str(fl).unwrap();

@@ -3,7 +3,7 @@
 //! `helm lint --strict` and `helm template` for the default values and every file in
 //! `charts/attache/ci/`, each rendering validated offline (`tests/chart/validate.py`): built-in
 //! kinds against the Kubernetes 1.29 and 1.35 schemas (strict), InferencePool against the CRDs
-//! in `../shared/reference/crds/`, HTTPRoute and WasmPlugin against schemas generated from the
+//! in `tests/fixtures/crds/`, HTTPRoute and WasmPlugin against schemas generated from the
 //! Gateway API and Istio CRDs. The rendered host and Envoy configurations are checked by the
 //! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`.
 //! No cluster runs here, so nothing is installed.
@@ -32,7 +32,7 @@ fn tools() -> Tools {
         helm: root.join(".tools/helm/helm"),
         python: root.join(".venv/bin/python"),
         node_modules: root.join(".tools/node"),
-        crds: root.join("../shared/reference/crds"),
+        crds: attache_fixtures::crds(),
         out: p.target.join("attache-e2e/chart").join(std::process::id().to_string()),
         envoy: p.envoy,
         wasm: p.wasm,

@@ -2,7 +2,7 @@
 //! next to two simulated engines in one pool, through the real Envoy 1.40.
 //!
 //! Run with `cargo xtask test --live-vllm`, which installs vLLM from PyPI (about 6.3 GB, a few
-//! minutes; `tests/live-vllm/install.sh`) and builds the model (`tests/live-vllm/make_model.py`,
+//! minutes; `tests/fixtures/vllm-0.32/scripts/install.sh`) and builds the model (`tests/fixtures/vllm-0.32/scripts/make_model.py`,
 //! tokenizer replaced by the reference capture's) under `$ATTACHE_VLLM_DIR`
 //! (default `~/.cache/attache-vllm`). Ignored by the default test run.
 //!

@@ -79,7 +79,7 @@ async fn requests_go_to_the_engine_that_holds_their_blocks() {
 }
 
 fn reference(path: &str) -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/vllm").join(path)
+    attache_fixtures::vllm(path)
 }
 
 /// Filter configuration with the reference model's tokenizer and one start-up check taken

@@ -277,7 +277,8 @@ fn ensure_vllm() -> Result<()> {
     let dir = std::env::var_os("ATTACHE_VLLM_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/attache-vllm"));
-    let scripts = root().join("tests/live-vllm");
+    // The scripts that made the reference captures, so the live test runs what they ran.
+    let scripts = root().join("tests/fixtures/vllm-0.32/scripts");
     if !dir.join("venv/bin/vllm").exists() {
         run(Command::new("bash").arg(scripts.join("install.sh")).env("ATTACHE_VLLM_DIR", &dir))?;
     }
@@ -288,7 +289,7 @@ fn ensure_vllm() -> Result<()> {
             .env("ATTACHE_VLLM_DIR", &dir))?;
         // The reference capture's tokenizer (trained on another machine's files), so ids match
         // the captures; the model's vocabulary size is the same.
-        let reference = root().join("../shared/reference/vllm/model/tokenizer.json");
+        let reference = root().join("tests/fixtures/vllm-0.32/model/tokenizer.json");
         if reference.exists() {
             std::fs::copy(&reference, model.join("tokenizer.json"))?;
         }
