@@ -25,10 +25,26 @@ pub struct AdminState {
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(prometheus))
         .route("/v1/snapshot", get(snapshot))
         .route("/v1/kv", get(kv_stats))
         .route("/v1/kv/match", post(kv_match))
         .with_state(state)
+}
+
+/// The host's own metrics in Prometheus text format (`crate::telemetry`).
+async fn prometheus(State(st): State<AdminState>) -> impl axum::response::IntoResponse {
+    let snap = st.snapshots.borrow().clone();
+    let ready = snap.endpoints.iter().filter(|e| e.ready).count();
+    let blocks = st.kv_index.lock().unwrap_or_else(|p| p.into_inner()).len();
+    let gauges = crate::telemetry::Gauges {
+        ready_endpoints: ready,
+        unready_endpoints: snap.endpoints.len() - ready,
+        kv_index_blocks: blocks,
+        kv: Some(&st.kv_counters),
+    };
+    let text = crate::telemetry::render(crate::telemetry::metrics(), &gauges);
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
 
 async fn kv_stats(State(st): State<AdminState>) -> Json<Value> {

@@ -56,7 +56,8 @@ pub fn unauthorized() -> Response {
 
 /// Middleware: `/healthz` passes; everything else needs the token.
 pub async fn require(State(token): State<BearerToken>, req: Request, next: Next) -> Response {
-    if req.uri().path() == "/healthz" {
+    // Health and the host's own metrics carry no secrets: probes and Prometheus need no token.
+    if matches!(req.uri().path(), "/healthz" | "/metrics") {
         return next.run(req).await;
     }
     let header = req.headers().get("authorization").and_then(|v| v.to_str().ok());

@@ -363,6 +363,7 @@ impl Worker {
 
     fn apply(&self, src: &EngineSource, batch: &EventBatch) {
         self.counters.events.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
+        crate::telemetry::metrics().kv_ingested(&src.address, batch.events.len() as u64);
         self.counters.skipped_events.fetch_add(batch.skipped as u64, Ordering::Relaxed);
         let mut ix = self.index.lock().unwrap_or_else(|p| p.into_inner());
         for e in &batch.events {

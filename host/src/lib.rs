@@ -15,5 +15,6 @@ pub mod prom;
 pub mod push;
 pub mod scrape;
 pub mod state;
+pub mod telemetry;
 
 pub use config::HostConfig;

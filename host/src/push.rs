@@ -25,7 +25,24 @@ fn now_ns() -> u64 {
 }
 
 fn full(s: &v1::Snapshot) -> v1::Update {
+    crate::telemetry::metrics().snapshot_sent(prost::Message::encoded_len(s));
     v1::Update { kind: Some(update::Kind::Full(s.clone())), sent_unix_ns: now_ns() }
+}
+
+/// Counts an open snapshot stream for as long as it lives.
+struct Subscribed;
+
+impl Subscribed {
+    fn new() -> Self {
+        crate::telemetry::metrics().subscribers_add(1);
+        Self
+    }
+}
+
+impl Drop for Subscribed {
+    fn drop(&mut self) {
+        crate::telemetry::metrics().subscribers_add(-1);
+    }
 }
 
 /// Publish a new snapshot version whenever the pool state changes, at most once per
@@ -60,6 +77,7 @@ pub fn spawn_publisher(
             last_ready = ready;
             version += 1;
             debug!(version, endpoints = snap.endpoints.len(), "publishing snapshot");
+            crate::telemetry::metrics().snapshot_published(version);
             if tx.send(Arc::new(snap)).is_err() {
                 break;
             }
@@ -171,6 +189,7 @@ impl SnapshotService for Snapshots {
         let feed = self.index.clone();
         let (tx, out) = mpsc::channel(4);
         tokio::spawn(async move {
+            let _subscribed = Subscribed::new();
             let index_msg =
                 |d: v1::IndexDelta| v1::Update { kind: Some(update::Kind::Index(d)), sent_unix_ns: now_ns() };
             // Subscribe to live index deltas before taking the full resend, so nothing falls

@@ -10,6 +10,7 @@ use tracing::{debug, warn, Instrument};
 use crate::kv_subscribe::EngineGone;
 use crate::prom;
 use crate::state::PoolState;
+use crate::telemetry::ScrapeError;
 
 /// Scrape `address` forever, writing results into `state`.
 fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: String) -> JoinHandle<()> {
@@ -22,12 +23,15 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Str
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut was_ok = true;
+            let telemetry = crate::telemetry::metrics();
+            telemetry.scrape_started(&address);
             loop {
                 tick.tick().await;
-                let (res, refused) = match scrape_once(&client, &url, &engine, timeout).await {
-                    Ok(m) => (Ok(m), false),
-                    Err((e, refused)) => (Err(e), refused),
-                };
+                let started = Instant::now();
+                let res = scrape_once(&client, &url, &engine, timeout).await;
+                telemetry.scrape_done(&address, started.elapsed(), res.as_ref().map(|_| ()).map_err(|(_, kind)| *kind));
+                let refused = matches!(res, Err((_, ScrapeError::Refused)));
+                let res = res.map_err(|(e, _)| e);
                 match (&res, was_ok) {
                     (Err(e), true) => warn!(error = %e, "scrape failed"),
                     (Ok(_), false) => debug!("scrape recovered"),
@@ -52,18 +56,29 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Str
     )
 }
 
+/// Why a transport error happened, for the error counter's `reason`.
+fn transport_error(e: &reqwest::Error) -> ScrapeError {
+    if e.is_connect() {
+        ScrapeError::Refused
+    } else if e.is_timeout() {
+        ScrapeError::Timeout
+    } else {
+        ScrapeError::Transport
+    }
+}
+
 async fn scrape_once(
     client: &reqwest::Client,
     url: &str,
     engine: &str,
     timeout: Duration,
-) -> Result<prom::EngineMetrics, (String, bool)> {
-    let resp = client.get(url).timeout(timeout).send().await.map_err(|e| (e.to_string(), e.is_connect()))?;
+) -> Result<prom::EngineMetrics, (String, ScrapeError)> {
+    let resp = client.get(url).timeout(timeout).send().await.map_err(|e| (e.to_string(), transport_error(&e)))?;
     if !resp.status().is_success() {
-        return Err((format!("HTTP {}", resp.status()), false));
+        return Err((format!("HTTP {}", resp.status()), ScrapeError::Status));
     }
-    let text = resp.text().await.map_err(|e| (e.to_string(), false))?;
-    prom::engine_metrics(&text, engine).map_err(|e| (e.to_string(), false))
+    let text = resp.text().await.map_err(|e| (e.to_string(), transport_error(&e)))?;
+    prom::engine_metrics(&text, engine).map_err(|e| (e.to_string(), ScrapeError::Parse))
 }
 
 /// The set of running scrapers, kept in step with discovery.
@@ -95,6 +110,7 @@ impl Scrapers {
             let keep = wanted.contains(addr.as_str());
             if !keep {
                 h.abort();
+                crate::telemetry::metrics().forget_endpoint(addr);
             }
             keep
         });

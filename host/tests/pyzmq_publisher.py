@@ -76,7 +76,22 @@ def bind(enc, pub_port, replay_port):
                     router.send_multipart([ident, b"", topic, seq.to_bytes(8, "big"), held[seq]])
             router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
             replays += 1
-    print(json.dumps({"published": len(msgs), "replays_served": replays}))
+    print(json.dumps({"published": len(msgs), "replays_served": replays,
+                      "events": known_events([p for _, p in msgs] + list(held.values()))}))
+
+
+def known_events(payloads):
+    """Events of a known type in the payloads that decode: what a subscriber should apply."""
+    n = 0
+    for p in payloads:
+        try:
+            _, events, _ = msgpack.unpackb(p, raw=False)
+        except Exception:
+            continue
+        for e in events:
+            kind = e.get("type") if isinstance(e, dict) else e[0]
+            n += kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+    return n
 
 
 def collector(endpoint, topic):

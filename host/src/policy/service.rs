@@ -386,6 +386,7 @@ impl PolicyService {
 
     fn record(&self, t: &Transition) {
         info!(slot = %t.slot, action = %t.action, by = %t.by, from = ?t.from, to = ?t.to, reason = %t.reason, "rollout transition");
+        crate::telemetry::metrics().policy_transition(&t.action);
         if let Err(e) = self.files.save(&self.lock(), t) {
             warn!(error = %e, "could not persist the rollout state");
         }

@@ -1,0 +1,302 @@
+//! The host's own Prometheus metrics, served as text at `GET /metrics` on the admin listener.
+//!
+//! One process-wide registry ([`metrics`]): the scrapers, the KV-event subscribers, the
+//! snapshot stream and the policy service record into it where the event happens, and
+//! [`render`] writes the exposition with the gauges that are read at scrape time (index size,
+//! endpoint readiness). Hand-written: the text format is small, and a metrics crate would pull
+//! a second registry model into a service that already counts with atomics.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::kv_subscribe::KvCounters;
+
+/// Upper bounds (seconds) of the scrape-duration histogram's buckets.
+const SCRAPE_BUCKETS: [f64; 10] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+
+/// Why a scrape failed, as the `reason` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ScrapeError {
+    /// Nothing listens (connection refused).
+    Refused,
+    /// No answer within `scrape_timeout_ms`.
+    Timeout,
+    /// Any other transport error.
+    Transport,
+    /// A non-2xx HTTP status.
+    Status,
+    /// The page lacks the metrics the scheduler needs, or does not parse.
+    Parse,
+}
+
+impl ScrapeError {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Refused => "refused",
+            Self::Timeout => "timeout",
+            Self::Transport => "transport",
+            Self::Status => "status",
+            Self::Parse => "parse",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct ScrapeStats {
+    buckets: [u64; SCRAPE_BUCKETS.len()],
+    count: u64,
+    sum_s: f64,
+    errors: BTreeMap<ScrapeError, u64>,
+    last_ok: Option<Instant>,
+    /// When scraping started, for the age of an engine never scraped successfully.
+    since: Option<Instant>,
+}
+
+/// The registry. Counters only go up; per-endpoint series go when the endpoint leaves
+/// discovery.
+#[derive(Debug, Default)]
+pub struct HostMetrics {
+    scrapes: Mutex<BTreeMap<String, ScrapeStats>>,
+    kv_ingested: Mutex<BTreeMap<String, u64>>,
+    snapshot_version: AtomicU64,
+    snapshots_published: AtomicU64,
+    snapshot_bytes: AtomicU64,
+    subscribers: AtomicI64,
+    policy_transitions: Mutex<BTreeMap<String, u64>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The process's registry.
+pub fn metrics() -> &'static HostMetrics {
+    static M: OnceLock<HostMetrics> = OnceLock::new();
+    M.get_or_init(HostMetrics::default)
+}
+
+impl HostMetrics {
+    /// A scraper started for `endpoint`.
+    pub fn scrape_started(&self, endpoint: &str) {
+        lock(&self.scrapes).entry(endpoint.to_owned()).or_default().since.get_or_insert_with(Instant::now);
+    }
+
+    /// One scrape of `endpoint` took `took` and ended with `result`.
+    pub fn scrape_done(&self, endpoint: &str, took: Duration, result: Result<(), ScrapeError>) {
+        let mut all = lock(&self.scrapes);
+        let s = all.entry(endpoint.to_owned()).or_default();
+        let secs = took.as_secs_f64();
+        s.count += 1;
+        s.sum_s += secs;
+        for (i, le) in SCRAPE_BUCKETS.iter().enumerate() {
+            if secs <= *le {
+                s.buckets[i] += 1;
+            }
+        }
+        match result {
+            Ok(()) => s.last_ok = Some(Instant::now()),
+            Err(e) => *s.errors.entry(e).or_default() += 1,
+        }
+    }
+
+    /// `endpoint` left discovery: its series go.
+    pub fn forget_endpoint(&self, endpoint: &str) {
+        lock(&self.scrapes).remove(endpoint);
+        lock(&self.kv_ingested).remove(endpoint);
+    }
+
+    /// `n` KV-cache events from `endpoint` were applied to the precise index.
+    pub fn kv_ingested(&self, endpoint: &str, n: u64) {
+        *lock(&self.kv_ingested).entry(endpoint.to_owned()).or_default() += n;
+    }
+
+    /// Snapshot `version` was published.
+    pub fn snapshot_published(&self, version: u64) {
+        self.snapshot_version.store(version, Ordering::Relaxed);
+        self.snapshots_published.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `bytes` of snapshot went to one subscriber.
+    pub fn snapshot_sent(&self, bytes: usize) {
+        self.snapshot_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    /// A snapshot subscriber connected (`+1`) or left (`-1`).
+    pub fn subscribers_add(&self, delta: i64) {
+        self.subscribers.fetch_add(delta, Ordering::Relaxed);
+    }
+
+    /// A policy slot changed state (`rollout`, `promote`, `rollback`, …).
+    pub fn policy_transition(&self, action: &str) {
+        *lock(&self.policy_transitions).entry(action.to_owned()).or_default() += 1;
+    }
+}
+
+/// What is read at scrape time rather than counted.
+#[derive(Debug, Default)]
+pub struct Gauges<'a> {
+    pub ready_endpoints: usize,
+    pub unready_endpoints: usize,
+    pub kv_index_blocks: usize,
+    pub kv: Option<&'a KvCounters>,
+}
+
+/// A metric family's `# HELP` and `# TYPE` lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// Escape a label value for the text format.
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// The exposition, in Prometheus text format 0.0.4.
+pub fn render(m: &HostMetrics, g: &Gauges<'_>) -> String {
+    let mut out = String::with_capacity(4096);
+    let now = Instant::now();
+    {
+        let scrapes = lock(&m.scrapes);
+        family(&mut out, "attache_host_scrape_duration_seconds", "histogram", "Time to scrape an engine's /metrics.");
+        for (ep, s) in scrapes.iter() {
+            let ep = esc(ep);
+            for (le, n) in SCRAPE_BUCKETS.iter().zip(s.buckets) {
+                let _ =
+                    writeln!(out, "attache_host_scrape_duration_seconds_bucket{{endpoint=\"{ep}\",le=\"{le}\"}} {n}");
+            }
+            let _ = writeln!(
+                out,
+                "attache_host_scrape_duration_seconds_bucket{{endpoint=\"{ep}\",le=\"+Inf\"}} {}",
+                s.count
+            );
+            let _ = writeln!(out, "attache_host_scrape_duration_seconds_sum{{endpoint=\"{ep}\"}} {}", s.sum_s);
+            let _ = writeln!(out, "attache_host_scrape_duration_seconds_count{{endpoint=\"{ep}\"}} {}", s.count);
+        }
+        family(&mut out, "attache_host_scrape_errors_total", "counter", "Failed scrapes, by reason.");
+        for (ep, s) in scrapes.iter() {
+            for (reason, n) in &s.errors {
+                let _ = writeln!(
+                    out,
+                    "attache_host_scrape_errors_total{{endpoint=\"{}\",reason=\"{}\"}} {n}",
+                    esc(ep),
+                    reason.label()
+                );
+            }
+        }
+        family(
+            &mut out,
+            "attache_host_scrape_age_seconds",
+            "gauge",
+            "Time since the engine's last good scrape (since its scraper started, if none was good).",
+        );
+        for (ep, s) in scrapes.iter() {
+            let age = s.last_ok.or(s.since).map(|t| now.saturating_duration_since(t).as_secs_f64()).unwrap_or(0.0);
+            let _ = writeln!(out, "attache_host_scrape_age_seconds{{endpoint=\"{}\"}} {age:.3}", esc(ep));
+        }
+    }
+    family(&mut out, "attache_host_endpoints", "gauge", "Endpoints in the newest snapshot, by readiness.");
+    let _ = writeln!(out, "attache_host_endpoints{{state=\"ready\"}} {}", g.ready_endpoints);
+    let _ = writeln!(out, "attache_host_endpoints{{state=\"unready\"}} {}", g.unready_endpoints);
+
+    family(
+        &mut out,
+        "attache_host_kv_events_ingested_total",
+        "counter",
+        "KV-cache events applied to the precise index.",
+    );
+    for (ep, n) in lock(&m.kv_ingested).iter() {
+        let _ = writeln!(out, "attache_host_kv_events_ingested_total{{endpoint=\"{}\"}} {n}", esc(ep));
+    }
+    family(
+        &mut out,
+        "attache_host_kv_events_dropped_total",
+        "counter",
+        "KV-event messages or events not applied, by reason.",
+    );
+    if let Some(kv) = g.kv {
+        let c = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        for (reason, n) in [
+            ("decode_error", c(&kv.decode_errors)),
+            ("unknown_topic", c(&kv.unknown_topics)),
+            ("unsupported_event", c(&kv.skipped_events)),
+        ] {
+            let _ = writeln!(out, "attache_host_kv_events_dropped_total{{reason=\"{reason}\"}} {n}");
+        }
+        family(
+            &mut out,
+            "attache_host_kv_sequence_gaps_total",
+            "counter",
+            "KV-event sequence gaps (refilled from replay).",
+        );
+        let _ = writeln!(out, "attache_host_kv_sequence_gaps_total {}", c(&kv.gaps));
+        family(
+            &mut out,
+            "attache_host_kv_engine_restarts_total",
+            "counter",
+            "Engine restarts seen on the KV-event stream.",
+        );
+        let _ = writeln!(out, "attache_host_kv_engine_restarts_total {}", c(&kv.restarts));
+    }
+    family(&mut out, "attache_host_kv_index_blocks", "gauge", "Blocks held in the precise prefix index.");
+    let _ = writeln!(out, "attache_host_kv_index_blocks {}", g.kv_index_blocks);
+
+    family(&mut out, "attache_host_snapshot_version", "gauge", "Version of the newest published snapshot.");
+    let _ = writeln!(out, "attache_host_snapshot_version {}", m.snapshot_version.load(Ordering::Relaxed));
+    family(&mut out, "attache_host_snapshots_published_total", "counter", "Snapshot versions published.");
+    let _ = writeln!(out, "attache_host_snapshots_published_total {}", m.snapshots_published.load(Ordering::Relaxed));
+    family(&mut out, "attache_host_snapshot_bytes_total", "counter", "Encoded snapshot bytes sent to subscribers.");
+    let _ = writeln!(out, "attache_host_snapshot_bytes_total {}", m.snapshot_bytes.load(Ordering::Relaxed));
+    family(&mut out, "attache_host_subscribers", "gauge", "Open snapshot streams (Envoy agents or workers).");
+    let _ = writeln!(out, "attache_host_subscribers {}", m.subscribers.load(Ordering::Relaxed).max(0));
+
+    family(&mut out, "attache_host_policy_transitions_total", "counter", "Policy slot transitions, by action.");
+    for (action, n) in lock(&m.policy_transitions).iter() {
+        let _ = writeln!(out, "attache_host_policy_transitions_total{{action=\"{}\"}} {n}", esc(action));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_family_with_its_samples() {
+        let m = HostMetrics::default();
+        m.scrape_started("10.0.0.1:8000");
+        m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()));
+        m.scrape_done("10.0.0.1:8000", Duration::from_millis(600), Err(ScrapeError::Timeout));
+        m.kv_ingested("10.0.0.1:8000", 7);
+        m.snapshot_published(4);
+        m.snapshot_sent(120);
+        m.subscribers_add(1);
+        m.policy_transition("rollback");
+        let kv = KvCounters::default();
+        kv.decode_errors.fetch_add(2, Ordering::Relaxed);
+        let text = render(&m, &Gauges { ready_endpoints: 1, unready_endpoints: 0, kv_index_blocks: 9, kv: Some(&kv) });
+        for line in [
+            "attache_host_scrape_duration_seconds_bucket{endpoint=\"10.0.0.1:8000\",le=\"0.005\"} 1",
+            "attache_host_scrape_duration_seconds_bucket{endpoint=\"10.0.0.1:8000\",le=\"+Inf\"} 2",
+            "attache_host_scrape_duration_seconds_count{endpoint=\"10.0.0.1:8000\"} 2",
+            "attache_host_scrape_errors_total{endpoint=\"10.0.0.1:8000\",reason=\"timeout\"} 1",
+            "attache_host_endpoints{state=\"ready\"} 1",
+            "attache_host_kv_events_ingested_total{endpoint=\"10.0.0.1:8000\"} 7",
+            "attache_host_kv_events_dropped_total{reason=\"decode_error\"} 2",
+            "attache_host_kv_index_blocks 9",
+            "attache_host_snapshot_version 4",
+            "attache_host_snapshot_bytes_total 120",
+            "attache_host_subscribers 1",
+            "attache_host_policy_transitions_total{action=\"rollback\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        // Every sample line parses with the host's own Prometheus parser.
+        assert_eq!(crate::prom::parse(&text).bad_lines, 0, "{text}");
+        m.forget_endpoint("10.0.0.1:8000");
+        let text = render(&m, &Gauges::default());
+        assert!(!text.contains("10.0.0.1:8000"), "{text}");
+    }
+}
