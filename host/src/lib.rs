@@ -2,8 +2,11 @@
 
 pub mod admin;
 pub mod admin_auth;
+pub mod bootstrap;
 pub mod config;
 pub mod discovery;
+pub mod eds;
+pub mod gateway;
 pub mod kubernetes;
 pub mod kv_events;
 pub mod kv_index;

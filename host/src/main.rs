@@ -10,7 +10,7 @@ use attache_host::kv_index::KvIndex;
 use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
 use attache_host::policy::service::PolicyService;
 use attache_host::state::PoolState;
-use attache_host::{admin, policy, push, scrape, HostConfig};
+use attache_host::{admin, eds, policy, push, scrape, HostConfig};
 use clap::{Parser, Subcommand};
 use tokio::sync::RwLock;
 use tracing::{error, info, warn};
@@ -38,6 +38,16 @@ enum Cmd {
         /// Admin listen address (overrides the config).
         #[arg(long)]
         admin_listen: Option<std::net::SocketAddr>,
+    },
+    /// Attaché in front of real engines without Kubernetes: render Envoy's bootstrap from
+    /// `gateway.yaml` and run the host and Envoy together, the pool fed by the host's EDS.
+    Gateway {
+        /// Gateway configuration (YAML): listener, endpoints file, host and scheduler settings.
+        #[arg(long)]
+        config: PathBuf,
+        /// Print the rendered Envoy bootstrap and exit.
+        #[arg(long)]
+        print_bootstrap: bool,
     },
     /// Policy modules: keys, signatures, upload and rollout.
     Policy {
@@ -231,6 +241,7 @@ async fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().cmd {
         Cmd::Policy { cmd } => policy(cmd).await,
+        Cmd::Gateway { config, print_bootstrap } => gateway(&config, print_bootstrap).await,
         Cmd::Host { config, endpoints, grpc_listen, admin_listen } => {
             let mut cfg = match config {
                 Some(p) => HostConfig::from_yaml(
@@ -253,14 +264,77 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// Apply a discovery result: scrapers, pool state, and KV-event subscribers.
+/// `attache gateway`: check everything, render the bootstrap, then run the host in this
+/// process and Envoy as a child until either stops or the gateway is told to.
+async fn gateway(config: &std::path::Path, print_bootstrap: bool) -> anyhow::Result<()> {
+    let gw = attache_host::gateway::Gateway::load(config)?;
+    let yaml = gw.bootstrap()?;
+    if print_bootstrap {
+        print!("{yaml}");
+        return Ok(());
+    }
+    let dir = std::env::temp_dir().join(format!("attache-gateway-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let bootstrap = dir.join("envoy.yaml");
+    std::fs::write(&bootstrap, &yaml).with_context(|| format!("writing {}", bootstrap.display()))?;
+
+    // The host first, so Envoy's first EDS and snapshot requests find it listening.
+    let host = Host::start(gw.host.clone()).await?;
+    let mut envoy = tokio::process::Command::new(&gw.envoy);
+    envoy.arg("-c").arg(&bootstrap).arg("--log-level").arg("warn");
+    // A base id of its own, so several gateways (or a gateway and another Envoy) can run on
+    // one machine; Envoy's hot-restart shared memory is keyed by it.
+    envoy.arg("--base-id").arg(u32::from(gw.config.envoy_admin.port()).to_string());
+    if let Some(n) = gw.config.concurrency {
+        envoy.arg("--concurrency").arg(n.to_string());
+    }
+    envoy.kill_on_drop(true);
+    let mut envoy = envoy.spawn().with_context(|| format!("starting Envoy ({})", gw.envoy.display()))?;
+    info!(
+        listen = %gw.config.listen,
+        envoy_admin = %gw.config.envoy_admin,
+        host_admin = %gw.host.admin_listen,
+        endpoints_file = %gw.config.endpoints_file.display(),
+        envoy_pid = envoy.id().unwrap_or(0),
+        bootstrap = %bootstrap.display(),
+        "attache gateway running"
+    );
+    let result = tokio::select! {
+        r = host.run() => r.and_then(|()| Err(anyhow::anyhow!("the host stopped"))),
+        st = envoy.wait() => Err(anyhow::anyhow!("Envoy exited ({}); its messages are above", st?)),
+        _ = shutdown_signal() => { info!("shutting down"); Ok(()) }
+    };
+    let _ = envoy.start_kill();
+    let _ = envoy.wait().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Ctrl-C or SIGTERM (what Kubernetes and systemd send).
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// Apply a discovery result: Envoy's pool (EDS), scrapers, pool state, and KV-event subscribers.
 async fn apply_discovery(
     eps: StaticEndpoints,
     scrapers: &mut scrape::Scrapers,
     kv: &mut KvSubscribers,
     state: &Arc<RwLock<PoolState>>,
     collector: bool,
+    members: &eds::Members,
 ) {
+    members.set(eps.endpoints.iter().map(|e| e.address.clone()).collect());
     scrapers.apply(eps.endpoints.clone()).await;
     let mut st = state.write().await;
     let sources = eps
@@ -283,139 +357,165 @@ async fn apply_discovery(
 }
 
 async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
-    let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
-    let mut pool = PoolState::default();
-    pool.flow = cfg.flow.clone();
-    let state = Arc::new(RwLock::new(pool));
-    let client = reqwest::Client::builder().pool_max_idle_per_host(2).build()?;
-
-    let admin_token = attache_host::admin_auth::BearerToken::load(cfg.admin_token_file.as_deref())
-        .context("the admin API's bearer token")?;
-    attache_host::admin_auth::check_exposure(cfg.admin_listen, admin_token.as_ref())?;
-    if cfg.endpoints_file.is_some() && cfg.kubernetes.is_some() {
-        anyhow::bail!("endpoints_file and kubernetes are exclusive: pick one discovery source");
-    }
-    // Validate the endpoints file (or reach the cluster's credentials) before binding any port.
-    let kube = match cfg.kubernetes.clone() {
-        Some(k) => Some(attache_host::kubernetes::spawn(k).await.context("starting Kubernetes discovery")?),
-        None => None,
-    };
-    let initial = match &cfg.endpoints_file {
-        Some(p) => StaticEndpoints::load(p)?,
-        None => StaticEndpoints::default(),
-    };
-
-    let rx = push::spawn_publisher(
-        state.clone(),
-        epoch,
-        cfg.publish_interval(),
-        std::time::Duration::from_millis(cfg.unready_after_ms),
-    );
-    let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
-    // Policy modules: refuse to start on a bad trust store or token rather than run without.
-    let policy = match cfg.policy.clone() {
-        Some(p) => Some(PolicyService::open(p).context("starting the policy service")?),
-        None => None,
-    };
-    let kv_changed = Arc::new(tokio::sync::Notify::new());
-    // ECDS is always served, so Envoy's scorer and scheduler slots keep their defaults quietly
-    // when no policy service is configured (the sender lives as long as the host).
-    let (_no_policy_tx, no_policy_rx) = tokio::sync::watch::channel(Arc::new(policy::ecds::Published::default()));
-    let ecds = match &policy {
-        Some(p) => policy::ecds::EcdsServer::new(p.subscribe(), p.acks.clone()),
-        None => policy::ecds::EcdsServer::new(no_policy_rx, Arc::new(policy::ecds::Acks::default())),
-    };
-    let grpc = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
-        .add_service(
-            push::Snapshots::new(rx.clone(), cfg.heartbeat())
-                .with_index(push::IndexFeed::spawn(
-                    kv_index.clone(),
-                    kv_changed.clone(),
-                    std::time::Duration::from_millis(100),
-                    std::time::Duration::from_millis(2),
-                ))
-                .into_server(),
-        )
-        .add_service(ecds.into_server());
-    let grpc_listener =
-        tokio::net::TcpListener::bind(cfg.grpc_listen).await.with_context(|| format!("binding {}", cfg.grpc_listen))?;
-    let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
-        .await
-        .with_context(|| format!("binding {}", cfg.admin_listen))?;
-    info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
-
-    // The precise index, fed by the engines' KV events.
-    let mut kv = KvSubscribers::new(kv_index.clone(), kv_changed.clone());
-    let collector = cfg.kv_events_bind.is_some();
-    if let Some(b) = &cfg.kv_events_bind {
-        kv.bind_collector(b).with_context(|| format!("binding the KV-event collector on {b}"))?;
-    }
-    let kv_counters = kv.counters.clone();
-
-    // Discovery: apply the file now and re-read it when it changes.
-    let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())
-        .with_engine_gone(kv.engine_gone());
-    info!(endpoints = initial.endpoints.len(), "discovery: static file loaded");
-    apply_discovery(initial, &mut scrapers, &mut kv, &state, collector).await;
-    if let Some(mut d) = kube {
-        let (state, static_objectives) = (state.clone(), cfg.flow.objectives.clone());
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    r = d.endpoints.changed() => {
-                        if r.is_err() { break; }
-                        let endpoints = d.endpoints.borrow_and_update().clone();
-                        apply_discovery(StaticEndpoints { endpoints }, &mut scrapers, &mut kv, &state, collector).await;
-                    }
-                    r = d.objectives.changed() => {
-                        if r.is_err() { break; }
-                        // The cluster's objectives over the static table.
-                        let mut table = static_objectives.clone();
-                        table.extend(d.objectives.borrow_and_update().iter().map(|(k, v)| (k.clone(), *v)));
-                        let mut st = state.write().await;
-                        st.flow.objectives = table;
-                        st.generation += 1;
-                    }
-                }
-            }
-        });
-    } else if let Some(path) = cfg.endpoints_file.clone() {
-        tokio::spawn(async move {
-            let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
-            loop {
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-                let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
-                if now == last {
-                    continue;
-                }
-                last = now;
-                match StaticEndpoints::load(&path) {
-                    Ok(eps) => {
-                        info!(endpoints = eps.endpoints.len(), "discovery: static file reloaded");
-                        apply_discovery(eps, &mut scrapers, &mut kv, &state, collector).await;
-                    }
-                    Err(e) => warn!(error = %e, "discovery: keeping the previous endpoints"),
-                }
-            }
-        });
-    }
-
-    let mut admin_router = admin::router(admin::AdminState { snapshots: rx, kv_index, kv_counters });
-    if let Some(t) = admin_token {
-        admin_router =
-            admin_router.route_layer(axum::middleware::from_fn_with_state(t, attache_host::admin_auth::require));
-    }
-    if let Some(p) = &policy {
-        p.spawn_controller();
-        admin_router = admin_router.merge(policy::api::router(p.clone()));
-    }
-    let admin = axum::serve(admin_listener, admin_router);
-    let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
+    let host = Host::start(cfg).await?;
     tokio::select! {
-        r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }
-        r = admin => { if let Err(e) = r { error!(error = %e, "admin server stopped"); } }
-        _ = tokio::signal::ctrl_c() => { info!("shutting down"); }
+        r = host.run() => r,
+        _ = shutdown_signal() => { info!("shutting down"); Ok(()) }
     }
-    Ok(())
+}
+
+/// A started host: its listeners are bound and discovery runs; [`Host::run`] serves.
+struct Host {
+    serve: std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>> + Send>>,
+}
+
+impl Host {
+    fn run(self) -> std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>> + Send>> {
+        self.serve
+    }
+
+    async fn start(cfg: HostConfig) -> anyhow::Result<Host> {
+        let epoch = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis() as u64;
+        let mut pool = PoolState::default();
+        pool.flow = cfg.flow.clone();
+        let state = Arc::new(RwLock::new(pool));
+        let client = reqwest::Client::builder().pool_max_idle_per_host(2).build()?;
+
+        let admin_token = attache_host::admin_auth::BearerToken::load(cfg.admin_token_file.as_deref())
+            .context("the admin API's bearer token")?;
+        attache_host::admin_auth::check_exposure(cfg.admin_listen, admin_token.as_ref())?;
+        if cfg.endpoints_file.is_some() && cfg.kubernetes.is_some() {
+            anyhow::bail!("endpoints_file and kubernetes are exclusive: pick one discovery source");
+        }
+        // Validate the endpoints file (or reach the cluster's credentials) before binding any port.
+        let kube = match cfg.kubernetes.clone() {
+            Some(k) => Some(attache_host::kubernetes::spawn(k).await.context("starting Kubernetes discovery")?),
+            None => None,
+        };
+        let initial = match &cfg.endpoints_file {
+            Some(p) => StaticEndpoints::load(p)?,
+            None => StaticEndpoints::default(),
+        };
+
+        let rx = push::spawn_publisher(
+            state.clone(),
+            epoch,
+            cfg.publish_interval(),
+            std::time::Duration::from_millis(cfg.unready_after_ms),
+        );
+        let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
+        // Policy modules: refuse to start on a bad trust store or token rather than run without.
+        let policy = match cfg.policy.clone() {
+            Some(p) => Some(PolicyService::open(p).context("starting the policy service")?),
+            None => None,
+        };
+        let kv_changed = Arc::new(tokio::sync::Notify::new());
+        // Envoy's pool members, served over EDS (`attache gateway`; any Envoy may subscribe).
+        let members = eds::Members::default();
+        // ECDS is always served, so Envoy's scorer and scheduler slots keep their defaults quietly
+        // when no policy service is configured (the sender lives as long as the host).
+        let (_no_policy_tx, no_policy_rx) = tokio::sync::watch::channel(Arc::new(policy::ecds::Published::default()));
+        let ecds = match &policy {
+            Some(p) => policy::ecds::EcdsServer::new(p.subscribe(), p.acks.clone()),
+            None => policy::ecds::EcdsServer::new(no_policy_rx, Arc::new(policy::ecds::Acks::default())),
+        };
+        let grpc = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(std::time::Duration::from_secs(2)))
+            .add_service(
+                push::Snapshots::new(rx.clone(), cfg.heartbeat())
+                    .with_index(push::IndexFeed::spawn(
+                        kv_index.clone(),
+                        kv_changed.clone(),
+                        std::time::Duration::from_millis(100),
+                        std::time::Duration::from_millis(2),
+                    ))
+                    .into_server(),
+            )
+            .add_service(ecds.into_server())
+            .add_service(eds::EdsServer::new(&members).into_server());
+        let grpc_listener = tokio::net::TcpListener::bind(cfg.grpc_listen)
+            .await
+            .with_context(|| format!("binding {}", cfg.grpc_listen))?;
+        let admin_listener = tokio::net::TcpListener::bind(cfg.admin_listen)
+            .await
+            .with_context(|| format!("binding {}", cfg.admin_listen))?;
+        info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
+
+        // The precise index, fed by the engines' KV events.
+        let mut kv = KvSubscribers::new(kv_index.clone(), kv_changed.clone());
+        let collector = cfg.kv_events_bind.is_some();
+        if let Some(b) = &cfg.kv_events_bind {
+            kv.bind_collector(b).with_context(|| format!("binding the KV-event collector on {b}"))?;
+        }
+        let kv_counters = kv.counters.clone();
+
+        // Discovery: apply the file now and re-read it when it changes.
+        let mut scrapers = scrape::Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())
+            .with_engine_gone(kv.engine_gone());
+        info!(endpoints = initial.endpoints.len(), "discovery: static file loaded");
+        apply_discovery(initial, &mut scrapers, &mut kv, &state, collector, &members).await;
+        if let Some(mut d) = kube {
+            let (state, static_objectives, members) = (state.clone(), cfg.flow.objectives.clone(), members.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        r = d.endpoints.changed() => {
+                            if r.is_err() { break; }
+                            let endpoints = d.endpoints.borrow_and_update().clone();
+                            apply_discovery(StaticEndpoints { endpoints }, &mut scrapers, &mut kv, &state, collector, &members).await;
+                        }
+                        r = d.objectives.changed() => {
+                            if r.is_err() { break; }
+                            // The cluster's objectives over the static table.
+                            let mut table = static_objectives.clone();
+                            table.extend(d.objectives.borrow_and_update().iter().map(|(k, v)| (k.clone(), *v)));
+                            let mut st = state.write().await;
+                            st.flow.objectives = table;
+                            st.generation += 1;
+                        }
+                    }
+                }
+            });
+        } else if let Some(path) = cfg.endpoints_file.clone() {
+            let members = members.clone();
+            tokio::spawn(async move {
+                let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+                    if now == last {
+                        continue;
+                    }
+                    last = now;
+                    match StaticEndpoints::load(&path) {
+                        Ok(eps) => {
+                            info!(endpoints = eps.endpoints.len(), "discovery: static file reloaded");
+                            apply_discovery(eps, &mut scrapers, &mut kv, &state, collector, &members).await;
+                        }
+                        Err(e) => warn!(error = %e, "discovery: keeping the previous endpoints"),
+                    }
+                }
+            });
+        }
+
+        let mut admin_router = admin::router(admin::AdminState { snapshots: rx, kv_index, kv_counters });
+        if let Some(t) = admin_token {
+            admin_router =
+                admin_router.route_layer(axum::middleware::from_fn_with_state(t, attache_host::admin_auth::require));
+        }
+        if let Some(p) = &policy {
+            p.spawn_controller();
+            admin_router = admin_router.merge(policy::api::router(p.clone()));
+        }
+        let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));
+        let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
+        let serve = async move {
+            tokio::select! {
+                r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }
+                r = admin => { if let Err(e) = r { error!(error = %e, "admin server stopped"); } }
+            }
+            Ok(())
+        };
+        Ok(Host { serve: Box::pin(serve) })
+    }
 }

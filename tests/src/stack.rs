@@ -458,45 +458,18 @@ impl Stack {
         };
         let path = self.envoy_template.clone().unwrap_or_else(|| self.paths.root.join("envoy").join(file));
         let tpl = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-        let mut eps = String::new();
-        for a in self.engine_addrs() {
-            let (ip, port) = a.split_once(':').context("engine address")?;
-            eps.push_str(&format!(
-                "        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}\n"
-            ));
-        }
-        let mut scheduler_config = scheduler_config.clone();
-        let mut filters = String::new();
-        if !self.scorer_slots.is_empty() {
-            scheduler_config["scoring"]["context"] = serde_json::json!(true);
-            let body = |file: &str| -> anyhow::Result<String> {
-                let t = std::fs::read_to_string(self.paths.root.join("envoy").join(file))?;
-                Ok(t.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect())
-            };
-            let slot_tpl = body("scorer-slot.yaml")?;
-            for slot in &self.scorer_slots {
-                for suffix in ["", ".canary"] {
-                    filters.push_str(&slot_tpl.replace("{{SLOT}}", slot).replace("{{ARM_SUFFIX}}", suffix));
-                }
-            }
-            filters.push_str(&body("picker.yaml")?);
-        }
-        let scheduler_config = &scheduler_config;
-        let mut single = scheduler_config.clone();
-        single["scheduler"]["max_endpoints"] = serde_json::json!(1);
-        let mut per_worker = scheduler_config.clone();
-        per_worker["subscribe"] = serde_json::json!({"cluster": "attache_host"});
-        Ok(tpl
-            .replace("{{SCORER_FILTERS}}\n", &filters)
-            .replace("{{ADMIN_PORT}}", &self.envoy_admin_port.to_string())
-            .replace("{{LISTEN_PORT}}", &self.envoy_port.to_string())
-            .replace("{{HOST_GRPC_PORT}}", &self.host_grpc_port.to_string())
-            .replace("{{WASM}}", &self.paths.wasm.display().to_string())
-            .replace("{{POOL_ENDPOINTS}}\n", &eps)
-            // The JSON sits in a single-quoted YAML scalar, where a quote is written twice.
-            .replace("{{SCHEDULER_CONFIG_SINGLE}}", &single.to_string().replace('\'', "''"))
-            .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &per_worker.to_string().replace('\'', "''"))
-            .replace("{{SCHEDULER_CONFIG}}", &scheduler_config.to_string().replace('\'', "''")))
+        let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let pool = attache_host::bootstrap::Pool::Static(self.engine_addrs());
+        let params = attache_host::bootstrap::Params {
+            admin: loopback(self.envoy_admin_port),
+            listen: loopback(self.envoy_port),
+            host_grpc: loopback(self.host_grpc_port),
+            wasm: &self.paths.wasm,
+            scheduler_config,
+            pool: &pool,
+            scorer_slots: &self.scorer_slots,
+        };
+        attache_host::bootstrap::render(&tpl, &params).with_context(|| format!("rendering {}", path.display()))
     }
 
     /// Start Envoy (or restart it) with `kind`, and wait until it is ready.
