@@ -13,6 +13,7 @@ mod procstat;
 mod run;
 mod scenario;
 mod shared_prefix;
+mod up;
 mod workload;
 
 #[global_allocator]
@@ -36,6 +37,8 @@ struct Cli {
 enum Cmd {
     /// Shared-prefix chat through Envoy: plain round-robin, then Attaché, on 4 simulated engines.
     Demo(DemoArgs),
+    /// Start simulated engines, the host and Envoy, and keep them running until Ctrl-C.
+    Up(up::Args),
     /// llm-d's shared-prefix workload on 8 engines: round-robin vs approximate vs precise.
     SharedPrefix(shared_prefix::Args),
     /// Custom scorer filters: per-request cost, upload time, promote -> first served request.
@@ -160,6 +163,7 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Demo(a) => demo(a).await,
+        Cmd::Up(a) => up::run(a).await,
         Cmd::KvIngest { out } => kv_ingest::run(&out),
         Cmd::SharedPrefix(a) => shared_prefix::run(a).await,
         Cmd::Policy(a) => policy::run(a).await,

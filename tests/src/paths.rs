@@ -39,7 +39,17 @@ impl Paths {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?.to_path_buf();
         let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
         let target = if target.is_relative() { root.join(target) } else { target };
-        let bin_dir = std::env::var_os("ATTACHE_BIN_DIR").map(PathBuf::from).unwrap_or_else(|| target.join("release"));
+        // The binaries of the profile this program was built with (`target/<profile>/`): the
+        // e2e tests run `ci` binaries, the demo and benchmarks `release` ones.
+        let own_profile = std::env::current_exe().ok().and_then(|exe| {
+            let dir = exe.parent()?;
+            let dir = if dir.ends_with("deps") { dir.parent()? } else { dir };
+            Some(dir.to_path_buf())
+        });
+        let bin_dir = std::env::var_os("ATTACHE_BIN_DIR")
+            .map(PathBuf::from)
+            .or(own_profile)
+            .unwrap_or_else(|| target.join("release"));
         let wasm = std::env::var_os("ATTACHE_WASM")
             .map(PathBuf::from)
             .unwrap_or_else(|| target.join("wasm32-wasip1/wasm/attache_scheduler_filter.wasm"));
@@ -56,7 +66,7 @@ impl Paths {
             [("host", &p.host_bin), ("simulator", &p.sim_bin), ("Wasm filter", &p.wasm), ("Envoy 1.40", &p.envoy)]
         {
             if !path.exists() {
-                bail!("{what} not found at {}; run `cargo xtask build` (or `cargo xtask test`) first", path.display());
+                bail!("{what} not found at {}; run `cargo xtask build` (release: demo, benchmarks) or `cargo xtask e2e` (the ci profile) first", path.display());
             }
         }
         Ok(p)

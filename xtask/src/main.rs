@@ -144,11 +144,14 @@ os.remove(tgz)
     Ok(())
 }
 
-fn build() -> Result<()> {
+/// The profile of everything `cargo xtask test` builds: clippy, the tests and the binaries the
+/// e2e tests start, so the dependency tree compiles once for code (and once more, check-only,
+/// for clippy). The demo and benchmarks use `release`.
+const TEST_PROFILE: &str = "ci";
+
+/// The Wasm modules: the scheduler, the example scorers and the test fixture scorer.
+fn build_wasm() -> Result<()> {
     ensure_wasm_target()?;
-    ensure_libzmq()?;
-    ensure_envoy()?;
-    // The scheduler module, the example scorers and the test fixture scorer.
     run(cargo().args([
         "build",
         "-p",
@@ -163,13 +166,27 @@ fn build() -> Result<()> {
         "wasm32-wasip1",
         "--profile",
         "wasm",
-    ]))?;
+    ]))
+}
+
+/// Everything the demo, `up` and the benchmarks run, in release mode.
+fn build() -> Result<()> {
+    ensure_libzmq()?;
+    ensure_envoy()?;
+    build_wasm()?;
     run(cargo().args(["build", "--release", "-p", "attache-host", "-p", "attache-sim", "-p", "attache-bench"]))?;
     Ok(())
 }
 
+/// The native workspace in the test profile: every library, binary and test target in one
+/// cargo invocation, so the later `cargo test` runs reuse it all.
+fn build_tests() -> Result<()> {
+    ensure_libzmq()?;
+    run(cargo().args(["build", "--profile", TEST_PROFILE, "--workspace", "--all-targets"]))
+}
+
 /// Run `cargo test ...`, echoing its output, and count the results of every test binary.
-fn run_tests(cmd: &mut Command, totals: &mut (u64, u64, u64)) -> Result<()> {
+fn run_tests(cmd: &mut Command, totals: &mut Totals) -> Result<()> {
     use std::io::{BufRead, BufReader};
     eprintln!("xtask: {cmd:?}");
     let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().with_context(|| format!("running {cmd:?}"))?;
@@ -200,14 +217,14 @@ fn run_tests(cmd: &mut Command, totals: &mut (u64, u64, u64)) -> Result<()> {
     Ok(())
 }
 
-fn test(args: &[String]) -> Result<()> {
-    build()?;
-    ensure_chart_tools()?;
+/// `fmt --check`, then clippy (`-D warnings`) natively and for wasm32, with and without the
+/// measurement build's per-stage clocks.
+fn lint() -> Result<()> {
+    ensure_libzmq()?;
+    ensure_wasm_target()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
-    run(cargo().args(["clippy", "--release", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    run(cargo().args([
-        "clippy",
-        "--release",
+    run(cargo().args(["clippy", "--profile", TEST_PROFILE, "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    let wasm_crates = [
         "-p",
         "attache-scheduler-filter",
         "-p",
@@ -216,16 +233,18 @@ fn test(args: &[String]) -> Result<()> {
         "attache-scorer-slo-ttft",
         "-p",
         "attache-scorer-cost-aware",
+    ];
+    run(cargo().args(["clippy", "--profile", TEST_PROFILE]).args(wasm_crates).args([
         "--target",
         "wasm32-wasip1",
         "--",
         "-D",
         "warnings",
     ]))?;
-    // The measurement build (per-stage clock readings) must keep compiling too.
     run(cargo().args([
         "clippy",
-        "--release",
+        "--profile",
+        TEST_PROFILE,
         "-p",
         "attache-scheduler-filter",
         "--target",
@@ -235,40 +254,87 @@ fn test(args: &[String]) -> Result<()> {
         "--",
         "-D",
         "warnings",
-    ]))?;
+    ]))
+}
+
+/// Every test that needs no running process: unit tests, the docs-against-code checks and the
+/// fuzz corpora and regressions replayed on stable.
+fn unit(totals: &mut Totals) -> Result<()> {
+    // The wire tests' independent publisher is Python's pyzmq and msgpack, in .venv.
+    ensure_envoy()?;
+    build_tests()?;
+    run_tests(cargo().args(["test", "--profile", TEST_PROFILE, "--workspace", "--exclude", "attache-e2e"]), totals)
+}
+
+/// End-to-end tests: real Envoy 1.40, host and simulated engines, one test at a time (they
+/// load 2 cores), then the chart checks.
+fn e2e(args: &[String], totals: &mut Totals) -> Result<()> {
+    ensure_envoy()?;
+    ensure_chart_tools()?;
+    build_wasm()?;
+    build_tests()?;
+    let mut e2e = cargo();
+    e2e.args(["test", "--profile", TEST_PROFILE, "-p", "attache-e2e"]);
+    // Anything else selects tests, as cargo does: `cargo xtask e2e --test gateway`.
+    e2e.args(args.iter().filter(|a| !matches!(a.as_str(), "--include-ignored" | "--live-vllm")));
+    e2e.args(["--", "--test-threads=1"]);
+    if args.iter().any(|a| a == "--include-ignored") {
+        e2e.arg("--include-ignored");
+    }
+    run_tests(&mut e2e, totals)?;
+    if args.iter().any(|a| a == "--live-vllm") {
+        ensure_vllm()?;
+        let mut live = cargo();
+        live.args([
+            "test",
+            "--profile",
+            TEST_PROFILE,
+            "-p",
+            "attache-e2e",
+            "--test",
+            "live_vllm",
+            "--",
+            "--ignored",
+            "--nocapture",
+        ]);
+        run_tests(&mut live, totals)?;
+    }
+    Ok(())
+}
+
+/// Passed, failed and skipped tests, summed over every test binary.
+type Totals = (u64, u64, u64);
+
+/// Run one stage, then print the totals (a closing line CI reads) whatever the outcome.
+fn with_summary(what: &str, stage: impl FnOnce(&mut Totals) -> Result<()>) -> Result<()> {
+    let started = std::time::Instant::now();
     let mut totals = (0, 0, 0);
-    let result = (|| {
-        run_tests(cargo().args(["test", "--profile", "ci", "--workspace", "--exclude", "attache-e2e"]), &mut totals)?;
-        // End-to-end tests start real Envoy, host and engine processes: one at a time on 2 cores.
-        let mut e2e = cargo();
-        e2e.args(["test", "--profile", "ci", "-p", "attache-e2e", "--", "--test-threads=1"]);
-        if args.iter().any(|a| a == "--include-ignored") {
-            e2e.arg("--include-ignored");
-        }
-        run_tests(&mut e2e, &mut totals)?;
-        // Every fuzz target: replay the checked-in corpus and regressions, then fuzz briefly.
-        // (`cargo xtask fuzz` with no --seconds runs ten minutes each.)
-        fuzz::fuzz(&root(), &["--seconds".into(), "15".into()])?;
-        if args.iter().any(|a| a == "--live-vllm") {
-            ensure_vllm()?;
-            let mut live = cargo();
-            live.args([
-                "test",
-                "--release",
-                "-p",
-                "attache-e2e",
-                "--test",
-                "live_vllm",
-                "--",
-                "--ignored",
-                "--nocapture",
-            ]);
-            run_tests(&mut live, &mut totals)?;
-        }
-        Ok(())
-    })();
-    println!("\nxtask test summary:\n{} passed, {} failed, {} skipped", totals.0, totals.1, totals.2);
+    let result = stage(&mut totals);
+    println!(
+        "\nxtask {what} summary ({:.0} s):\n{} passed, {} failed, {} skipped",
+        started.elapsed().as_secs_f64(),
+        totals.0,
+        totals.1,
+        totals.2
+    );
     result
+}
+
+/// `lint`, `unit` and `e2e`, in that order.
+fn test(args: &[String]) -> Result<()> {
+    with_summary("test", |totals| {
+        let mut timings = Vec::new();
+        let mut stage = |name: &str, f: &mut dyn FnMut(&mut Totals) -> Result<()>, totals: &mut Totals| {
+            let t = std::time::Instant::now();
+            let r = f(totals);
+            timings.push(format!("{name} {:.0} s", t.elapsed().as_secs_f64()));
+            eprintln!("xtask: stages so far: {}", timings.join(", "));
+            r
+        };
+        stage("lint", &mut |_| lint(), totals)?;
+        stage("unit", &mut |t| unit(t), totals)?;
+        stage("e2e", &mut |t| e2e(args, t), totals)
+    })
 }
 
 /// A real vLLM 0.32 (CPU build) and a tiny random Llama for `--live-vllm`, under
@@ -308,6 +374,13 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("build") => build(),
         Some("test") => test(&args[1..]),
+        Some("lint") => lint(),
+        Some("unit") => with_summary("unit", unit),
+        Some("e2e") => with_summary("e2e", |t| e2e(&args[1..], t)),
+        Some("up") => {
+            build()?;
+            run(Command::new(bench_bin()).current_dir(root()).arg("up").args(&args[1..]))
+        }
         Some("demo") => {
             build()?;
             run(Command::new(bench_bin()).current_dir(root()).arg("demo").args(&args[1..]))
@@ -318,7 +391,7 @@ fn main() -> Result<()> {
             run(Command::new(bench_bin()).current_dir(root()).args(&args[1..]))
         }
         _ => {
-            eprintln!("usage: cargo xtask <demo|test|build|bench ...|fuzz [--seconds N] [TARGET...]>");
+            eprintln!("usage: cargo xtask <demo|up|test|lint|unit|e2e|build|bench ...|fuzz [--seconds N] [TARGET...]>");
             std::process::exit(64);
         }
     }
