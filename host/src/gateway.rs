@@ -135,7 +135,7 @@ impl Gateway {
         config.endpoints_file = resolve(&base, &config.endpoints_file);
         StaticEndpoints::load(&config.endpoints_file)?;
         let scheduler = serde_json::to_vec(&config.scheduler).unwrap_or_default();
-        if let Err(message) = attache_scheduler_filter::config::FilterConfig::parse(&scheduler) {
+        if let Err(message) = attache_policies::plugin_config::FilterConfig::parse(&scheduler) {
             return Err(GatewayError::Scheduler { path: shown, message });
         }
 

@@ -18,6 +18,7 @@ pub mod flow;
 pub mod index;
 pub mod pd;
 pub mod picker;
+pub mod plugin_config;
 pub mod precise;
 pub mod prefix;
 pub mod prompt_tokens;

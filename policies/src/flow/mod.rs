@@ -17,7 +17,7 @@ pub use queue::{FlowQueue, Popped, Shed};
 pub use saturation::{dispatch_cost, pool_saturation, Gate, SaturationConfig};
 
 /// What to do with a request naming an objective the table does not know.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum UnknownObjective {
     /// 400 with a clear message.
@@ -28,7 +28,7 @@ pub enum UnknownObjective {
 }
 
 /// Limits of one priority band.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct BandLimits {
     pub max_requests: usize,
@@ -47,7 +47,7 @@ impl Default for BandLimits {
 }
 
 /// Flow-control settings (the scheduler filter's `flow` section).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FlowConfig {
     pub enabled: bool,

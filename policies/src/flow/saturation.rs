@@ -9,7 +9,7 @@ use serde::Deserialize;
 use crate::endpoint::Endpoint;
 
 /// Saturation settings of llm-d's utilization detector.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SaturationConfig {
     pub queue_threshold: f64,

@@ -1,0 +1,145 @@
+//! The Wasm plugins' configuration (JSON in each filter's `configuration`): the scheduler, the
+//! snapshot agent, the picker. Here rather than in the filter crate so that everything that
+//! writes or checks it (the filter, `attache gateway`, the docs test) reads one definition.
+
+use crate::SchedulerConfig;
+use serde::Deserialize;
+
+/// Which job this root context does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// The HTTP scheduler filter.
+    #[default]
+    Scheduler,
+    /// The bootstrap singleton that receives the snapshot stream.
+    Agent,
+    /// The picker after custom scorer filters: combines their scores with the scheduler's and
+    /// rewrites the destination header.
+    Picker,
+    /// Does nothing: the safe default of an empty scorer slot.
+    Passthrough,
+}
+
+/// Hand-off to custom scorer filters (policies::scoring).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScoringConfig {
+    /// Write the scheduling context to filter state for scorer filters and the picker.
+    pub context: bool,
+    /// Request headers whose value keys the sticky rollout bucket, first present wins.
+    /// Requests without any get a bucket from their own seed.
+    pub session_headers: Vec<String>,
+    /// Picker: add `x-attache-scorers: slot=arm@version,...` to responses.
+    pub response_header: bool,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        Self {
+            context: false,
+            session_headers: vec!["x-session-id".into(), "x-attache-session".into()],
+            response_header: true,
+        }
+    }
+}
+
+/// Where the snapshot stream comes from.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SubscribeConfig {
+    /// Envoy cluster of the host's gRPC server.
+    pub cluster: String,
+    /// Reopen the stream if no message (snapshot or heartbeat) arrived for this long.
+    pub idle_timeout_ms: u64,
+    /// Tick period of the root context (reconnects, watchdog).
+    pub tick_ms: u64,
+}
+
+impl Default for SubscribeConfig {
+    fn default() -> Self {
+        Self { cluster: "attache_host".into(), idle_timeout_ms: 5_000, tick_ms: 500 }
+    }
+}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    pub role: Role,
+    /// Scheduler pipeline settings (weights, prefix hashing, saturation, body limit).
+    pub scheduler: SchedulerConfig,
+    /// Open the snapshot stream from this root context. Always on for `agent`; for
+    /// `scheduler` it selects per-worker mode.
+    pub subscribe: Option<SubscribeConfig>,
+    /// Custom scorers and rollout.
+    pub scoring: ScoringConfig,
+    /// Flow control: request classes and shedding (policies::flow).
+    pub flow: crate::flow::FlowConfig,
+    /// Session and Responses API affinity (policies::session).
+    pub sessions: crate::session::SessionConfig,
+}
+
+impl FilterConfig {
+    /// Parse the configuration; an empty configuration means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Self, String> {
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Ok(Self::default());
+        }
+        let c: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        c.check_memory()?;
+        Ok(c)
+    }
+
+    /// The tables allocated once per worker must fit the VM: Envoy caps a Wasm VM's memory
+    /// at 1 GiB, and a VM that cannot allocate them traps at start.
+    fn check_memory(&self) -> Result<(), String> {
+        let p = &self.scheduler.prefix;
+        if p.index_capacity > MAX_INDEX_CAPACITY {
+            return Err(format!(
+                "scheduler.prefix.index_capacity {} exceeds {MAX_INDEX_CAPACITY} (32 bytes a block, allocated in every worker)",
+                p.index_capacity
+            ));
+        }
+        if p.shared_slots > MAX_SHARED_SLOTS {
+            return Err(format!(
+                "scheduler.prefix.shared_slots {} exceeds {MAX_SHARED_SLOTS} (16 bytes a slot, allocated in every worker)",
+                p.shared_slots
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Most blocks the approximate index may hold: 128 MB of the VM.
+pub const MAX_INDEX_CAPACITY: usize = 4_000_000;
+/// Most entries of the cross-worker affinity table: 64 MB of the VM.
+pub const MAX_SHARED_SLOTS: u64 = 4 * 1024 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_too_large_for_the_vm_are_refused_with_the_field_named() {
+        let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":10000000000}}}"#).unwrap_err();
+        assert!(e.contains("index_capacity 10000000000 exceeds 4000000"), "{e}");
+        let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"shared_slots":99999999}}}"#).unwrap_err();
+        assert!(e.contains("shared_slots 99999999 exceeds"), "{e}");
+        assert!(FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":4000000}}}"#).is_ok());
+    }
+
+    #[test]
+    fn parses_defaults_and_rejects_typos() {
+        assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
+        let c = FilterConfig::parse(br#"{"role":"agent","subscribe":{"cluster":"h"}}"#).unwrap();
+        assert_eq!(c.role, Role::Agent);
+        assert_eq!(c.subscribe.unwrap().cluster, "h");
+        let c = FilterConfig::parse(br#"{"scheduler":{"max_body_bytes":10,"weights":{"prefix":1.0}}}"#).unwrap();
+        assert_eq!(c.scheduler.max_body_bytes, 10);
+        assert_eq!(c.scheduler.weights.prefix, 1.0);
+        assert_eq!(c.scheduler.weights.queue, 2.0);
+        assert!(FilterConfig::parse(br#"{"rol":"agent"}"#).is_err());
+        assert!(FilterConfig::parse(b"{").is_err());
+    }
+}
