@@ -10,7 +10,7 @@ fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct HostConfig {
     /// gRPC listen address for the snapshot stream (Envoy's `attache_host` cluster).
@@ -70,7 +70,7 @@ impl Default for HostConfig {
 }
 
 /// `flow:` in the host configuration.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct FlowInputs {
     /// llm-d's utilization detector settings (queue 5, KV 0.8, metrics older than 200 ms
@@ -96,5 +96,25 @@ impl HostConfig {
 
     pub fn from_yaml(text: &str) -> anyhow::Result<Self> {
         Ok(serde_yaml::from_str(text)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(name: &str, value: &impl serde::Serialize) {
+        let yaml = serde_yaml::to_string(value).unwrap();
+        attache_fixtures::check_generated_block("docs/configuration.md", name, "yaml", &yaml).unwrap();
+    }
+
+    /// `docs/configuration.md` shows exactly the code's defaults, and they parse back.
+    #[test]
+    fn configuration_doc_shows_the_defaults() {
+        check("host-defaults", &HostConfig::default());
+        check("host-kubernetes-defaults", &crate::kubernetes::KubernetesConfig::default());
+        check("host-policy-auto-defaults", &crate::policy::service::AutoPolicy::default());
+        let text = serde_yaml::to_string(&HostConfig::default()).unwrap();
+        assert_eq!(HostConfig::from_yaml(&text).unwrap().grpc_listen, HostConfig::default().grpc_listen);
     }
 }

@@ -41,7 +41,7 @@ pub struct PrefixConfig {
     /// the peer benchmarks' pool (8 engines of 19,212 16-token blocks); a pool with more cache
     /// needs more. A larger table costs
     /// request time in Envoy: each decision touches a dozen random pages of it, and at 200,000
-    /// (6.4 MB) a 4 KB request took 14 µs more Envoy CPU (README, Benchmarks).
+    /// (6.4 MB) a 4 KB request took 14 µs more Envoy CPU (docs/benchmarks.md).
     pub index_capacity: usize,
     /// Entries of each worker's cross-worker affinity table (block hash → endpoint, 16 bytes
     /// each); 0 disables sharing decisions between Envoy workers.

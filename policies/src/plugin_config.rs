@@ -129,6 +129,14 @@ mod tests {
         assert!(FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":4000000}}}"#).is_ok());
     }
 
+    /// `docs/configuration.md` shows exactly the code's defaults.
+    #[test]
+    fn configuration_doc_shows_the_defaults() {
+        let json = serde_json::to_string_pretty(&FilterConfig::default()).unwrap();
+        attache_fixtures::check_generated_block("docs/configuration.md", "scheduler-filter-defaults", "json", &json)
+            .unwrap();
+    }
+
     #[test]
     fn parses_defaults_and_rejects_typos() {
         assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());

@@ -17,7 +17,7 @@ use serde::Deserialize;
 pub use watch::{spawn, Discovered};
 
 /// `kubernetes:` in the host configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct KubernetesConfig {
     /// A kubeconfig file. Default: the pod's service account in a cluster, else `$KUBECONFIG`

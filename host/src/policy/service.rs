@@ -18,7 +18,7 @@ use super::signing::TrustStore;
 use super::store::{ModuleRecord, ModuleStore, UploadError};
 
 /// When the controller promotes or rolls back a canary on its own.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AutoPolicy {
     pub enabled: bool,
@@ -57,7 +57,7 @@ impl Default for AutoPolicy {
 }
 
 /// `policy:` in the host configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, serde::Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PolicyConfig {
     /// Module store, rollout state and transition log.
