@@ -321,3 +321,145 @@ fn misconfigurations_fail_with_clear_messages() {
         assert!(err.contains(message), "{sets:?}: {err}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Metrics: the host's `/metrics` and the gateway's `/stats/prometheus` (scrape annotations,
+// optional ServiceMonitors) and the Grafana dashboard ConfigMap.
+
+#[test]
+fn metrics_are_scrapeable_and_the_dashboard_covers_the_host_and_the_filter() {
+    /// The `expr` of every query in a dashboard's panels, rows' nested panels included.
+    fn exprs(panels: &Value, out: &mut Vec<String>) {
+        for p in panels.as_array().into_iter().flatten() {
+            out.extend(
+                p["targets"].as_array().into_iter().flatten().filter_map(|q| q["expr"].as_str().map(str::to_owned)),
+            );
+            exprs(&p["panels"], out);
+        }
+    }
+    fn deployment<'a>(d: &'a [Value], name: &str) -> &'a Value {
+        of_kind(d, "Deployment").into_iter().find(|x| x["metadata"]["name"] == name).expect("the Deployment")
+    }
+    let t = tools();
+    let d = docs(&t.render(None, &[]).expect("render"));
+
+    // The dashboard: a ConfigMap the Grafana sidecar finds by its label, holding the chart's
+    // dashboards/attache.json.
+    let boards: Vec<&Value> =
+        of_kind(&d, "ConfigMap").into_iter().filter(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1").collect();
+    assert_eq!(boards.len(), 1, "one dashboard ConfigMap labelled grafana_dashboard: \"1\"");
+    let json = boards[0]["data"]["attache.json"].as_str().expect("data.attache.json");
+    let board: Value = serde_json::from_str(json).expect("the dashboard is JSON");
+    let file = std::fs::read_to_string(t.chart().join("dashboards/attache.json")).expect("dashboards/attache.json");
+    assert_eq!(board, serde_json::from_str::<Value>(&file).expect("JSON"), "the ConfigMap embeds the file");
+    let panels = board["panels"].as_array().expect("panels");
+    assert!(panels.iter().filter(|p| p["type"] != "row").count() >= 10, "the dashboard has panels");
+    assert!(
+        board["templating"]["list"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|v| v["name"] == "datasource" && v["type"] == "datasource" && v["query"] == "prometheus"),
+        "a `datasource` Prometheus variable"
+    );
+    for p in panels.iter().filter(|p| p["type"] != "row") {
+        assert_eq!(p["datasource"]["uid"], "${datasource}", "panel {} queries ${{datasource}}", p["title"]);
+    }
+    let mut queries = Vec::new();
+    exprs(&board["panels"], &mut queries);
+    let names: std::collections::HashSet<&str> = queries
+        .iter()
+        .flat_map(|e| e.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')))
+        .filter(|n| !n.is_empty())
+        .collect();
+    // Every metric family the host serves on /metrics (a histogram through its series).
+    for family in [
+        "attache_host_scrape_duration_seconds",
+        "attache_host_scrape_errors_total",
+        "attache_host_scrape_age_seconds",
+        "attache_host_endpoints",
+        "attache_host_kv_events_ingested_total",
+        "attache_host_kv_events_dropped_total",
+        "attache_host_kv_index_blocks",
+        "attache_host_snapshot_version",
+        "attache_host_snapshots_published_total",
+        "attache_host_snapshot_bytes_total",
+        "attache_host_subscribers",
+        "attache_host_policy_transitions_total",
+    ] {
+        assert!(
+            ["", "_bucket", "_sum", "_count"].iter().any(|s| names.contains(format!("{family}{s}").as_str())),
+            "no panel queries the host's {family}"
+        );
+    }
+    assert!(names.contains("attache_host_scrape_duration_seconds_bucket"), "scrape latency quantiles");
+    // The scheduler filter's stats as Envoy's /stats/prometheus names them (no `envoy_` prefix,
+    // the endpoint as a label).
+    for name in [
+        "attache_requests_scheduled",
+        "attache_decision_us_bucket",
+        "attache_endpoint_picks",
+        "attache_prefix_blocks_matched",
+        "attache_prefix_blocks_total",
+        "attache_flow_queued",
+        "attache_host_silent_ms",
+    ] {
+        assert!(names.contains(name), "no panel queries the filter's {name}");
+    }
+    assert!(names.iter().any(|n| n.starts_with("attache_flow_shed_")), "flow-control shed counts");
+
+    // Scrape annotations on the host (admin port, /metrics) and the gateway (metrics listener).
+    for (name, port, path) in
+        [("llama-attache-host", "admin", "/metrics"), ("llama-attache-gateway", "metrics", "/stats/prometheus")]
+    {
+        let dep = deployment(&d, name);
+        let ann = &dep["spec"]["template"]["metadata"]["annotations"];
+        assert_eq!(ann["prometheus.io/scrape"], "true", "{name}");
+        assert_eq!(ann["prometheus.io/path"], path, "{name}");
+        let container_port = dep["spec"]["template"]["spec"]["containers"][0]["ports"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["name"] == port)
+            .map(|p| p["containerPort"].to_string())
+            .expect("the named container port");
+        assert_eq!(ann["prometheus.io/port"].as_str(), Some(container_port.as_str()), "{name}");
+    }
+    let d =
+        docs(&t.render(None, &["metrics.scrapeAnnotations=false", "metrics.dashboard.enabled=false"]).expect("render"));
+    let ann = &deployment(&d, "llama-attache-host")["spec"]["template"]["metadata"]["annotations"];
+    assert!(ann.as_object().is_some_and(|a| a.keys().all(|k| !k.starts_with("prometheus.io/"))), "{ann}");
+    assert!(of_kind(&d, "ConfigMap").iter().all(|c| c["metadata"]["labels"]["grafana_dashboard"].is_null()));
+
+    // ServiceMonitors: none by default; when enabled, one per source, each selecting exactly
+    // the Service that has the port it scrapes.
+    assert!(of_kind(&docs(&t.render(None, &[]).expect("render")), "ServiceMonitor").is_empty());
+    let d = docs(&t.render(None, &["metrics.serviceMonitor.enabled=true"]).expect("render"));
+    let monitors = of_kind(&d, "ServiceMonitor");
+    assert_eq!(monitors.len(), 2, "the host and the gateway");
+    let services = of_kind(&d, "Service");
+    for (name, path) in [("llama-attache-host", "/metrics"), ("llama-attache-gateway", "/stats/prometheus")] {
+        let m = monitors.iter().find(|m| m["metadata"]["name"] == name).expect("the ServiceMonitor");
+        assert_eq!(m["apiVersion"], "monitoring.coreos.com/v1");
+        assert_eq!(m["spec"]["namespaceSelector"]["matchNames"], serde_json::json!(["ml"]));
+        let endpoint = &m["spec"]["endpoints"][0];
+        assert_eq!(endpoint["path"], path, "{name}");
+        let wanted = m["spec"]["selector"]["matchLabels"].as_object().expect("matchLabels");
+        let selected: Vec<_> =
+            services.iter().filter(|s| wanted.iter().all(|(k, v)| s["metadata"]["labels"][k] == *v)).collect();
+        assert_eq!(selected.len(), 1, "{name} selects one Service");
+        assert!(
+            selected[0]["spec"]["ports"].as_array().into_iter().flatten().any(|p| p["name"] == endpoint["port"]),
+            "{name}: the selected Service has no port {}",
+            endpoint["port"]
+        );
+    }
+    // Istio mode: no gateway of the chart's own, so only the host's.
+    let d = docs(
+        &t.render(Some(&t.chart().join("ci/istio-values.yaml")), &["metrics.serviceMonitor.enabled=true"])
+            .expect("render"),
+    );
+    let monitors = of_kind(&d, "ServiceMonitor");
+    assert_eq!(monitors.len(), 1);
+    assert_eq!(monitors[0]["metadata"]["name"], "llama-attache-host");
+}
