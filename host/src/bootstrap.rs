@@ -49,8 +49,8 @@ pub enum BootstrapError {
     BadEndpoint(String),
     #[error("this template lists the pool's endpoints itself; it cannot take them from EDS")]
     NoEds,
-    #[error("placeholder {0} is not filled")]
-    Unfilled(String),
+    #[error("unknown placeholder {0}")]
+    Unknown(String),
 }
 
 /// The static `lb_endpoints` entries, one line each.
@@ -112,8 +112,44 @@ fn quoted(v: &serde_json::Value) -> String {
     v.to_string().replace('\'', "''")
 }
 
-/// Fill `template`'s placeholders.
+/// Every placeholder a template may hold.
+const PLACEHOLDERS: &[&str] = &[
+    "SCORER_FILTERS",
+    "POOL_DISCOVERY",
+    "POOL_ENDPOINTS",
+    "ADMIN_ADDRESS",
+    "ADMIN_PORT",
+    "LISTEN_ADDRESS",
+    "LISTEN_PORT",
+    "HOST_GRPC_ADDRESS",
+    "HOST_GRPC_PORT",
+    "WASM",
+    "SCHEDULER_CONFIG_SINGLE",
+    "SCHEDULER_CONFIG_PER_WORKER",
+    "SCHEDULER_CONFIG",
+];
+
+/// The first `{{NAME}}` in `template` (upper case and `_`) that is not a known placeholder.
+/// Checked on the template, before any value goes in: a value may hold braces of its own (a
+/// Jinja chat template in the scheduler configuration does).
+fn unknown_placeholder(template: &str) -> Option<String> {
+    let mut rest = template;
+    while let Some(i) = rest.find("{{") {
+        rest = &rest[i + 2..];
+        let name: String = rest.chars().take_while(|c| c.is_ascii_uppercase() || *c == '_').collect();
+        if !name.is_empty() && rest[name.len()..].starts_with("}}") && !PLACEHOLDERS.contains(&name.as_str()) {
+            return Some(format!("{{{{{name}}}}}"));
+        }
+    }
+    None
+}
+
+/// Fill `template`'s placeholders. The scheduler configuration goes in last, so nothing in it
+/// is taken for a placeholder.
 pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> {
+    if let Some(name) = unknown_placeholder(template) {
+        return Err(BootstrapError::Unknown(name));
+    }
     let mut scheduler = p.scheduler_config.clone();
     if !p.scorer_slots.is_empty() {
         scheduler["scoring"]["context"] = serde_json::json!(true);
@@ -123,8 +159,15 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
     single["scheduler"]["max_endpoints"] = serde_json::json!(1);
     let mut per_worker = scheduler.clone();
     per_worker["subscribe"] = serde_json::json!({"cluster": "attache_host"});
-    let mut out = template
-        .replace("{{SCORER_FILTERS}}\n", &scorer_filters(p.scorer_slots))
+    let mut out = template.replace("{{SCORER_FILTERS}}\n", &scorer_filters(p.scorer_slots));
+    if out.contains("{{POOL_DISCOVERY}}") {
+        out = out.replace("{{POOL_DISCOVERY}}\n", &pool_discovery(p.pool)?);
+    }
+    if out.contains("{{POOL_ENDPOINTS}}") {
+        let Pool::Static(addresses) = p.pool else { return Err(BootstrapError::NoEds) };
+        out = out.replace("{{POOL_ENDPOINTS}}\n", &lb_endpoints(addresses)?);
+    }
+    Ok(out
         .replace("{{ADMIN_ADDRESS}}", &p.admin.ip().to_string())
         .replace("{{ADMIN_PORT}}", &p.admin.port().to_string())
         .replace("{{LISTEN_ADDRESS}}", &p.listen.ip().to_string())
@@ -134,19 +177,7 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         .replace("{{WASM}}", &p.wasm.display().to_string())
         .replace("{{SCHEDULER_CONFIG_SINGLE}}", &quoted(&single))
         .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &quoted(&per_worker))
-        .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler));
-    if out.contains("{{POOL_DISCOVERY}}") {
-        out = out.replace("{{POOL_DISCOVERY}}\n", &pool_discovery(p.pool)?);
-    }
-    if out.contains("{{POOL_ENDPOINTS}}") {
-        let Pool::Static(addresses) = p.pool else { return Err(BootstrapError::NoEds) };
-        out = out.replace("{{POOL_ENDPOINTS}}\n", &lb_endpoints(addresses)?);
-    }
-    if let Some(start) = out.find("{{") {
-        let name: String = out[start..].chars().take_while(|c| *c != '}').collect();
-        return Err(BootstrapError::Unfilled(format!("{name}}}}}")));
-    }
-    Ok(out)
+        .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler)))
 }
 
 #[cfg(test)]
@@ -210,7 +241,11 @@ mod tests {
         let bad = Pool::Static(vec!["engine-1:8000".into()]);
         assert!(matches!(render(ATTACHE_TEMPLATE, &params(&bad, &cfg, &[])), Err(BootstrapError::BadEndpoint(_))));
         let e = render("a: {{NOPE}}\n", &params(&Pool::Eds, &cfg, &[])).unwrap_err();
-        assert_eq!(e.to_string(), "placeholder {{NOPE}} is not filled");
+        assert_eq!(e.to_string(), "unknown placeholder {{NOPE}}");
+        // Braces inside a value are the value's own: a Jinja chat template passes through.
+        let jinja = serde_json::json!({"chat_template": "{{ m['role'] }} {{WASM}} {{POOL_DISCOVERY}}"});
+        let y = render(ATTACHE_TEMPLATE, &params(&Pool::Eds, &jinja, &[])).unwrap();
+        assert!(y.contains("{{ m[''role''] }} {{WASM}} {{POOL_DISCOVERY}}"), "{y}");
         let e = render("eps:\n{{POOL_ENDPOINTS}}\n", &params(&Pool::Eds, &cfg, &[])).unwrap_err();
         assert!(matches!(e, BootstrapError::NoEds));
     }

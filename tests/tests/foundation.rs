@@ -455,10 +455,19 @@ async fn per_worker_streams_work_without_the_bootstrap_singleton() {
     s.start_host().expect("host");
     s.start_envoy(EnvoyKind::AttachePerWorker, &Stack::default_scheduler_config(), 2).expect("envoy");
     s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
-    // Envoy's main thread plus its two workers each hold a snapshot stream; the fourth is
-    // Envoy's ECDS stream for the scheduler slot.
-    let streams = s.envoy_stat("cluster.attache_host.upstream_rq_active");
-    assert_eq!(streams, 4, "one snapshot stream per worker plus the main thread, and ECDS");
+    // Envoy's main thread plus its two workers each hold a snapshot stream (counted by the
+    // host as open streams). A worker opens its stream at its first tick, which can come after
+    // another worker's snapshot already reached the filters.
+    let subscribers = || {
+        http_get_blocking(s.host_admin_port, "/metrics")
+            .and_then(|m| m.lines().find_map(|l| l.strip_prefix("attache_host_subscribers ")?.parse::<u64>().ok()))
+            .unwrap_or(0)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while subscribers() < 3 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(subscribers(), 3, "one snapshot stream per worker plus the main thread");
     let http = fresh_client();
     let prefix = long_prefix("per-worker");
     let mut ports = HashSet::new();
