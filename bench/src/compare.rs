@@ -71,18 +71,22 @@ fn words_per_token() -> anyhow::Result<f64> {
 /// Drive the whole plan against `url`: each session starts at its time and runs its turns in
 /// order, carrying the conversation so far; a failed turn ends its session, and the turns it
 /// did not send count as errors.
-async fn drive(url: &str, plan: Arc<Vec<SessionPlan>>, scale: f64, timeout_s: f64) -> Vec<Sent> {
+async fn drive(label: &str, url: &str, plan: Arc<Vec<SessionPlan>>, scale: f64, timeout_s: f64) -> Vec<Sent> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4096)
         .timeout(Duration::from_secs_f64(timeout_s * scale))
         .build()
         .unwrap_or_default();
     let start = tokio::time::Instant::now();
+    let turns = plan.iter().map(|p| p.users.len()).sum();
+    let stages = plan.iter().map(|p| p.stage).max().unwrap_or(0) + 1;
+    let progress = crate::progress::Progress::start(label, turns, stages, Duration::from_secs(10));
     let mut handles = Vec::with_capacity(plan.len());
     for i in 0..plan.len() {
         let p = &plan[i];
         tokio::time::sleep_until(start + Duration::from_secs_f64(p.start_s * scale)).await;
-        let (http, url, plan) = (http.clone(), url.to_string(), plan.clone());
+        progress.stage(p.stage);
+        let (http, url, plan, progress) = (http.clone(), url.to_string(), plan.clone(), progress.clone());
         handles.push(tokio::spawn(async move {
             let p = &plan[i];
             let sid = format!("session-{}", p.id);
@@ -104,8 +108,10 @@ async fn drive(url: &str, plan: Arc<Vec<SessionPlan>>, scale: f64, timeout_s: f6
                 o.body.truncate(300);
                 let failed = !(o.ok() && o.done);
                 out.push(Sent { stage: p.stage, at, outcome: o });
+                progress.done();
                 if failed {
                     for _ in k + 1..p.users.len() {
+                        progress.done();
                         let error = Some("not sent: an earlier turn of the session failed".to_string());
                         out.push(Sent { stage: p.stage, at, outcome: Outcome { error, ..Outcome::default() } });
                     }
@@ -204,7 +210,7 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
     let (q0, h0) = stack.prefix_counters().await?;
     let lost0 = stack.sim_lost_ms().await?;
     let t0 = Instant::now();
-    let sent = drive(&url, plan, pool.time_scale, sc.request_timeout_s).await;
+    let sent = drive(&format!("{}/{system}", sc.name), &url, plan, pool.time_scale, sc.request_timeout_s).await;
     let real = t0.elapsed().as_secs_f64();
     let (q1, h1) = stack.prefix_counters().await?;
     let lost = stack.sim_lost_ms().await? - lost0;

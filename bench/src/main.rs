@@ -10,6 +10,7 @@ mod pd;
 mod peers;
 mod policy;
 mod procstat;
+mod progress;
 mod run;
 mod scenario;
 mod shared_prefix;
@@ -22,6 +23,7 @@ static ALLOC: kv_ingest::Counting = kv_ingest::Counting;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use anyhow::Context;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use clap::{Parser, Subcommand};
 use serde_json::json;
@@ -156,7 +158,13 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         },
         "runs": rows,
     });
-    crate::run::write_results(&a.out, doc)
+    crate::run::write_results(&a.out, doc)?;
+    let plot = a.out.with_extension("svg");
+    let title = format!("shared-prefix chat: {} engines, {} requests", a.engines, items.len());
+    std::fs::write(&plot, crate::run::bars_svg(&title, &rows))
+        .with_context(|| format!("writing {}", plot.display()))?;
+    println!("wrote {}", plot.display());
+    Ok(())
 }
 
 #[tokio::main]

@@ -40,15 +40,19 @@ pub async fn drive(
 ) -> (Vec<Outcome>, Duration) {
     let sem = Arc::new(Semaphore::new(concurrency.max(1)));
     let start = Instant::now();
+    let progress = crate::progress::Progress::start(url, items.len(), 1, Duration::from_secs(5));
     let mut handles = Vec::with_capacity(items.len());
     for it in items {
         let permit = sem.clone().acquire_owned().await;
         let http = http.clone();
         let url = url.to_string();
         let body = client::chat_body(model, &it.system, &it.user, it.max_tokens);
+        let progress = progress.clone();
         handles.push(tokio::spawn(async move {
             let _p = permit;
-            client::post(&http, &url, body, &[]).await
+            let o = client::post(&http, &url, body, &[]).await;
+            progress.done();
+            o
         }));
     }
     let mut out = Vec::with_capacity(handles.len());
@@ -205,4 +209,95 @@ pub fn summarise_stages(
         })
         .collect();
     (row, stages)
+}
+
+/// One bar panel of [`bars_svg`]: its title and the figure it shows.
+type BarPanel = (&'static str, fn(&RunSummary) -> f64);
+
+/// An SVG of side-by-side bars, one panel per figure (TTFT p50 and p95, output, prefix hit
+/// rate), one bar per system, each labelled with its value.
+pub fn bars_svg(title: &str, rows: &[RunSummary]) -> String {
+    const COLORS: [&str; 6] = ["#7f7f7f", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
+    let panels: [BarPanel; 4] = [
+        ("TTFT p50 (ms)", |r| r.ttft_p50_ms),
+        ("TTFT p95 (ms)", |r| r.ttft_p95_ms),
+        ("output tok/s", |r| r.output_tok_per_s),
+        ("prefix hit rate", |r| r.prefix_hit_rate),
+    ];
+    let (pw, ph, top, bottom) = (200.0, 220.0, 40.0, 30.0);
+    let mut out = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"11\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"18\" font-size=\"14\">{title}</text>\n",
+        pw * panels.len() as f64 + 20.0,
+        top + ph + bottom + 16.0 * rows.len() as f64
+    );
+    for (pi, (label, get)) in panels.iter().enumerate() {
+        let ox = 10.0 + pi as f64 * pw;
+        let max = rows.iter().map(get).fold(0.0, f64::max).max(1e-9);
+        out.push_str(&format!("<text x=\"{}\" y=\"{}\" font-weight=\"bold\">{label}</text>\n", ox + 10.0, top));
+        let bw = (pw - 40.0) / rows.len().max(1) as f64;
+        let base = top + ph;
+        out.push_str(&format!(
+            "<line x1=\"{}\" y1=\"{base}\" x2=\"{}\" y2=\"{base}\" stroke=\"black\"/>\n",
+            ox + 10.0,
+            ox + pw - 20.0
+        ));
+        for (i, r) in rows.iter().enumerate() {
+            let v = get(r);
+            let h = (ph - 40.0) * v / max;
+            let x = ox + 14.0 + i as f64 * bw;
+            out.push_str(&format!(
+                "<rect x=\"{x:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{h:.1}\" fill=\"{}\"/>\n\
+                 <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">{}</text>\n",
+                base - h,
+                bw - 8.0,
+                COLORS[i % COLORS.len()],
+                x + (bw - 8.0) / 2.0,
+                base - h - 4.0,
+                if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.3}") }
+            ));
+        }
+    }
+    for (i, r) in rows.iter().enumerate() {
+        let y = top + ph + bottom + 16.0 * i as f64;
+        out.push_str(&format!(
+            "<rect x=\"10\" y=\"{:.1}\" width=\"12\" height=\"10\" fill=\"{}\"/><text x=\"28\" y=\"{y:.1}\">{}</text>\n",
+            y - 9.0,
+            COLORS[i % COLORS.len()],
+            r.system
+        ));
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(system: &str, ttft: f64, tok: f64) -> RunSummary {
+        RunSummary {
+            system: system.into(),
+            requests: 10,
+            ttft_p50_ms: ttft,
+            ttft_p95_ms: 2.0 * ttft,
+            output_tok_per_s: tok,
+            prefix_hit_rate: 0.5,
+            errors: 0,
+            wall_s: 1.0,
+        }
+    }
+
+    #[test]
+    fn bars_show_every_system_and_figure() {
+        let svg = bars_svg("demo", &[row("round-robin", 176.9, 418.4), row("attache", 64.3, 528.4)]);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        for want in
+            ["round-robin", "attache", "TTFT p50 (ms)", "output tok/s", "prefix hit rate", ">528<", ">177<", ">0.500<"]
+        {
+            assert!(svg.contains(want), "missing {want}");
+        }
+        // The background, a bar per system in each of the four panels, a legend swatch each.
+        assert_eq!(svg.matches("<rect").count(), 1 + 4 * 2 + 2);
+    }
 }

@@ -149,7 +149,7 @@ fn arrivals(stages: &[Stage], interval_s: f64, seed: u64) -> Vec<(f64, usize)> {
     out
 }
 
-async fn drive(stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64, usize)]) -> Vec<Sent> {
+async fn drive(label: &str, stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64, usize)]) -> Vec<Sent> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4096)
         .timeout(Duration::from_secs_f64(a.request_timeout_s * a.time_scale))
@@ -157,11 +157,14 @@ async fn drive(stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64,
         .unwrap_or_default();
     let url = stack.url("/v1/completions");
     let start = tokio::time::Instant::now();
+    let stages = plan.iter().map(|p| p.1).max().unwrap_or(0) + 1;
+    let progress = crate::progress::Progress::start(label, plan.len(), stages, Duration::from_secs(10));
     let mut handles = Vec::with_capacity(plan.len());
     for (n, &(t, stage)) in plan.iter().enumerate() {
         tokio::time::sleep_until(start + Duration::from_secs_f64(t * a.time_scale)).await;
+        progress.stage(stage);
         let prompt = prompts[n % prompts.len()].clone();
-        let (http, url, max_tokens) = (http.clone(), url.clone(), a.output_tokens);
+        let (http, url, max_tokens, progress) = (http.clone(), url.clone(), a.output_tokens, progress.clone());
         handles.push(tokio::spawn(async move {
             let at = start.elapsed();
             let body = json!({"model": "tinyllama", "prompt": &*prompt, "max_tokens": max_tokens,
@@ -169,6 +172,7 @@ async fn drive(stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64,
             .to_string()
             .into_bytes();
             let mut outcome = client::post(&http, &url, body, &[]).await;
+            progress.done();
             outcome.events.clear();
             outcome.body.truncate(512);
             Sent { stage, at, outcome }
@@ -261,7 +265,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
         let (q0, h0) = stack.prefix_counters().await?;
         let t0 = Instant::now();
-        let sent = drive(&stack, &a, &prompts, &plan).await;
+        let sent = drive(&format!("shared-prefix/{system}"), &stack, &a, &prompts, &plan).await;
         let (q1, h1) = stack.prefix_counters().await?;
         let lost_ms = stack.sim_lost_ms().await?;
         let engine_s = t0.elapsed().as_secs_f64() * f64::from(a.engines);

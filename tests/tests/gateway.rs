@@ -214,3 +214,31 @@ async fn the_host_serves_its_metrics_with_what_the_engines_published() {
         assert!(value.parse::<f64>().is_ok(), "bad sample line {l:?}");
     }
 }
+
+/// `cargo xtask up`'s launcher: it starts the stack, checks a request end to end, prints the
+/// three URLs, and leaves no process behind when it stops.
+#[test]
+fn up_starts_the_stack_prints_its_urls_and_stops_everything() {
+    let s = Stack::new("up-check").expect("stack");
+    let bench = s.paths.host_bin.with_file_name("attache-bench");
+    let (port, envoy_admin, host_admin) = (free_port(), free_port(), free_port());
+    let out = Command::new(&bench)
+        .current_dir(&s.paths.root)
+        .args(["up", "--check", "--engines", "2", "--time-scale", "0.05"])
+        .args(["--port", &port.to_string(), "--envoy-admin-port", &envoy_admin.to_string()])
+        .args(["--host-admin-port", &host_admin.to_string()])
+        .output()
+        .expect("attache-bench up");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "up failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for url in [
+        format!("http://127.0.0.1:{port}/v1"),
+        format!("http://127.0.0.1:{envoy_admin}/stats/prometheus"),
+        format!("http://127.0.0.1:{host_admin}"),
+    ] {
+        assert!(stdout.contains(&url), "{url} not printed:\n{stdout}");
+    }
+    for p in [port, envoy_admin, host_admin] {
+        assert!(http_get_blocking(p, "/").is_none(), "port {p} still answers after up stopped");
+    }
+}

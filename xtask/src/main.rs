@@ -178,11 +178,23 @@ fn build() -> Result<()> {
     Ok(())
 }
 
-/// The native workspace in the test profile: every library, binary and test target in one
-/// cargo invocation, so the later `cargo test` runs reuse it all.
-fn build_tests() -> Result<()> {
+/// The binaries the e2e tests start (host, simulator) and `up`'s launcher, in the test profile.
+/// Built with `cargo build --bins` and the tests with `cargo test`: those two reuse each other's
+/// libraries, where `cargo build --all-targets` would compile the workspace's crates again.
+fn build_test_binaries() -> Result<()> {
     ensure_libzmq()?;
-    run(cargo().args(["build", "--profile", TEST_PROFILE, "--workspace", "--all-targets"]))
+    run(cargo().args([
+        "build",
+        "--profile",
+        TEST_PROFILE,
+        "-p",
+        "attache-host",
+        "-p",
+        "attache-sim",
+        "-p",
+        "attache-bench",
+        "--bins",
+    ]))
 }
 
 /// Run `cargo test ...`, echoing its output, and count the results of every test binary.
@@ -262,7 +274,7 @@ fn lint() -> Result<()> {
 fn unit(totals: &mut Totals) -> Result<()> {
     // The wire tests' independent publisher is Python's pyzmq and msgpack, in .venv.
     ensure_envoy()?;
-    build_tests()?;
+    ensure_libzmq()?;
     run_tests(cargo().args(["test", "--profile", TEST_PROFILE, "--workspace", "--exclude", "attache-e2e"]), totals)
 }
 
@@ -272,9 +284,10 @@ fn e2e(args: &[String], totals: &mut Totals) -> Result<()> {
     ensure_envoy()?;
     ensure_chart_tools()?;
     build_wasm()?;
-    build_tests()?;
+    build_test_binaries()?;
     let mut e2e = cargo();
-    e2e.args(["test", "--profile", TEST_PROFILE, "-p", "attache-e2e"]);
+    // Every test file runs even when one fails, so a red run shows all that is wrong.
+    e2e.args(["test", "--profile", TEST_PROFILE, "--no-fail-fast", "-p", "attache-e2e"]);
     // Anything else selects tests, as cargo does: `cargo xtask e2e --test gateway`.
     e2e.args(args.iter().filter(|a| !matches!(a.as_str(), "--include-ignored" | "--live-vllm")));
     e2e.args(["--", "--test-threads=1"]);
