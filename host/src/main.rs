@@ -273,56 +273,53 @@ async fn gateway(config: &std::path::Path, print_bootstrap: bool) -> anyhow::Res
         print!("{yaml}");
         return Ok(());
     }
-    let dir = std::env::temp_dir().join(format!("attache-gateway-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let bootstrap = dir.join("envoy.yaml");
-    std::fs::write(&bootstrap, &yaml).with_context(|| format!("writing {}", bootstrap.display()))?;
+    let envoy_bin = gw.envoy()?;
+    // Listen for Ctrl-C and SIGTERM before anything starts, so none is missed.
+    let mut shutdown = Box::pin(shutdown_signal()?);
+    let run_dir = attache_host::gateway::RunDir::create()?;
+    let bootstrap = run_dir.write("envoy.yaml", &yaml)?;
 
     // The host first, so Envoy's first EDS and snapshot requests find it listening.
     let host = Host::start(gw.host.clone()).await?;
-    let mut envoy = tokio::process::Command::new(&gw.envoy);
-    envoy.arg("-c").arg(&bootstrap).arg("--log-level").arg("warn");
-    // A base id of its own, so several gateways (or a gateway and another Envoy) can run on
-    // one machine; Envoy's hot-restart shared memory is keyed by it.
-    envoy.arg("--base-id").arg(u32::from(gw.config.envoy_admin.port()).to_string());
-    if let Some(n) = gw.config.concurrency {
-        envoy.arg("--concurrency").arg(n.to_string());
-    }
-    envoy.kill_on_drop(true);
-    let mut envoy = envoy.spawn().with_context(|| format!("starting Envoy ({})", gw.envoy.display()))?;
+    let mut envoy = attache_host::gateway::EnvoyProcess::spawn(
+        &envoy_bin,
+        &bootstrap,
+        gw.config.concurrency,
+        // A base id of its own, so several gateways (or a gateway and another Envoy) can run on
+        // one machine: Envoy's hot-restart shared memory is keyed by it.
+        std::process::id(),
+    )?;
     info!(
         listen = %gw.config.listen,
         envoy_admin = %gw.config.envoy_admin,
         host_admin = %gw.host.admin_listen,
         endpoints_file = %gw.config.endpoints_file.display(),
-        envoy_pid = envoy.id().unwrap_or(0),
+        envoy_pid = envoy.pid(),
         bootstrap = %bootstrap.display(),
         "attache gateway running"
     );
     let result = tokio::select! {
-        r = host.run() => r.and_then(|()| Err(anyhow::anyhow!("the host stopped"))),
+        biased;
+        _ = &mut shutdown => { info!("shutting down"); Ok(()) }
         st = envoy.wait() => Err(anyhow::anyhow!("Envoy exited ({}); its messages are above", st?)),
-        _ = shutdown_signal() => { info!("shutting down"); Ok(()) }
+        r = host.run() => r.and_then(|()| Err(anyhow::anyhow!("the host stopped"))),
     };
-    let _ = envoy.start_kill();
-    let _ = envoy.wait().await;
-    let _ = std::fs::remove_dir_all(&dir);
+    envoy.stop(std::time::Duration::from_secs(10)).await;
     result
 }
 
-/// Ctrl-C or SIGTERM (what Kubernetes and systemd send).
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-            return;
+/// Resolves on Ctrl-C or SIGTERM (what Kubernetes and systemd send). The handlers are
+/// installed when this is called, not when the future is first polled.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    })
 }
 
 /// Apply a discovery result: Envoy's pool (EDS), scrapers, pool state, and KV-event subscribers.
@@ -335,6 +332,7 @@ async fn apply_discovery(
     members: &eds::Members,
 ) {
     members.set(eps.endpoints.iter().map(|e| e.address.clone()).collect());
+    attache_host::telemetry::metrics().track(eps.endpoints.iter().map(|e| e.address.as_str()));
     scrapers.apply(eps.endpoints.clone()).await;
     let mut st = state.write().await;
     let sources = eps
@@ -357,10 +355,12 @@ async fn apply_discovery(
 }
 
 async fn run_host(cfg: HostConfig) -> anyhow::Result<()> {
+    let shutdown = shutdown_signal()?;
     let host = Host::start(cfg).await?;
     tokio::select! {
+        biased;
+        _ = shutdown => { info!("shutting down"); Ok(()) }
         r = host.run() => r,
-        _ = shutdown_signal() => { info!("shutting down"); Ok(()) }
     }
 }
 
@@ -481,7 +481,8 @@ impl Host {
             tokio::spawn(async move {
                 let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
                 loop {
-                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    // A stat(2) every 200 ms: an edited file takes effect within a fifth of a second.
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
                     let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
                     if now == last {
                         continue;
@@ -510,6 +511,9 @@ impl Host {
         let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));
         let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
         let serve = async move {
+            // Alive as long as the servers: ECDS streams end when their sender is gone, and
+            // EDS streams when the membership's is.
+            let _keep = (_no_policy_tx, members);
             tokio::select! {
                 r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }
                 r = admin => { if let Err(e) = r { error!(error = %e, "admin server stopped"); } }
