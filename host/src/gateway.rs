@@ -14,7 +14,8 @@
 //! host: {admin_listen: 127.0.0.1:9190}  # optional: any host configuration field
 //! scheduler: {}                   # optional: the scheduler filter's configuration
 //! ```
-//! Relative paths are read from the configuration file's folder.
+//! Relative paths (here and the host's `admin_token_file` and `policy` paths) are read from the
+//! configuration file's folder.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -97,8 +98,11 @@ pub struct Gateway {
     pub config: GatewayConfig,
     /// The host's configuration, with the gateway's endpoints file.
     pub host: HostConfig,
-    pub envoy: PathBuf,
     pub wasm: PathBuf,
+    /// The configuration file, for messages.
+    path: String,
+    /// Its folder, which relative paths are read from.
+    base: PathBuf,
 }
 
 fn resolve(base: &Path, p: &Path) -> PathBuf {
@@ -134,26 +138,8 @@ impl Gateway {
         }
         config.endpoints_file = resolve(&base, &config.endpoints_file);
         StaticEndpoints::load(&config.endpoints_file)?;
-        let scheduler = serde_json::to_vec(&config.scheduler).unwrap_or_default();
-        if let Err(message) = attache_policies::plugin_config::FilterConfig::parse(&scheduler) {
-            return Err(GatewayError::Scheduler { path: shown, message });
-        }
-
-        let mut tried = Vec::new();
-        let envoy_candidates: Vec<PathBuf> = match &config.envoy {
-            Some(p) if p.components().count() > 1 => vec![resolve(&base, p)],
-            Some(p) => vec![p.clone()],
-            None => std::env::var_os("ATTACHE_ENVOY")
-                .map(PathBuf::from)
-                .into_iter()
-                .chain([PathBuf::from("envoy")])
-                .collect(),
-        };
-        let envoy = envoy_candidates.iter().find_map(|c| {
-            tried.push(c.display().to_string());
-            find_program(c)
-        });
-        let envoy = envoy.ok_or_else(|| GatewayError::NoEnvoy { path: shown.clone(), tried: tried.join(", ") })?;
+        check_scheduler(&config.scheduler)
+            .map_err(|message| GatewayError::Scheduler { path: shown.clone(), message })?;
 
         let exe_dir = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)).unwrap_or_default();
         let wasm_candidates: Vec<PathBuf> = match &config.wasm {
@@ -175,7 +161,35 @@ impl Gateway {
 
         let mut host = config.host.clone();
         host.endpoints_file = Some(config.endpoints_file.clone());
-        Ok(Self { config, host, envoy, wasm })
+        if let Some(p) = host.admin_token_file.take() {
+            host.admin_token_file = Some(resolve(&base, &p));
+        }
+        if let Some(policy) = host.policy.as_mut() {
+            policy.store_dir = resolve(&base, &policy.store_dir);
+            policy.trust = resolve(&base, &policy.trust);
+            if let Some(p) = policy.admin_token_file.take() {
+                policy.admin_token_file = Some(resolve(&base, &p));
+            }
+        }
+        Ok(Self { config, host, wasm, path: shown, base })
+    }
+
+    /// The Envoy binary: `envoy:` (a path, or a name on `PATH`), else `$ATTACHE_ENVOY`, else
+    /// `envoy` on `PATH`.
+    pub fn envoy(&self) -> Result<PathBuf, GatewayError> {
+        let candidates: Vec<PathBuf> = match &self.config.envoy {
+            Some(p) if p.components().count() > 1 => vec![resolve(&self.base, p)],
+            Some(p) => vec![p.clone()],
+            None => std::env::var_os("ATTACHE_ENVOY")
+                .map(PathBuf::from)
+                .into_iter()
+                .chain([PathBuf::from("envoy")])
+                .collect(),
+        };
+        candidates.iter().find_map(|c| find_program(c)).ok_or_else(|| GatewayError::NoEnvoy {
+            path: self.path.clone(),
+            tried: candidates.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "),
+        })
     }
 
     /// Envoy's bootstrap: `envoy/attache.yaml` with the pool from the host's EDS.
@@ -190,6 +204,112 @@ impl Gateway {
             scorer_slots: &[],
         };
         Ok(bootstrap::render(bootstrap::ATTACHE_TEMPLATE, &params)?)
+    }
+}
+
+/// The scheduler section must parse as the filter's configuration, and be a scheduler's: the
+/// agent role or a `subscribe` section would turn the scheduler slot into something else.
+fn check_scheduler(v: &serde_json::Value) -> Result<(), String> {
+    if !v.is_object() {
+        return Err("must be a JSON object".into());
+    }
+    let bytes = serde_json::to_vec(v).map_err(|e| e.to_string())?;
+    let parsed = attache_policies::plugin_config::FilterConfig::parse(&bytes)?;
+    if parsed.role != attache_policies::plugin_config::Role::Scheduler {
+        return Err(format!("role must be \"scheduler\" here, not {:?}", parsed.role));
+    }
+    if parsed.subscribe.is_some() {
+        return Err("`subscribe` is set by the gateway (the bootstrap's snapshot agent holds the stream)".into());
+    }
+    Ok(())
+}
+
+/// A private folder for the rendered bootstrap: a fresh name, created (never reused) with mode
+/// 0700, so no other user can put or swap a file in it; removed when dropped.
+#[derive(Debug)]
+pub struct RunDir {
+    path: PathBuf,
+}
+
+impl RunDir {
+    pub fn create() -> std::io::Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let path = std::env::temp_dir().join(format!("attache-gateway-{}-{nanos:09}", std::process::id()));
+        std::fs::DirBuilder::new().mode(0o700).create(&path)?;
+        Ok(Self { path })
+    }
+
+    /// Write `name` in the folder; returns its path.
+    pub fn write(&self, name: &str, text: &str) -> std::io::Result<PathBuf> {
+        let p = self.path.join(name);
+        std::fs::write(&p, text)?;
+        Ok(p)
+    }
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// Envoy as the gateway's child: in its own process group (a terminal's Ctrl-C reaches the
+/// gateway, which stops Envoy in order) and sent SIGTERM by the kernel if the gateway dies
+/// without stopping it, so no Envoy outlives its gateway.
+#[derive(Debug)]
+pub struct EnvoyProcess {
+    child: tokio::process::Child,
+}
+
+impl EnvoyProcess {
+    pub fn spawn(envoy: &Path, bootstrap: &Path, concurrency: Option<u32>, base_id: u32) -> std::io::Result<Self> {
+        let mut cmd = tokio::process::Command::new(envoy);
+        cmd.arg("-c").arg(bootstrap).arg("--log-level").arg("warn").arg("--base-id").arg(base_id.to_string());
+        if let Some(n) = concurrency {
+            cmd.arg("--concurrency").arg(n.to_string());
+        }
+        cmd.process_group(0).kill_on_drop(true);
+        // SAFETY: between fork and exec only async-signal-safe calls are allowed; prctl and
+        // getppid are system calls that allocate nothing.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The gateway may have died between fork and prctl.
+                if libc::getppid() == 1 {
+                    return Err(std::io::Error::other("the gateway exited while starting Envoy"));
+                }
+                Ok(())
+            });
+        }
+        let child =
+            cmd.spawn().map_err(|e| std::io::Error::new(e.kind(), format!("starting {}: {e}", envoy.display())))?;
+        Ok(Self { child })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id().unwrap_or(0)
+    }
+
+    pub async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.child.wait().await
+    }
+
+    /// SIGTERM (Envoy closes its listeners and exits), then SIGKILL if it has not exited
+    /// within `grace`.
+    pub async fn stop(&mut self, grace: std::time::Duration) {
+        if let Some(pid) = self.child.id().and_then(|p| i32::try_from(p).ok()) {
+            // SAFETY: kill(2) with a pid this process spawned and has not reaped.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        if tokio::time::timeout(grace, self.child.wait()).await.is_err() {
+            let _ = self.child.kill().await;
+        }
     }
 }
 
@@ -234,6 +354,7 @@ mod tests {
         );
         let g = Gateway::load(&cfg).unwrap();
         assert_eq!(g.host.endpoints_file.as_deref(), Some(d.join("engines.yaml").as_path()));
+        assert_eq!(g.envoy().unwrap(), envoy);
         let y = g.bootstrap().unwrap();
         assert!(y.contains("type: EDS"), "{y}");
         assert!(y.contains(&d.join("filter.wasm").canonicalize().unwrap().display().to_string()), "{y}");
@@ -251,11 +372,22 @@ mod tests {
         assert!(err("endpoints_file: e.yaml\n").contains("`engine-1` is not ip:port"));
         write(&d, "e.yaml", "endpoints: []\n");
         assert!(err("endpoints_file: e.yaml\nscheduler: {\"schedulr\": {}}\n").contains("scheduler: unknown field"));
-        let e = err("endpoints_file: e.yaml\nenvoy: /nonexistent/envoy\n");
-        assert!(e.contains("Envoy not found: /nonexistent/envoy"), "{e}");
-        let envoy = write(&d, "envoy", "#!/bin/sh\n");
-        let e = err(&format!("endpoints_file: e.yaml\nenvoy: {}\nwasm: none.wasm\n", envoy.display()));
+        let e = err("endpoints_file: e.yaml\nwasm: none.wasm\n");
         assert!(e.contains("scheduler filter module was not found"), "{e}");
+        write(&d, "f.wasm", "\0asm");
+        let g = Gateway::load(&write(
+            &d,
+            "gateway.yaml",
+            "endpoints_file: e.yaml\nwasm: f.wasm\nenvoy: /nonexistent/envoy\n",
+        ))
+        .unwrap();
+        let e = g.envoy().unwrap_err().to_string();
+        assert!(e.contains("Envoy not found: /nonexistent/envoy"), "{e}");
+        assert!(
+            err("endpoints_file: e.yaml\nwasm: f.wasm\nscheduler: {\"role\": \"agent\"}\n").contains("role must be")
+        );
+        assert!(err("endpoints_file: e.yaml\nwasm: f.wasm\nscheduler: {\"subscribe\": {}}\n").contains("`subscribe`"));
+        assert!(err("endpoints_file: e.yaml\nwasm: f.wasm\nscheduler: [1]\n").contains("JSON object"));
         assert!(err("endpoints_file: e.yaml\nhost: {endpoints_file: x.yaml}\n").contains("host.endpoints_file"));
     }
 }
