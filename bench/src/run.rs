@@ -211,6 +211,11 @@ pub fn summarise_stages(
     (row, stages)
 }
 
+/// Text for an SVG document.
+fn xml(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
 /// One bar panel of [`bars_svg`]: its title and the figure it shows.
 type BarPanel = (&'static str, fn(&RunSummary) -> f64);
 
@@ -229,11 +234,14 @@ pub fn bars_svg(title: &str, rows: &[RunSummary]) -> String {
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"11\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"18\" font-size=\"14\">{title}</text>\n",
         pw * panels.len() as f64 + 20.0,
-        top + ph + bottom + 16.0 * rows.len() as f64
+        top + ph + bottom + 16.0 * rows.len() as f64,
+        title = xml(title)
     );
     for (pi, (label, get)) in panels.iter().enumerate() {
         let ox = 10.0 + pi as f64 * pw;
-        let max = rows.iter().map(get).fold(0.0, f64::max).max(1e-9);
+        // A system with no successful request has no figure: it draws as 0.
+        let value = |r: &RunSummary| Some(get(r)).filter(|v| v.is_finite() && *v > 0.0).unwrap_or(0.0);
+        let max = rows.iter().map(value).fold(0.0, f64::max).max(1e-9);
         out.push_str(&format!("<text x=\"{}\" y=\"{}\" font-weight=\"bold\">{label}</text>\n", ox + 10.0, top));
         let bw = (pw - 40.0) / rows.len().max(1) as f64;
         let base = top + ph;
@@ -243,7 +251,7 @@ pub fn bars_svg(title: &str, rows: &[RunSummary]) -> String {
             ox + pw - 20.0
         ));
         for (i, r) in rows.iter().enumerate() {
-            let v = get(r);
+            let v = value(r);
             let h = (ph - 40.0) * v / max;
             let x = ox + 14.0 + i as f64 * bw;
             out.push_str(&format!(
@@ -264,7 +272,7 @@ pub fn bars_svg(title: &str, rows: &[RunSummary]) -> String {
             "<rect x=\"10\" y=\"{:.1}\" width=\"12\" height=\"10\" fill=\"{}\"/><text x=\"28\" y=\"{y:.1}\">{}</text>\n",
             y - 9.0,
             COLORS[i % COLORS.len()],
-            r.system
+            xml(&r.system)
         ));
     }
     out.push_str("</svg>\n");
@@ -297,6 +305,8 @@ mod tests {
         {
             assert!(svg.contains(want), "missing {want}");
         }
+        let odd = bars_svg("a < b", &[row("x&y", f64::NAN, -1.0)]);
+        assert!(odd.contains("a &lt; b") && odd.contains("x&amp;y") && !odd.contains("NaN"), "{odd}");
         // The background, a bar per system in each of the four panels, a legend swatch each.
         assert_eq!(svg.matches("<rect").count(), 1 + 4 * 2 + 2);
     }

@@ -64,6 +64,9 @@ async fn stopped() {
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
+    // Listen for Ctrl-C and SIGTERM from the start: a stop during start-up then ends here, and
+    // dropping the stack stops what had started.
+    let stop = tokio::spawn(stopped());
     ensure_free(a.port, "--port")?;
     ensure_free(a.envoy_admin_port, "--envoy-admin-port")?;
     ensure_free(a.host_admin_port, "--host-admin-port")?;
@@ -109,7 +112,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     println!("Ctrl-C stops everything.");
-    stopped().await;
+    let _ = stop.await;
     eprintln!("up: stopping");
     // Dropping the stack stops the engines, the host and Envoy.
     drop(stack);

@@ -51,6 +51,8 @@ pub enum BootstrapError {
     NoEds,
     #[error("unknown placeholder {0}")]
     Unknown(String),
+    #[error("the scheduler configuration must be a JSON object")]
+    SchedulerNotObject,
 }
 
 /// The static `lb_endpoints` entries, one line each.
@@ -150,6 +152,9 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
     if let Some(name) = unknown_placeholder(template) {
         return Err(BootstrapError::Unknown(name));
     }
+    if !p.scheduler_config.is_object() {
+        return Err(BootstrapError::SchedulerNotObject);
+    }
     let mut scheduler = p.scheduler_config.clone();
     if !p.scorer_slots.is_empty() {
         scheduler["scoring"]["context"] = serde_json::json!(true);
@@ -174,7 +179,8 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         .replace("{{LISTEN_PORT}}", &p.listen.port().to_string())
         .replace("{{HOST_GRPC_ADDRESS}}", &p.host_grpc.ip().to_string())
         .replace("{{HOST_GRPC_PORT}}", &p.host_grpc.port().to_string())
-        .replace("{{WASM}}", &p.wasm.display().to_string())
+        // Inside a double-quoted YAML scalar.
+        .replace("{{WASM}}", &p.wasm.display().to_string().replace('\\', "\\\\").replace('"', "\\\""))
         .replace("{{SCHEDULER_CONFIG_SINGLE}}", &quoted(&single))
         .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &quoted(&per_worker))
         .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler)))
@@ -248,5 +254,10 @@ mod tests {
         assert!(y.contains("{{ m[''role''] }} {{WASM}} {{POOL_DISCOVERY}}"), "{y}");
         let e = render("eps:\n{{POOL_ENDPOINTS}}\n", &params(&Pool::Eds, &cfg, &[])).unwrap_err();
         assert!(matches!(e, BootstrapError::NoEds));
+        let list = serde_json::json!([1]);
+        assert!(matches!(
+            render(ATTACHE_TEMPLATE, &params(&Pool::Eds, &list, &[])),
+            Err(BootstrapError::SchedulerNotObject)
+        ));
     }
 }

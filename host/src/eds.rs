@@ -94,7 +94,17 @@ pub fn assignment(cluster: &str, m: &Membership) -> ClusterLoadAssignment {
     ClusterLoadAssignment {
         cluster_name: cluster.to_owned(),
         endpoints: vec![LocalityLbEndpoints {
-            lb_endpoints: m.addresses.iter().filter_map(|a| lb_endpoint(a)).collect(),
+            lb_endpoints: m
+                .addresses
+                .iter()
+                .filter_map(|a| {
+                    let e = lb_endpoint(a);
+                    if e.is_none() {
+                        warn!(address = %a, "eds: not an ip:port; left out of the pool");
+                    }
+                    e
+                })
+                .collect(),
             ..Default::default()
         }],
         ..Default::default()
@@ -166,6 +176,7 @@ impl EndpointDiscoveryService for EdsServer {
                         }
                         let mut wanted = req.resource_names.clone();
                         wanted.sort();
+                        wanted.dedup();
                         if wanted != names {
                             // A new subscription: answer it now, with the current membership.
                             names = wanted;

@@ -24,7 +24,6 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Str
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut was_ok = true;
             let telemetry = crate::telemetry::metrics();
-            telemetry.scrape_started(&address);
             loop {
                 tick.tick().await;
                 let started = Instant::now();
@@ -58,10 +57,10 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Str
 
 /// Why a transport error happened, for the error counter's `reason`.
 fn transport_error(e: &reqwest::Error) -> ScrapeError {
-    if e.is_connect() {
-        ScrapeError::Refused
-    } else if e.is_timeout() {
+    if e.is_timeout() {
         ScrapeError::Timeout
+    } else if e.is_connect() {
+        ScrapeError::Refused
     } else {
         ScrapeError::Transport
     }
@@ -110,7 +109,6 @@ impl Scrapers {
             let keep = wanted.contains(addr.as_str());
             if !keep {
                 h.abort();
-                crate::telemetry::metrics().forget_endpoint(addr);
             }
             keep
         });

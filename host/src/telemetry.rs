@@ -79,15 +79,27 @@ pub fn metrics() -> &'static HostMetrics {
 }
 
 impl HostMetrics {
-    /// A scraper started for `endpoint`.
-    pub fn scrape_started(&self, endpoint: &str) {
-        lock(&self.scrapes).entry(endpoint.to_owned()).or_default().since.get_or_insert_with(Instant::now);
+    /// Discovery's endpoints are now `endpoints`: series start for new ones and go for those
+    /// that left. Only tracked endpoints are recorded, so a scraper or KV subscriber that
+    /// reports after its endpoint left cannot bring the series back.
+    pub fn track<'a>(&self, endpoints: impl IntoIterator<Item = &'a str>) {
+        let wanted: std::collections::BTreeSet<&str> = endpoints.into_iter().collect();
+        let mut scrapes = lock(&self.scrapes);
+        scrapes.retain(|e, _| wanted.contains(e.as_str()));
+        let mut kv = lock(&self.kv_ingested);
+        kv.retain(|e, _| wanted.contains(e.as_str()));
+        for e in wanted {
+            scrapes
+                .entry(e.to_owned())
+                .or_insert_with(|| ScrapeStats { since: Some(Instant::now()), ..Default::default() });
+            kv.entry(e.to_owned()).or_default();
+        }
     }
 
     /// One scrape of `endpoint` took `took` and ended with `result`.
     pub fn scrape_done(&self, endpoint: &str, took: Duration, result: Result<(), ScrapeError>) {
         let mut all = lock(&self.scrapes);
-        let s = all.entry(endpoint.to_owned()).or_default();
+        let Some(s) = all.get_mut(endpoint) else { return };
         let secs = took.as_secs_f64();
         s.count += 1;
         s.sum_s += secs;
@@ -102,15 +114,11 @@ impl HostMetrics {
         }
     }
 
-    /// `endpoint` left discovery: its series go.
-    pub fn forget_endpoint(&self, endpoint: &str) {
-        lock(&self.scrapes).remove(endpoint);
-        lock(&self.kv_ingested).remove(endpoint);
-    }
-
     /// `n` KV-cache events from `endpoint` were applied to the precise index.
     pub fn kv_ingested(&self, endpoint: &str, n: u64) {
-        *lock(&self.kv_ingested).entry(endpoint.to_owned()).or_default() += n;
+        if let Some(c) = lock(&self.kv_ingested).get_mut(endpoint) {
+            *c += n;
+        }
     }
 
     /// Snapshot `version` was published.
@@ -266,7 +274,7 @@ mod tests {
     #[test]
     fn renders_every_family_with_its_samples() {
         let m = HostMetrics::default();
-        m.scrape_started("10.0.0.1:8000");
+        m.track(["10.0.0.1:8000"]);
         m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()));
         m.scrape_done("10.0.0.1:8000", Duration::from_millis(600), Err(ScrapeError::Timeout));
         m.kv_ingested("10.0.0.1:8000", 7);
@@ -295,8 +303,12 @@ mod tests {
         }
         // Every sample line parses with the host's own Prometheus parser.
         assert_eq!(crate::prom::parse(&text).bad_lines, 0, "{text}");
-        m.forget_endpoint("10.0.0.1:8000");
+        // The endpoint leaves; a scraper or subscriber reporting late does not bring it back.
+        m.track(["10.0.0.2:8000"]);
+        m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()));
+        m.kv_ingested("10.0.0.1:8000", 1);
         let text = render(&m, &Gauges::default());
         assert!(!text.contains("10.0.0.1:8000"), "{text}");
+        assert!(text.contains("attache_host_kv_events_ingested_total{endpoint=\"10.0.0.2:8000\"} 0"), "{text}");
     }
 }

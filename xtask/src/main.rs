@@ -288,9 +288,14 @@ fn e2e(args: &[String], totals: &mut Totals) -> Result<()> {
     let mut e2e = cargo();
     // Every test file runs even when one fails, so a red run shows all that is wrong.
     e2e.args(["test", "--profile", TEST_PROFILE, "--no-fail-fast", "-p", "attache-e2e"]);
-    // Anything else selects tests, as cargo does: `cargo xtask e2e --test gateway`.
-    e2e.args(args.iter().filter(|a| !matches!(a.as_str(), "--include-ignored" | "--live-vllm")));
-    e2e.args(["--", "--test-threads=1"]);
+    // Anything else selects tests, as cargo does (`cargo xtask e2e --test gateway`); what
+    // follows `--` goes to the test binaries (`-- --nocapture`).
+    let (select, passed) = match args.iter().position(|a| a == "--") {
+        Some(i) => (&args[..i], &args[i + 1..]),
+        None => (args, &[][..]),
+    };
+    e2e.args(select.iter().filter(|a| !matches!(a.as_str(), "--include-ignored" | "--live-vllm")));
+    e2e.args(["--", "--test-threads=1"]).args(passed);
     if args.iter().any(|a| a == "--include-ignored") {
         e2e.arg("--include-ignored");
     }
