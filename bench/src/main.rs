@@ -139,8 +139,15 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
             stack.wait_snapshot(usize::from(a.engines), Duration::from_secs(20))?;
         }
         let (q0, h0) = stack.prefix_counters().await?;
-        let (outcomes, wall) =
-            run::drive(&stack.http, &stack.url("/v1/chat/completions"), "tinyllama", &items, a.concurrency).await;
+        let (outcomes, wall) = run::drive(
+            &format!("demo/{system}"),
+            &stack.http,
+            &stack.url("/v1/chat/completions"),
+            "tinyllama",
+            &items,
+            a.concurrency,
+        )
+        .await;
         let (q1, h1) = stack.prefix_counters().await?;
         let row = run::summarise(system, &outcomes, wall, q1 - q0, h1 - h0);
         println!("  {system}: done in {:.1}s", row.wall_s);

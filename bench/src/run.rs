@@ -32,6 +32,7 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Send every item with at most `concurrency` in flight; returns outcomes in item order.
 pub async fn drive(
+    label: &str,
     http: &reqwest::Client,
     url: &str,
     model: &str,
@@ -40,7 +41,7 @@ pub async fn drive(
 ) -> (Vec<Outcome>, Duration) {
     let sem = Arc::new(Semaphore::new(concurrency.max(1)));
     let start = Instant::now();
-    let progress = crate::progress::Progress::start(url, items.len(), 1, Duration::from_secs(5));
+    let progress = crate::progress::Progress::start(label, items.len(), 1, Duration::from_secs(5));
     let mut handles = Vec::with_capacity(items.len());
     for it in items {
         let permit = sem.clone().acquire_owned().await;
@@ -224,10 +225,10 @@ type BarPanel = (&'static str, fn(&RunSummary) -> f64);
 pub fn bars_svg(title: &str, rows: &[RunSummary]) -> String {
     const COLORS: [&str; 6] = ["#7f7f7f", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"];
     let panels: [BarPanel; 4] = [
-        ("TTFT p50 (ms)", |r| r.ttft_p50_ms),
-        ("TTFT p95 (ms)", |r| r.ttft_p95_ms),
-        ("output tok/s", |r| r.output_tok_per_s),
-        ("prefix hit rate", |r| r.prefix_hit_rate),
+        ("TTFT p50 (ms), lower wins", |r| r.ttft_p50_ms),
+        ("TTFT p95 (ms), lower wins", |r| r.ttft_p95_ms),
+        ("output tok/s, higher wins", |r| r.output_tok_per_s),
+        ("prefix hit rate, higher wins", |r| r.prefix_hit_rate),
     ];
     let (pw, ph, top, bottom) = (200.0, 220.0, 40.0, 30.0);
     let mut out = format!(
@@ -262,7 +263,13 @@ pub fn bars_svg(title: &str, rows: &[RunSummary]) -> String {
                 COLORS[i % COLORS.len()],
                 x + (bw - 8.0) / 2.0,
                 base - h - 4.0,
-                if v >= 100.0 { format!("{v:.0}") } else { format!("{v:.3}") }
+                if v >= 100.0 {
+                    format!("{v:.0}")
+                } else if v >= 1.0 {
+                    format!("{v:.1}")
+                } else {
+                    format!("{v:.3}")
+                }
             ));
         }
     }
@@ -300,9 +307,17 @@ mod tests {
     fn bars_show_every_system_and_figure() {
         let svg = bars_svg("demo", &[row("round-robin", 176.9, 418.4), row("attache", 64.3, 528.4)]);
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        for want in
-            ["round-robin", "attache", "TTFT p50 (ms)", "output tok/s", "prefix hit rate", ">528<", ">177<", ">0.500<"]
-        {
+        for want in [
+            "round-robin",
+            "attache",
+            "TTFT p50 (ms)",
+            "output tok/s",
+            "prefix hit rate",
+            ">528<",
+            ">177<",
+            ">64.3<",
+            ">0.500<",
+        ] {
             assert!(svg.contains(want), "missing {want}");
         }
         let odd = bars_svg("a < b", &[row("x&y", f64::NAN, -1.0)]);
