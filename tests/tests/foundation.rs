@@ -86,8 +86,18 @@ async fn a_prefix_routed_by_one_worker_is_followed_by_the_other() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(learned() > 0, "no worker learned another's decisions");
-    // Two flush periods: the deciding worker's write, then the other's read.
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Until the workers have learned all there is: the count holds still for 200 ms (ten flush
+    // periods; a fixed 100 ms was too short on a loaded 2-core CI machine), or 5 s pass.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut last = learned();
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = learned();
+        if now == last || std::time::Instant::now() > deadline {
+            break;
+        }
+        last = now;
+    }
     for round in 0..3 {
         for (g, port) in first.iter().enumerate() {
             let o = send(&s, &http, chat(&long_prefix(&format!("tenant-{g}")), &format!("step {round}"), 2), &[]).await;
