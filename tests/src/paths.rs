@@ -37,8 +37,6 @@ impl Paths {
     /// the command that builds what is missing.
     pub fn discover() -> anyhow::Result<Self> {
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?.to_path_buf();
-        let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target"));
-        let target = if target.is_relative() { root.join(target) } else { target };
         // The binaries of the profile this program was built with (`target/<profile>/`): the
         // e2e tests run `ci` binaries, the demo and benchmarks `release` ones.
         let own_profile = std::env::current_exe().ok().and_then(|exe| {
@@ -46,6 +44,13 @@ impl Paths {
             let dir = if dir.ends_with("deps") { dir.parent()? } else { dir };
             Some(dir.to_path_buf())
         });
+        // The target folder: $CARGO_TARGET_DIR, else the one this program was built in (so a
+        // binary run by hand finds its siblings), else the workspace's.
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .or_else(|| own_profile.as_ref().and_then(|d| d.parent()).map(PathBuf::from))
+            .unwrap_or_else(|| root.join("target"));
+        let target = if target.is_relative() { root.join(target) } else { target };
         let bin_dir = std::env::var_os("ATTACHE_BIN_DIR")
             .map(PathBuf::from)
             .or(own_profile)
