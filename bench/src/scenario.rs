@@ -431,7 +431,7 @@ mod tests {
 
     #[test]
     fn shipped_scenarios_parse() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios");
+        let dir = attache_fixtures::repo_root().join("bench/scenarios");
         let mut n = 0;
         for e in std::fs::read_dir(dir).unwrap() {
             let s = Scenario::load(&e.unwrap().path()).unwrap();

