@@ -75,7 +75,7 @@ impl Default for HostConfig {
 pub struct FlowInputs {
     /// llm-d's utilization detector settings (queue 5, KV 0.8, metrics older than 200 ms
     /// count as saturated).
-    pub saturation: attache_policies::flow::SaturationConfig,
+    pub saturation: attache_policies::flow::DetectorConfig,
     /// InferenceObjective name → priority (higher first; negative is sheddable).
     pub objectives: std::collections::BTreeMap<String, i32>,
 }

@@ -9,7 +9,7 @@ use crate::discovery::StaticEndpoint;
 use crate::prom::EngineMetrics;
 
 /// The saturation detector over the snapshot's endpoints (policies::flow::pool_saturation).
-fn saturation(endpoints: &[v1::Endpoint], cfg: &attache_policies::flow::SaturationConfig) -> Option<f64> {
+fn saturation(endpoints: &[v1::Endpoint], cfg: &attache_policies::flow::DetectorConfig) -> Option<f64> {
     let eps: Vec<attache_policies::Endpoint> = endpoints
         .iter()
         .map(|e| attache_policies::Endpoint {

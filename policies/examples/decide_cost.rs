@@ -68,7 +68,7 @@ fn pool(n: usize) -> PoolState {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = PrefixConfig::default();
     let mut ix = ApproxPrefixIndex::new(cfg.index_capacity);
-    let scheduler = Scheduler::default();
+    let scheduler = Scheduler::new(attache_policies::SchedulerConfig::default())?;
     let mut state = scheduler.new_state();
     let pools = [pool(1), pool(8)];
     let inflight = HashMap::new();
@@ -114,8 +114,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     sticky: None,
                     load_only: false,
                 };
-                let d = scheduler.schedule(&input, p, &mut state)?;
-                scheduler.commit(&d, &h, &anchors, &mut state);
+                let d = scheduler.schedule(&input, p, &state)?;
+                state.commit(&d, &h, &anchors);
                 *spent += t.elapsed().as_secs_f64();
                 counts[3 + k] += allocs() - a;
             }

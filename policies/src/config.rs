@@ -3,28 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Weights of the built-in scorers. Defaults follow llm-d's default profile
-/// (`reference/llmd.md` §1.2): prefix 3, queue 2, kv-cache 2; plus `no-hit-lru` 1.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct ScorerWeights {
-    pub prefix: f64,
-    pub queue: f64,
-    pub kv_cache: f64,
-    /// `no-hit-lru`: spreads cold prefixes over the pool (weight 1, llm-d's default weight).
-    pub no_hit_lru: f64,
-    /// Precise prefix affinity, from the engines' KV events (used when `precise.enabled`).
-    pub precise_prefix: f64,
-    /// `lora-affinity`: for a request naming a LoRA adapter, endpoints with it loaded, then
-    /// with a free adapter slot, then with it waiting (`vllm:lora_requests_info`).
-    pub lora: f64,
-}
-
-impl Default for ScorerWeights {
-    fn default() -> Self {
-        Self { prefix: 3.0, queue: 2.0, kv_cache: 2.0, no_hit_lru: 1.0, precise_prefix: 3.0, lora: 5.0 }
-    }
-}
+pub use crate::filters::prefix_affinity::AffinityGate;
+pub use crate::filters::saturation::SaturationConfig;
 
 /// Approximate prefix hashing (llm-d "estimate" mode).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -64,37 +44,6 @@ pub struct PrefixConfig {
     pub affinity_filter: AffinityGate,
 }
 
-/// When the affinity filter yields to load (llm-d's TTFT load gate): each endpoint's
-/// time to first token is estimated as (its in-flight uncached prompt tokens + this request's
-/// uncached tokens there) / `peak_prefill_tokens_per_s`; if the best affine endpoint's estimate
-/// is more than `max_ttft_penalty_ms` worse than the best other's, the filter is skipped for
-/// this request. Saturated endpoints are filtered out before this, whatever their cache.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct AffinityGate {
-    pub enabled: bool,
-    /// llm-d's default, calibrated for Qwen3-32B on 2×H100: 15,928 tokens/s.
-    pub peak_prefill_tokens_per_s: f64,
-    /// llm-d's default: 18,000 ms.
-    pub max_ttft_penalty_ms: f64,
-}
-
-impl Default for AffinityGate {
-    fn default() -> Self {
-        Self { enabled: true, peak_prefill_tokens_per_s: 15_928.0, max_ttft_penalty_ms: 18_000.0 }
-    }
-}
-
-impl AffinityGate {
-    /// Estimated time to first token (ms) behind `tokens` uncached prompt tokens.
-    pub fn ttft_ms(&self, tokens: u64) -> f64 {
-        if self.peak_prefill_tokens_per_s <= 0.0 {
-            return 0.0;
-        }
-        tokens as f64 * 1000.0 / self.peak_prefill_tokens_per_s
-    }
-}
-
 impl Default for PrefixConfig {
     fn default() -> Self {
         Self {
@@ -107,26 +56,6 @@ impl Default for PrefixConfig {
             affinity_threshold: 0.8,
             affinity_filter: AffinityGate::default(),
         }
-    }
-}
-
-/// When an endpoint counts as saturated and is filtered out (unless every endpoint is).
-/// The queue default follows llm-d's utilization detector (5 waiting requests;
-/// `reference/llmd.md` §2). The KV default is higher than the detector's 0.8: running requests
-/// that share a cached prefix all reference its blocks, so an endpoint that holds hot prefixes
-/// sits near 0.8 by design, and filtering it there would defeat prefix affinity.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct SaturationConfig {
-    pub queue_threshold: f64,
-    pub kv_threshold: f64,
-    /// Metrics older than this are stale: the endpoint is scored as unknown load.
-    pub metrics_stale_ms: u64,
-}
-
-impl Default for SaturationConfig {
-    fn default() -> Self {
-        Self { queue_threshold: 5.0, kv_threshold: 0.95, metrics_stale_ms: 1_000 }
     }
 }
 
@@ -196,7 +125,8 @@ impl Default for PreciseConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct SchedulerConfig {
-    pub weights: ScorerWeights,
+    /// The scheduling profiles and their plugins ([`crate::profiles`]).
+    pub profiles: crate::profiles::ProfilesConfig,
     pub prefix: PrefixConfig,
     pub saturation: SaturationConfig,
     pub precise: PreciseConfig,
@@ -216,7 +146,7 @@ pub struct SchedulerConfig {
 impl Default for SchedulerConfig {
     fn default() -> Self {
         Self {
-            weights: ScorerWeights::default(),
+            profiles: crate::profiles::ProfilesConfig::default(),
             prefix: PrefixConfig::default(),
             saturation: SaturationConfig::default(),
             precise: PreciseConfig::default(),

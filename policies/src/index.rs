@@ -200,17 +200,17 @@ impl ApproxPrefixIndex {
     }
 
     /// For each endpoint address, the number of leading blocks of `hashes` it holds
-    /// consecutively from the start. Stops as soon as no endpoint continues the run. Matched
-    /// blocks count as used (they are the last to be evicted from their bucket).
+    /// consecutively from the start. Stops as soon as no endpoint continues the run. Reading
+    /// changes nothing: the decision's [`Self::record`] marks the request's blocks used (they
+    /// are the last to be evicted from their bucket), the matched ones included.
     /// `anchors` are probed too, as [`Self::record`] recorded them.
-    pub fn match_lengths(&mut self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+    pub fn match_lengths(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
         // (endpoint, blocks confirmed so far); a run continues only through every probe.
         let mut run: Vec<(u16, usize)> = Vec::new();
         let mut confirmed = 0;
         for p in sampled(hashes.len(), anchors) {
             let Some(s) = self.find(hashes[p]) else { break };
-            let slot = &mut self.slots[s];
-            slot.stamp = self.clock;
+            let slot = &self.slots[s];
             let mut any = false;
             for &id in &slot.ids[..usize::from(slot.n)] {
                 if p == 0 {
@@ -290,8 +290,9 @@ mod tests {
             ix.record(&[i], &[], "a:1");
         }
         assert_eq!(ix.len(), 8);
-        // Using block 0 makes block 1 the least recently used.
+        // A decision that uses block 0 records it again: block 1 becomes the least recently used.
         assert_eq!(ix.match_lengths(&[0], &[]).get("a:1"), Some(&1));
+        ix.record(&[0], &[], "a:1");
         ix.record(&[100], &[], "a:1");
         assert_eq!(ix.len(), 8);
         assert_eq!(ix.match_lengths(&[0], &[]).get("a:1"), Some(&1));

@@ -5,27 +5,30 @@
 //! host service, in the simulator and in the benchmarks, and is unit-tested natively.
 //!
 //! The vocabulary follows llm-d's router: a request is parsed into [`request::InferenceRequest`]
-//! features, [`filter`]s narrow the candidate endpoints, weighted [`scorer`]s score them 0..1,
-//! and a [`picker`] chooses the primary endpoint plus fallbacks. [`scheduler::Scheduler`] wires
-//! the pipeline together.
+//! features; a scheduling [`profiles`] entry lists the plugins that run on it: [`filters`] narrow
+//! the candidate endpoints, weighted [`scorers`] score them 0..1, and a [`pickers`] entry chooses
+//! the primary endpoint plus fallbacks. [`scheduler::Scheduler`] runs the decode profile and,
+//! for a disaggregated request, the prefill one. [`plan::plan`] is the one call a host makes per
+//! request: request → parse → plan → apply.
 
 pub mod chat_template;
 pub mod config;
 pub mod endpoint;
 pub mod error;
-pub mod filter;
+pub mod filters;
 pub mod flow;
 pub mod index;
-pub mod pd;
-pub mod picker;
+pub mod pickers;
+pub mod plan;
 pub mod plugin_config;
 pub mod precise;
 pub mod prefix;
+pub mod profiles;
 pub mod prompt_tokens;
 pub mod request;
 pub mod rng;
 pub mod scheduler;
-pub mod scorer;
+pub mod scorers;
 pub mod scoring;
 pub mod session;
 pub mod tokenizer;
@@ -34,5 +37,7 @@ pub use config::SchedulerConfig;
 pub use endpoint::{Endpoint, EndpointMetrics, PoolState, Role};
 pub use error::{ErrorResponse, RequestError, ScheduleError};
 pub use index::ApproxPrefixIndex;
+pub use plan::{plan, Plan, PlanConfig, PlanRequest, StateView};
+pub use profiles::{pd, SchedulingInput, ScoredEndpoint};
 pub use request::{Api, InferenceRequest, Prompt};
-pub use scheduler::{Decision, Scheduler, SchedulerState, SchedulingInput};
+pub use scheduler::{Decision, Scheduler, SchedulerState};

@@ -88,6 +88,7 @@ impl FilterConfig {
         }
         let c: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
         c.check_memory()?;
+        crate::Scheduler::new(c.scheduler.clone()).map_err(|e| e.to_string())?;
         Ok(c)
     }
 
@@ -143,10 +144,19 @@ mod tests {
         let c = FilterConfig::parse(br#"{"role":"agent","subscribe":{"cluster":"h"}}"#).unwrap();
         assert_eq!(c.role, Role::Agent);
         assert_eq!(c.subscribe.unwrap().cluster, "h");
-        let c = FilterConfig::parse(br#"{"scheduler":{"max_body_bytes":10,"weights":{"prefix":1.0}}}"#).unwrap();
+        let c = FilterConfig::parse(br#"{"scheduler":{"max_body_bytes":10}}"#).unwrap();
         assert_eq!(c.scheduler.max_body_bytes, 10);
-        assert_eq!(c.scheduler.weights.prefix, 1.0);
-        assert_eq!(c.scheduler.weights.queue, 2.0);
+        let profile = br#"{"scheduler":{"profiles":{"decode":{"plugins":[
+            {"type":"decode-filter"},{"type":"queue-scorer","weight":4},{"type":"max-score-picker"}]}}}}"#;
+        let c = FilterConfig::parse(profile).unwrap();
+        assert_eq!(c.scheduler.profiles.decode.plugins[1].weight, Some(4.0));
+        assert_eq!(
+            c.scheduler.profiles.prefill,
+            crate::profiles::ProfilesConfig::default().prefill,
+            "the other profile keeps its default"
+        );
+        let e = FilterConfig::parse(br#"{"scheduler":{"profiles":{"decode":{"plugins":[{"type":"queue-scorer"}]}}}}"#);
+        assert!(e.unwrap_err().contains("profile `decode`: needs exactly one picker"));
         assert!(FilterConfig::parse(br#"{"rol":"agent"}"#).is_err());
         assert!(FilterConfig::parse(b"{").is_err());
     }

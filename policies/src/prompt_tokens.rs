@@ -14,6 +14,8 @@ use crate::tokenizer::{Tokenizer, TokenizerError};
 /// Why a request's prompt could not be turned into the engine's ids.
 #[derive(Debug, thiserror::Error)]
 pub enum PromptTokensError {
+    #[error("no usable tokenizer: text and chat prompts are not routed precisely")]
+    NoTokenizer,
     #[error("no chat template is configured, so conversations cannot be tokenized as the engine does")]
     NoChatTemplate,
     #[error(transparent)]
@@ -100,6 +102,23 @@ impl PromptTokenizer {
             Prompt::Tokens(ids) => given_ids(ids, max_tokens),
             Prompt::Text(text) => self.tokenizer.encode(text, true, max_tokens),
         })
+    }
+}
+
+/// The request's token ids as the engine computes them, for precise routing: token-id prompts
+/// as given, text completions with BOS, conversations rendered with the model's chat template.
+/// `Ok(None)`: precise routing is off. `Err`: it is on, but this prompt could not be tokenized
+/// (no usable tokenizer, or the tokenizer refused it); the caller counts it.
+pub fn engine_ids(
+    cfg: &PreciseConfig,
+    req: &InferenceRequest,
+    tokenizer: Option<&mut PromptTokenizer>,
+) -> Result<Option<Vec<u32>>, PromptTokensError> {
+    match (&req.prompt, tokenizer) {
+        _ if !cfg.enabled => Ok(None),
+        (Prompt::Tokens(ids), _) if req.messages.is_empty() => Ok(Some(given_ids(ids, cfg.max_tokens))),
+        (_, Some(t)) => t.request(req, cfg.max_tokens).map(Some),
+        (_, None) => Err(PromptTokensError::NoTokenizer),
     }
 }
 

@@ -25,9 +25,11 @@ pub const SCORES_PROPERTY: &str = "attache_scores";
 /// done. Still set when the response starts means the scorer trapped on this request.
 pub const SCORING_PROPERTY: &str = "attache_scoring";
 /// Filter-state key (`wasm.attache_tiers`) of the tiers the scheduler's filters put the
-/// candidates in, one byte per candidate in context order ([`crate::picker::tier`]): scores,
+/// candidates in, one byte per candidate in context order ([`crate::pickers::tier`]): scores,
 /// custom ones included, order candidates within a tier, never across. Absent: no tiers.
 pub const TIERS_PROPERTY: &str = "attache_tiers";
+/// Filter-state key the picker sets to the primary endpoint it chose.
+pub const PICKED_PROPERTY: &str = "attache_picked";
 /// Rollout buckets: a request's bucket is in `0..BUCKETS`.
 pub const BUCKETS: u16 = 10_000;
 
@@ -414,9 +416,9 @@ pub fn combine(ctx: &ScoringContext, sheet: &ScoreSheet) -> (Vec<f64>, usize) {
 /// keeping the scheduler's `tiers` (one per candidate; any other length counts as none).
 pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (Vec<&'a str>, usize) {
     let (totals, ignored) = combine(ctx, sheet);
-    let mut order = crate::picker::max_score(&totals, totals.len(), ctx.seed);
+    let mut order = crate::pickers::max_score::max_score(&totals, totals.len(), ctx.seed);
     if tiers.len() == totals.len() {
-        crate::picker::by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(crate::picker::tier::NONE));
+        crate::pickers::max_score::by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(crate::pickers::tier::NONE));
     }
     order.truncate(usize::from(ctx.max_endpoints.max(1)));
     let addrs = order.iter().filter_map(|&i| ctx.candidates.get(i).map(|c| c.address.as_str())).collect();
@@ -469,7 +471,7 @@ mod tests {
 
     #[test]
     fn custom_scores_order_candidates_within_the_schedulers_tiers() {
-        use crate::picker::tier;
+        use crate::pickers::tier;
         let c = ctx();
         let mut s = ScoreSheet::default();
         // A heavy scorer wants candidate 2; the affinity filter kept candidate 0 (the holder).

@@ -74,6 +74,25 @@ pub fn lookup(store: &mut dyn StickyStore, slots: u64, key: u64, now_ms: u64) ->
     store.load(key % slots.max(1)).filter(|s| s.key == key && s.expires_ms > now_ms).map(|s| s.endpoint)
 }
 
+/// The endpoint a request's session or conversation is bound to, by precedence: the session
+/// token's own endpoint (llm-d's stateless header), then the session header's binding, then the
+/// endpoint that produced `previous_response_id`. `None` when sessions are off.
+pub fn resolve(
+    cfg: &SessionConfig,
+    store: &mut dyn StickyStore,
+    token_endpoint: Option<String>,
+    session_key: Option<u64>,
+    previous_response_id: Option<&str>,
+    now_ms: u64,
+) -> Option<String> {
+    if !cfg.enabled {
+        return None;
+    }
+    token_endpoint
+        .or_else(|| session_key.and_then(|k| lookup(store, cfg.slots, k, now_ms)))
+        .or_else(|| previous_response_id.and_then(|id| lookup(store, cfg.slots, response_key(id), now_ms)))
+}
+
 /// Bind `key` to `endpoint` for `ttl_ms`.
 pub fn bind(store: &mut dyn StickyStore, slots: u64, key: u64, endpoint: &str, now_ms: u64, ttl_ms: u64) {
     let entry = Sticky { key, endpoint: endpoint.to_owned(), expires_ms: now_ms.saturating_add(ttl_ms) };
@@ -125,6 +144,16 @@ pub fn endpoint_of_token(token: &str) -> Option<String> {
     valid.then_some(s)
 }
 
+/// The response id at the start of a Responses API body (`{"id":"resp_…"` non-streamed, or the
+/// `response.created` event streamed), if the first bytes carry one.
+pub fn response_id(first_bytes: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(first_bytes.get(..first_bytes.len().min(4096))?).ok()?;
+    let at = text.find("\"resp_")? + 1;
+    let id: String =
+        text.get(at..)?.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').take(128).collect();
+    (id.len() > 5).then_some(id)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +161,33 @@ mod tests {
 
     #[derive(Default)]
     struct Mem(HashMap<u64, Sticky>);
+    #[test]
+    fn finds_response_ids_in_plain_and_streamed_bodies() {
+        let plain = br#"{"id":"resp_abc123","object":"response","output":[]}"#;
+        assert_eq!(response_id(plain).as_deref(), Some("resp_abc123"));
+        let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_9f-x\",\"object\":\"response\"}}\n\n";
+        assert_eq!(response_id(sse).as_deref(), Some("resp_9f-x"));
+        assert_eq!(response_id(b"{\"id\":\"chatcmpl-1\"}"), None);
+        assert_eq!(response_id(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn the_token_wins_then_the_session_then_the_previous_response() {
+        let cfg = SessionConfig::default();
+        let mut m = Mem::default();
+        bind(&mut m, cfg.slots, session_key("s1"), "10.0.0.1:8000", 0, 1_000);
+        bind(&mut m, cfg.slots, response_key("resp_1"), "10.0.0.2:8000", 0, 1_000);
+        let r = |token: Option<&str>, session: Option<&str>, prev: Option<&str>, m: &mut Mem| {
+            resolve(&cfg, m, token.map(str::to_owned), session.map(session_key), prev, 10)
+        };
+        assert_eq!(r(Some("10.0.0.9:1"), Some("s1"), Some("resp_1"), &mut m).as_deref(), Some("10.0.0.9:1"));
+        assert_eq!(r(None, Some("s1"), Some("resp_1"), &mut m).as_deref(), Some("10.0.0.1:8000"));
+        assert_eq!(r(None, Some("unknown"), Some("resp_1"), &mut m).as_deref(), Some("10.0.0.2:8000"));
+        assert_eq!(r(None, None, None, &mut m), None);
+        let off = SessionConfig { enabled: false, ..SessionConfig::default() };
+        assert_eq!(resolve(&off, &mut m, Some("10.0.0.9:1".into()), None, None, 10), None, "sessions off");
+    }
+
     impl StickyStore for Mem {
         fn load(&mut self, slot: u64) -> Option<Sticky> {
             self.0.get(&slot).cloned()

@@ -1,12 +1,13 @@
-//! The per-request HTTP context: buffer, parse, classify, then route now or wait in the
-//! flow-control queue.
+//! The scheduler's HTTP context: buffer and parse the request, resolve its session, then route
+//! it now or let it wait in the flow-control queue; on the response, name the session's endpoint,
+//! learn Responses ids and grade the rollout arm that scored it.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::rc::Rc;
 
-use attache_policies::flow::{self, RequestClass, Shed};
-use attache_policies::pd::PREFILLER_HEADER;
+use attache_policies::flow::{self, Refusal};
+use attache_policies::plan::ROUTING_HEADERS;
 use attache_policies::request::{self, Api, InferenceRequest};
 use attache_policies::scoring::{self, ScoreSheet};
 use attache_policies::session;
@@ -14,61 +15,13 @@ use attache_policies::{ErrorResponse, RequestError};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
-use crate::flow::Pumped;
-use crate::host;
-use crate::root::Worker;
-use crate::route::route;
+use crate::dispatch::{answer, refuse, route};
+use crate::hostcalls as host;
+use crate::queue::{pump, Pumped};
+use crate::request::{Parked, RequestState, SharedRequest};
+use crate::shared::sessions::SharedSticky;
 use crate::stages::{self, Stage};
-use crate::sticky::SharedSticky;
-
-/// The header Envoy's override_host LB policy (or an ORIGINAL_DST cluster) routes on.
-pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
-/// Filter-state key the picker sets to the primary endpoint it chose.
-pub const PICKED_PROPERTY: &str = "attache_picked";
-/// Why flow control answered a request itself.
-pub const DROPPED_REASON_HEADER: &str = "x-attache-dropped-reason";
-
-/// A request parsed and classified, waiting in the flow-control queue.
-pub struct Parked {
-    pub req: InferenceRequest,
-    pub body_len: usize,
-    pub class: RequestClass,
-}
-
-/// One request's state. The HTTP context owns it; while the request waits, the worker's queue
-/// holds it too, so the tick can route it.
-pub struct RequestState {
-    /// Envoy's context id of the stream.
-    pub id: u32,
-    pub api: Option<Api>,
-    /// Set once the filter answered the request itself.
-    pub answered: bool,
-    /// Endpoint counted in `inflight`, released when the request ends.
-    pub dispatched: Option<String>,
-    /// Uncached prompt tokens counted in `inflight_tokens` for `dispatched`.
-    pub dispatched_tokens: u64,
-    /// Session key from the configured headers (rollout bucket).
-    pub session: Option<String>,
-    /// When the request headers arrived, µs.
-    pub started_us: u64,
-    /// Set when a scoring context went to scorer filters: each candidate's expected prefix hit,
-    /// to grade the arm that acted once the response starts.
-    pub handed_off: Option<Vec<(String, f32)>>,
-    /// The request headers flow control classifies on (objective, tenant, API key).
-    pub flow_headers: Vec<(String, String)>,
-    /// Waiting in the flow-control queue.
-    pub parked: Option<Parked>,
-    /// Session affinity: the session's table key (from the session header), and the endpoint
-    /// the session, its token or the previous response is bound to.
-    pub session_key: Option<u64>,
-    pub sticky: Option<String>,
-    /// The endpoint to name in the response's session token.
-    pub session_token: Option<String>,
-    /// A Responses API response: bind its id to the endpoint that served it.
-    pub learn_response: Option<String>,
-}
-
-pub type SharedRequest = Rc<RefCell<RequestState>>;
+use crate::worker::Worker;
 
 pub struct SchedulerHttp {
     id: u32,
@@ -76,87 +29,29 @@ pub struct SchedulerHttp {
     st: SharedRequest,
 }
 
-/// Answer the effective context's request with an error, counting it.
-pub fn answer(w: Option<&mut Worker>, id: u32, err: &ErrorResponse, extra: &[(&str, &str)]) {
-    if let Some(w) = w {
-        w.metrics.error(err.reason);
-    }
-    host::debug(|| format!("attache[{id}]: {} {}", err.status, err.reason));
-    host::send_json(err.status, err.reason, &err.body, extra);
-}
-
-/// The answer flow control gives a request it sheds, with `Retry-After` and the reason.
-pub fn shed_response(shed: Shed, detail: &str) -> (ErrorResponse, [(&'static str, &'static str); 2]) {
-    let kind = if shed.status() == 503 { "ServiceUnavailableError" } else { "rate_limit_error" };
-    let err = ErrorResponse::new(shed.status(), shed.reason(), kind, None, detail);
-    (err, [("retry-after", "1"), (DROPPED_REASON_HEADER, shed.reason())])
-}
-
-/// Find the endpoint this request's session or conversation is bound to (the session token
-/// wins, then the session header's binding, then `previous_response_id`'s).
-fn resolve_sticky(w: &Worker, st: &mut RequestState, req: &InferenceRequest, now: u64) {
-    let sc = &w.config.sessions;
-    if !sc.enabled {
-        return;
-    }
-    if st.sticky.is_none() {
-        if let Some(k) = st.session_key {
-            st.sticky = session::lookup(&mut SharedSticky, sc.slots, k, now);
-        }
-    }
-    if st.sticky.is_none() {
-        if let Some(id) = &req.previous_response_id {
-            st.sticky = session::lookup(&mut SharedSticky, sc.slots, session::response_key(id), now);
-        }
-    }
-    if req.api == Api::Responses {
-        st.learn_response = Some(String::new());
-    }
-}
-
 impl SchedulerHttp {
     pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
-        let st = RequestState {
-            id,
-            api: None,
-            answered: false,
-            dispatched: None,
-            dispatched_tokens: 0,
-            session: None,
-            started_us: 0,
-            handed_off: None,
-            flow_headers: Vec::new(),
-            parked: None,
-            session_key: None,
-            sticky: None,
-            session_token: None,
-            learn_response: None,
-        };
-        Self { id, worker, st: Rc::new(RefCell::new(st)) }
+        Self { id, worker, st: Rc::new(RefCell::new(RequestState::new(id))) }
+    }
+
+    fn mark_answered(&self) {
+        if let Ok(mut st) = self.st.try_borrow_mut() {
+            st.answered = true;
+        }
     }
 
     fn reject(&mut self, err: ErrorResponse) -> Action {
-        self.reject_with(err, &[])
-    }
-
-    fn reject_with(&mut self, err: ErrorResponse, extra: &[(&str, &str)]) -> Action {
-        answer(self.worker.try_borrow_mut().ok().as_deref_mut(), self.id, &err, extra);
-        if let Ok(mut st) = self.st.try_borrow_mut() {
-            st.answered = true;
+        match self.worker.try_borrow_mut() {
+            Ok(mut w) => answer(&mut w, self.id, &err),
+            Err(_) => host::send_json(err.status, err.reason, &err.body, &[]),
         }
+        self.mark_answered();
         Action::Pause
     }
 
-    fn shed(&mut self, shed: Shed, detail: &str) -> Action {
-        if let Ok(mut w) = self.worker.try_borrow_mut() {
-            w.metrics.flow_shed(shed);
-        }
-        let (err, extra) = shed_response(shed, detail);
-        host::debug(|| format!("attache[{}]: {} {}", self.id, err.status, err.reason));
-        host::send_json(err.status, err.reason, &err.body, &extra);
-        if let Ok(mut st) = self.st.try_borrow_mut() {
-            st.answered = true;
-        }
+    fn refuse(&mut self, w: &mut Worker, refusal: &Refusal) -> Action {
+        refuse(w, self.id, refusal);
+        self.mark_answered();
         Action::Pause
     }
 
@@ -175,99 +70,67 @@ impl SchedulerHttp {
         let w = &mut *guard;
         w.cache.refresh(now);
         stages::mark(Stage::SnapshotCheck);
-        if let Ok(mut st) = self.st.try_borrow_mut() {
-            resolve_sticky(w, &mut st, &req, now);
+        let Ok(mut st) = self.st.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        let sc = &w.config.sessions;
+        let token = st.token_endpoint.take();
+        st.sticky =
+            session::resolve(sc, &mut SharedSticky, token, st.session_key, req.previous_response_id.as_deref(), now);
+        if sc.enabled && req.api == Api::Responses {
+            st.learn_response = Some(String::new());
         }
         stages::mark(Stage::Sticky);
-        if !w.config.flow.enabled {
-            let Ok(mut st) = self.st.try_borrow_mut() else {
-                return Action::Continue;
-            };
-            return match route(w, &mut st, &req, body.len(), now) {
-                Ok(()) => Action::Continue,
-                Err(e) => {
-                    drop(st);
-                    drop(guard);
-                    self.reject(e)
-                }
-            };
+        if w.config.flow.enabled {
+            drop(st);
+            return self.admit(w, req, body.len(), now);
         }
-        self.admit(guard, req, body.len(), now)
+        match route(w, &mut st, &req, body.len(), now) {
+            Ok(()) => Action::Continue,
+            Err(e) => {
+                st.answered = true;
+                answer(w, self.id, &e);
+                Action::Pause
+            }
+        }
     }
 
-    /// Flow control: classify, shed what cannot wait, queue the rest, and dispatch whatever
-    /// may go now (this request included, if it is next and the pool has room).
-    fn admit(
-        &mut self,
-        mut guard: std::cell::RefMut<'_, Worker>,
-        req: InferenceRequest,
-        body_len: usize,
-        now: u64,
-    ) -> Action {
-        let w = &mut *guard;
-        let class = {
+    /// Flow control: classify, refuse what cannot wait (policies::flow::admit), queue the rest,
+    /// and dispatch whatever may go now (this request included, if it is next and the pool has
+    /// room).
+    fn admit(&mut self, w: &mut Worker, req: InferenceRequest, body_len: usize, now: u64) -> Action {
+        let (class, continuing) = {
             let Ok(st) = self.st.try_borrow() else {
                 return Action::Continue;
             };
-            let headers = &st.flow_headers;
-            let header = |n: &str| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
-            flow::classify(&w.config.flow, Some(&w.cache.pool.objectives), header, req.priority)
-        };
-        let class = match class {
+            let class =
+                flow::classify(&w.config.flow, Some(&w.cache.pool.objectives), |n| st.flow_header(n), req.priority);
             // Turn priority: a later turn of a session already bound goes ahead of new sessions'
             // first turns within its tenant.
-            Ok(mut c) => {
-                c.continuing = w.config.sessions.turn_priority
-                    && self.st.try_borrow().is_ok_and(|st| st.sticky.is_some() || req.previous_response_id.is_some());
-                c
-            }
-            Err(e) => {
-                drop(guard);
-                let msg =
-                    format!("{e}; objectives come from InferenceObjective resources or the host's flow.objectives");
-                return self.reject_with(
-                    ErrorResponse::new(400, "unknown_objective", "invalid_request_error", None, &msg),
-                    &[(DROPPED_REASON_HEADER, "unknown_objective")],
-                );
-            }
+            (class, w.config.sessions.turn_priority && (st.sticky.is_some() || req.previous_response_id.is_some()))
         };
-        if !w.cache.pool.has_ready() {
-            drop(guard);
-            return self.shed(Shed::NoEndpoints, "no ready endpoint in the inference pool; retry later");
-        }
-        if !w.cache.pool.knows_model(&req.model) {
-            drop(guard);
-            let e = attache_policies::ScheduleError::UnknownModel(req.model.clone());
-            return self.reject(ErrorResponse::from(&e));
-        }
         let saturation = w.flow.estimate(&w.cache.pool);
+        let class = match flow::admit(class, continuing, &w.cache.pool, &req.model, saturation) {
+            Ok(c) => c,
+            Err(refusal) => return self.refuse(w, &refusal),
+        };
         w.metrics.flow_saturation(saturation);
-        if class.sheddable() && saturation.is_some_and(|s| s >= 1.0) {
-            drop(guard);
-            let msg =
-                format!("the pool is saturated and priority {} requests are sheddable; retry later", class.priority);
-            return self.shed(Shed::Sheddable, &msg);
-        }
         let tokens = w.config.flow.cost((body_len / 4) as u64, req.max_tokens);
         let (priority, tenant) = (class.priority, class.tenant.clone());
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.parked = Some(Parked { req, body_len, class: class.clone() });
         }
+        let config = Rc::clone(&w.config);
         if let Err(shed) =
-            w.flow.queue.enqueue(&w.config.flow, u64::from(self.id), &class, body_len, tokens, now, self.st.clone())
+            w.flow.queue.enqueue(&config.flow, u64::from(self.id), &class, body_len, tokens, now, self.st.clone())
         {
             if let Ok(mut st) = self.st.try_borrow_mut() {
                 st.parked = None;
             }
-            drop(guard);
-            let msg = match shed {
-                Shed::BandFull => format!("the queue of priority {priority} is full; retry later"),
-                _ => "the flow-control queue is full; retry later".to_owned(),
-            };
-            return self.shed(shed, &msg);
+            return self.refuse(w, &Refusal::not_queued(shed, priority));
         }
         w.metrics.flow_enqueued(priority, &tenant);
-        match crate::flow::pump(w, Some(self.id)) {
+        match pump(w, Some(self.id)) {
             Pumped::Dispatched => Action::Continue,
             Pumped::Waiting | Pumped::Answered => Action::Pause,
         }
@@ -281,7 +144,7 @@ impl HttpContext for SchedulerHttp {
         let headers = host::HeaderMap::request();
         // Never trust a client's routing headers. (Removing clears Envoy's route cache: only
         // when there is something to remove.)
-        for name in [DESTINATION_HEADER, PREFILLER_HEADER] {
+        for name in ROUTING_HEADERS {
             if headers.contains(name) {
                 host::remove_request_header(name);
             }
@@ -293,7 +156,7 @@ impl HttpContext for SchedulerHttp {
             st.api = api;
             let sc = &w.config.sessions;
             if sc.enabled && api.is_some() {
-                st.sticky = headers.get(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
+                st.token_endpoint = headers.get(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
                 st.session_key = sc.headers.iter().find_map(|h| headers.get(h)).map(|v| session::session_key(&v));
             }
             let f = &w.config.flow;
@@ -386,7 +249,7 @@ impl HttpContext for SchedulerHttp {
         let scoring = host::property(scoring::SCORING_PROPERTY).unwrap_or_default();
         let trapped = std::str::from_utf8(&scoring).ok().filter(|s| !s.is_empty()).map(str::to_owned);
         let status = host::response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
-        let picked = host::property(PICKED_PROPERTY).and_then(|b| String::from_utf8(b).ok());
+        let picked = host::property(scoring::PICKED_PROPERTY).and_then(|b| String::from_utf8(b).ok());
         let prefix_hit = picked
             .as_deref()
             .or(st.dispatched.as_deref())
@@ -422,7 +285,7 @@ impl HttpContext for SchedulerHttp {
         let Some(served) = st.learn_response.take() else {
             return Action::Continue;
         };
-        let id = host::response_body(body_size.min(4096)).and_then(|b| crate::sticky::response_id(&b));
+        let id = host::response_body(body_size.min(4096)).and_then(|b| session::response_id(&b));
         if let (Some(id), Ok(mut w)) = (id, self.worker.try_borrow_mut()) {
             let sc = &w.config.sessions;
             let (slots, ttl) = (sc.slots, sc.ttl_ms);
@@ -433,8 +296,8 @@ impl HttpContext for SchedulerHttp {
     }
 
     fn on_log(&mut self) {
-        let (parked, dispatched, tokens) = match self.st.try_borrow_mut() {
-            Ok(mut st) => (st.parked.take().is_some(), st.dispatched.take(), std::mem::take(&mut st.dispatched_tokens)),
+        let (parked, released) = match self.st.try_borrow_mut() {
+            Ok(mut st) => (st.parked.take().is_some(), st.release()),
             Err(_) => return,
         };
         let Ok(mut w) = self.worker.try_borrow_mut() else {
@@ -447,18 +310,13 @@ impl HttpContext for SchedulerHttp {
                 w.metrics.flow_disconnected();
             }
         }
-        if let Some(addr) = dispatched {
-            if let Some(n) = w.inflight.get_mut(&addr) {
-                *n = n.saturating_sub(1);
-            }
-            if let Some(t) = w.inflight_tokens.get_mut(&addr) {
-                *t = t.saturating_sub(tokens);
-            }
+        if let Some((endpoint, tokens)) = released {
+            w.released(&endpoint, tokens);
             if w.config.flow.enabled {
                 // A request ended: the pool may have room for a waiting one.
                 w.flow.gate.completed(host::now_ms());
                 if !w.flow.queue.is_empty() {
-                    crate::flow::pump(&mut w, None);
+                    pump(&mut w, None);
                 }
             }
         }

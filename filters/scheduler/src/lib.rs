@@ -10,22 +10,29 @@
 //!   scheduler's and rewrites the destination header (policies::scoring).
 //! - `passthrough` (HTTP filter): does nothing; the safe default of an empty scorer slot.
 //!
+//! The scheduling itself is `attache_policies::plan`: this crate parses, plans and applies.
+//! Its modules import one way: the role roots ([`root`], [`http`], [`picker`], [`agent`]), the
+//! request path ([`queue`], [`dispatch`]), worker state ([`worker`], [`flow_state`]), request
+//! state ([`request`]), then the adapters over the host ([`shared`], [`metrics`],
+//! [`hostcalls`]).
+//!
 //! Nothing here may panic: a panic is a Wasm trap that kills the worker's VM. Every host call
-//! goes through the fallible `hostcalls` wrappers in [`host`].
+//! goes through the fallible wrappers in [`hostcalls`].
 
-pub mod affinity;
+pub mod agent;
 pub mod config;
-pub mod flow;
-pub mod host;
+pub mod dispatch;
+pub mod flow_state;
+pub mod hostcalls;
 pub mod http;
-pub mod kv_table;
 pub mod metrics;
 pub mod picker;
+pub mod queue;
+pub mod request;
 pub mod root;
-pub mod route;
-pub mod snapshot;
+pub mod shared;
 pub mod stages;
-pub mod sticky;
+pub mod worker;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{

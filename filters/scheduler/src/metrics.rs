@@ -13,9 +13,8 @@ pub struct Metrics {
     passthrough: Option<u32>,
     errors: HashMap<&'static str, u32>,
     picks: HashMap<String, u32>,
-    score_prefix: Option<u32>,
-    score_queue: Option<u32>,
-    score_kv: Option<u32>,
+    /// One histogram per scorer of the decode profile that names one: (metric, id).
+    scores: Vec<(&'static str, Option<u32>)>,
     prefix_blocks_matched: Option<u32>,
     prefix_blocks_total: Option<u32>,
     snapshot_version: Option<u32>,
@@ -29,7 +28,6 @@ pub struct Metrics {
     index_seq: Option<u32>,
     propagation_us: Option<u32>,
     decision_us: Option<u32>,
-    score_precise: Option<u32>,
     /// Per rollout arm (`<slot>.<arm>`): requests, 5xx, traps, latency sum, hit sum.
     rollout: HashMap<String, [Option<u32>; 5]>,
     flow: FlowMetrics,
@@ -109,13 +107,18 @@ fn sanitize(address: &str) -> String {
 }
 
 impl Metrics {
-    pub fn define() -> Self {
+    /// Define the metrics, with a score histogram per scorer of `profile` that has one.
+    pub fn define(profile: &attache_policies::profiles::Profile) -> Self {
+        let scores = profile
+            .scorers
+            .iter()
+            .filter_map(|(s, _)| s.metric())
+            .map(|m| (m, define(MetricType::Histogram, &format!("attache.scorer.{m}.score_milli"))))
+            .collect();
         Self {
+            scores,
             scheduled: define(MetricType::Counter, "attache.requests.scheduled"),
             passthrough: define(MetricType::Counter, "attache.requests.passthrough"),
-            score_prefix: define(MetricType::Histogram, "attache.scorer.prefix.score_milli"),
-            score_queue: define(MetricType::Histogram, "attache.scorer.queue.score_milli"),
-            score_kv: define(MetricType::Histogram, "attache.scorer.kv_cache.score_milli"),
             prefix_blocks_matched: define(MetricType::Counter, "attache.prefix.blocks_matched"),
             prefix_blocks_total: define(MetricType::Counter, "attache.prefix.blocks_total"),
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
@@ -130,7 +133,6 @@ impl Metrics {
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
-            score_precise: define(MetricType::Histogram, "attache.scorer.precise.score_milli"),
             disaggregated: define(MetricType::Counter, "attache.pd.disaggregated"),
             sticky_hits: define(MetricType::Counter, "attache.session.sticky_hits"),
             responses_learned: define(MetricType::Counter, "attache.session.responses_learned"),
@@ -241,7 +243,8 @@ impl Metrics {
         }
     }
 
-    pub fn scheduled(&mut self, endpoint: &str, prefix: f64, queue: f64, kv: f64, matched: usize, total: usize) {
+    /// A planned request (policies::plan's metric deltas), routed to `endpoint`.
+    pub fn planned(&mut self, m: &attache_policies::plan::MetricsDelta, endpoint: &str) {
         self.count(self.scheduled, 1);
         let id = match self.picks.get(endpoint) {
             Some(id) => Some(*id),
@@ -254,12 +257,23 @@ impl Metrics {
             }
         };
         self.count(id, 1);
-        for (m, v) in [(self.score_prefix, prefix), (self.score_queue, queue), (self.score_kv, kv)] {
-            self.sample(m, milli(v));
+        for (metric, v) in &m.scores {
+            if let Some(&(_, h)) = self.scores.iter().find(|(n, _)| n == metric) {
+                self.sample(h, milli(*v));
+            }
         }
         // Summed here and added from the tick: two host calls fewer per request.
-        self.blocks.0 += matched as i64;
-        self.blocks.1 += total as i64;
+        self.blocks.0 += m.matched_blocks as i64;
+        self.blocks.1 += m.total_blocks as i64;
+        if m.load_only {
+            inc(self.load_only, 1);
+        }
+        if m.sticky_hit {
+            inc(self.sticky_hits, 1);
+        }
+        if let Some(prefill) = &m.disaggregated {
+            self.disaggregated(prefill);
+        }
     }
 
     /// How long the host has been silent (the gauge, set from the worker's tick).
@@ -270,10 +284,6 @@ impl Metrics {
     }
 
     /// A decision made on load alone because the host was silent.
-    pub fn load_only_decision(&mut self) {
-        inc(self.load_only, 1);
-    }
-
     /// Entries learned from the other workers' affinity logs (`attache.affinity.learned`).
     pub fn affinity_learned(&mut self, entries: usize) {
         if entries > 0 {
@@ -283,7 +293,7 @@ impl Metrics {
 
     /// A request was split: its prefill goes to `prefill` (`attache.pd.disaggregated`, and
     /// `attache.endpoint.<ip_port>.prefills`).
-    pub fn disaggregated(&mut self, prefill: &str) {
+    fn disaggregated(&mut self, prefill: &str) {
         inc(self.disaggregated, 1);
         let key = format!("prefill:{prefill}");
         let id = match self.picks.get(&key) {
@@ -300,10 +310,6 @@ impl Metrics {
     }
 
     /// A request went to its session's (or conversation's) sticky endpoint.
-    pub fn sticky_hit(&mut self) {
-        inc(self.sticky_hits, 1);
-    }
-
     /// A Responses API response id was bound to the endpoint that served it.
     pub fn response_learned(&mut self) {
         inc(self.responses_learned, 1);
@@ -336,10 +342,6 @@ impl Metrics {
     /// failed); the request was routed without precise scores.
     pub fn prompt_untokenized(&mut self) {
         inc(self.prompt_untokenized, 1);
-    }
-
-    pub fn precise_score(&mut self, v: f64) {
-        self.sample(self.score_precise, milli(v));
     }
 
     pub fn passthrough(&mut self) {

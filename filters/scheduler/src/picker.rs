@@ -11,8 +11,9 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel, MetricType};
 
 use crate::config::ScoringConfig;
-use crate::host;
-use crate::http::{DESTINATION_HEADER, PICKED_PROPERTY};
+use crate::hostcalls as host;
+use attache_policies::plan::DESTINATION_HEADER;
+use attache_policies::scoring::PICKED_PROPERTY;
 
 /// Metric handles shared by one worker's picker contexts.
 pub struct PickerMetrics {

@@ -1,148 +1,22 @@
-//! The root context: owns the configuration and the worker's state, and (as the agent, or in
-//! per-worker mode) the snapshot stream.
+//! The root context: the role root. It parses the configuration once, owns the worker's state
+//! (scheduler) or the snapshot stream (agent, or a scheduler in per-worker mode), and creates
+//! each request's HTTP context for its role.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
-use attache_policies::index::AffinityTable;
-use attache_policies::prompt_tokens::PromptTokenizer;
-use attache_policies::{Scheduler, SchedulerState};
 use attache_proto::v1;
-use hashbrown::HashMap;
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
 
-use crate::affinity::AffinityLog;
+use crate::agent::Subscriber;
 use crate::config::{FilterConfig, Role, SubscribeConfig};
-use crate::flow::FlowState;
-use crate::host;
+use crate::hostcalls as host;
 use crate::http::SchedulerHttp;
-use crate::kv_table;
-use crate::metrics::Metrics;
 use crate::picker;
-use crate::snapshot::{self, SnapshotCache, Subscriber};
-
-/// State shared by one worker's HTTP contexts.
-pub struct Worker {
-    /// Shared so per-request code can hold it while borrowing the worker mutably.
-    pub config: std::rc::Rc<FilterConfig>,
-    pub scheduler: Scheduler,
-    pub state: SchedulerState,
-    pub cache: SnapshotCache,
-    /// Requests this worker has dispatched and not yet finished, per endpoint.
-    pub inflight: HashMap<String, u32>,
-    /// Uncached prompt tokens of those requests per endpoint (the affinity filter's TTFT gate).
-    pub inflight_tokens: HashMap<String, u64>,
-    pub metrics: Metrics,
-    /// The model's tokenizer and chat template, for precise routing of text and chat prompts
-    /// (None if not configured or if it failed its start-up check).
-    pub tokenizer: Option<PromptTokenizer>,
-    /// Flow control: this worker's queue, saturation gate and fairness board.
-    pub flow: FlowState,
-    /// What this worker knows of every worker's decisions (its own at once, the others' from
-    /// the affinity log at each tick), probed on the request path without a host call.
-    pub affinity: AffinityTable,
-    /// This worker's side of the affinity log in shared data ([`crate::affinity`]).
-    pub affinity_log: AffinityLog,
-    /// This worker's decisions not yet appended to its log: `(block hash, endpoint)`, written
-    /// from the tick, off the request path.
-    pub affinity_pending: Vec<(u64, String)>,
-    /// When the host was last heard from, as of this worker's last tick (see [`Worker::housekeep`]).
-    pub heard_ms: Option<u64>,
-}
-
-/// The scheduler's tick period when neither flow control nor the affinity table asks for a
-/// shorter one: it records histogram samples and re-reads the host's heartbeat and the log level.
-pub const HOUSEKEEPING_TICK_MS: u64 = 100;
-
-impl Worker {
-    /// Milliseconds since the host was last heard from (0 if it never was). Reads the heartbeat
-    /// from the tick's copy, off the request path; only when that copy says the host has been
-    /// silent longer than `stale_after_ms` is the shared heartbeat read again, so a host heard
-    /// since the last tick never gets a load-only decision.
-    pub fn host_silent_ms(&mut self, now_ms: u64, stale_after_ms: u64) -> u64 {
-        let silent = |heard: Option<u64>| heard.map_or(0, |h| now_ms.saturating_sub(h));
-        if self.heard_ms.is_none() || silent(self.heard_ms) > stale_after_ms {
-            if let Some(h) = snapshot::heard_ms() {
-                self.heard_ms = Some(h);
-            }
-        }
-        silent(self.heard_ms)
-    }
-
-    /// The tick's bookkeeping, kept off the request path: histogram samples, the host's
-    /// heartbeat and its silence gauge, Envoy's log level.
-    pub fn housekeep(&mut self, now_ms: u64) {
-        self.metrics.flush_samples();
-        if let Some(h) = snapshot::heard_ms() {
-            self.heard_ms = Some(h);
-            self.metrics.host_silence(now_ms.saturating_sub(h));
-        }
-        host::refresh_log_level();
-    }
-
-    /// Append this worker's pending decisions to its affinity log, and learn the other
-    /// workers' new ones from theirs.
-    pub fn flush_affinity(&mut self) {
-        if self.affinity.capacity() == 0 {
-            return;
-        }
-        if !self.affinity_pending.is_empty() {
-            let batch = std::mem::take(&mut self.affinity_pending);
-            self.affinity_log.write(&batch);
-        }
-        let learned = self.affinity_log.read_into(&mut self.affinity);
-        self.metrics.affinity_learned(learned);
-    }
-}
-
-impl Worker {
-    fn new(config: FilterConfig) -> Self {
-        let mut metrics = Metrics::define();
-        let pc = &config.scheduler.precise;
-        let tokenizer = match (&pc.tokenizer_json, pc.enabled) {
-            (Some(_), true) => {
-                match PromptTokenizer::load_checked(pc) {
-                    Ok((t, 0)) => Some(t),
-                    Ok((_, failed)) => {
-                        host::log(
-                        LogLevel::Error,
-                        &format!("attache: tokenizer gives other ids than the engine on {failed} check(s); text and chat prompts will not be routed precisely"),
-                    );
-                        metrics.tokenizer_mismatch();
-                        None
-                    }
-                    Err(e) => {
-                        host::log(
-                        LogLevel::Error,
-                        &format!("attache: tokenizer not usable ({e}); text and chat prompts will not be routed precisely"),
-                    );
-                        metrics.tokenizer_mismatch();
-                        None
-                    }
-                }
-            }
-            _ => None,
-        };
-        Self {
-            tokenizer,
-            flow: FlowState::new(config.flow.enabled),
-            affinity: AffinityTable::new(config.scheduler.prefix.shared_slots),
-            affinity_log: AffinityLog::default(),
-            affinity_pending: Vec::new(),
-            heard_ms: None,
-            scheduler: Scheduler::new(config.scheduler.clone()),
-            state: SchedulerState::new(&config.scheduler),
-            cache: SnapshotCache::default(),
-            inflight: HashMap::new(),
-            inflight_tokens: HashMap::new(),
-            metrics,
-            config: std::rc::Rc::new(config),
-        }
-    }
-}
+use crate::shared::{kv_table, snapshot};
+use crate::worker::{Worker, HOUSEKEEPING_TICK_MS};
 
 pub struct AttacheRoot {
     context_id: u32,
@@ -158,7 +32,7 @@ impl AttacheRoot {
     }
 
     fn node(&self) -> String {
-        let name = hostcalls::get_property(vec!["plugin_name"])
+        let name = proxy_wasm::hostcalls::get_property(vec!["plugin_name"])
             .ok()
             .flatten()
             .and_then(|b| String::from_utf8(b).ok())
@@ -244,7 +118,14 @@ impl RootContext for AttacheRoot {
         let affinity_tick =
             (config.role == Role::Scheduler && prefix.shared_slots > 0).then_some(prefix.shared_flush_ms.max(1));
         let scheduler = config.role == Role::Scheduler;
-        self.worker = Some(Rc::new(RefCell::new(Worker::new(config))));
+        let worker = match Worker::new(config) {
+            Ok(w) => w,
+            Err(e) => {
+                host::log(LogLevel::Critical, &format!("attache: invalid plugin configuration: {e}"));
+                return false;
+            }
+        };
+        self.worker = Some(Rc::new(RefCell::new(worker)));
         let mut tick_ms =
             [flow_tick, affinity_tick, scheduler.then_some(HOUSEKEEPING_TICK_MS)].into_iter().flatten().min();
         if let Some(cfg) = sub_cfg {
@@ -254,7 +135,7 @@ impl RootContext for AttacheRoot {
             self.subscriber = Some(sub);
         }
         if let Some(ms) = tick_ms {
-            let _ = hostcalls::set_tick_period(Duration::from_millis(ms));
+            let _ = proxy_wasm::hostcalls::set_tick_period(Duration::from_millis(ms));
         }
         true
     }
@@ -272,7 +153,7 @@ impl RootContext for AttacheRoot {
                     w.housekeep(host::now_ms());
                     w.flush_affinity();
                     if w.config.flow.enabled {
-                        crate::flow::tick(&mut w);
+                        crate::queue::tick(&mut w);
                     }
                 }
             }

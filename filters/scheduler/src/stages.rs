@@ -17,46 +17,37 @@ pub enum Stage {
     Parse,
     /// Checking shared data for a newer snapshot (and decoding it, when there is one).
     SnapshotCheck,
-    /// Looking up the session's or conversation's endpoint.
+    /// Resolving the session's or conversation's endpoint.
     Sticky,
-    /// Prefix block hashes and message anchors.
-    BlockHashes,
-    /// Probing the cross-worker affinity table.
-    AffinityProbe,
-    /// Prompt token ids and precise scores (tokenizing, in precise mode).
+    /// Engine token ids (tokenizing, in precise mode).
     PromptTokens,
-    /// The pipeline: filters, scorers, picker.
-    Pipeline,
-    /// Setting `x-gateway-destination-endpoint`.
-    DestinationHeader,
-    /// P/D header, scoring context for custom scorers, session binding.
+    /// `policies::plan`: prefix hashes, the affinity probe, precise scores, the profiles.
+    Plan,
+    /// Setting the destination (and prefiller) headers.
+    Headers,
+    /// Scoring context for custom scorers, session binding.
     Handoff,
-    /// Recording the decision in the prefix index.
-    IndexRecord,
-    /// Recording it in the affinity table and the pending log batch.
-    AffinityStore,
+    /// Recording the decision in the prefix index, the affinity table and the pending log batch.
+    Learn,
     /// Metrics and in-flight accounting.
     Accounting,
-    /// Returning from the pipeline (dropping the parsed request and the decision).
+    /// Returning from the pipeline (dropping the parsed request and the plan).
     Return,
     /// Recording `attache_decision_us`.
     DecisionMetric,
 }
 
 impl Stage {
-    pub const ALL: [Stage; 15] = [
+    pub const ALL: [Stage; 12] = [
         Stage::ReadBody,
         Stage::Parse,
         Stage::SnapshotCheck,
         Stage::Sticky,
-        Stage::BlockHashes,
-        Stage::AffinityProbe,
         Stage::PromptTokens,
-        Stage::Pipeline,
-        Stage::DestinationHeader,
+        Stage::Plan,
+        Stage::Headers,
         Stage::Handoff,
-        Stage::IndexRecord,
-        Stage::AffinityStore,
+        Stage::Learn,
         Stage::Accounting,
         Stage::Return,
         Stage::DecisionMetric,
@@ -68,14 +59,11 @@ impl Stage {
             Stage::Parse => "parse",
             Stage::SnapshotCheck => "snapshot_check",
             Stage::Sticky => "sticky",
-            Stage::BlockHashes => "block_hashes",
-            Stage::AffinityProbe => "affinity_probe",
             Stage::PromptTokens => "prompt_tokens",
-            Stage::Pipeline => "pipeline",
-            Stage::DestinationHeader => "destination_header",
+            Stage::Plan => "plan",
+            Stage::Headers => "headers",
             Stage::Handoff => "handoff",
-            Stage::IndexRecord => "index_record",
-            Stage::AffinityStore => "affinity_store",
+            Stage::Learn => "learn",
             Stage::Accounting => "accounting",
             Stage::Return => "return",
             Stage::DecisionMetric => "decision_metric",
@@ -171,7 +159,7 @@ mod build {
     pub fn finish() {
         let report = TOTALS.with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.finish()));
         if let Some(r) = report {
-            crate::host::log(proxy_wasm::types::LogLevel::Warn, &r);
+            crate::hostcalls::log(proxy_wasm::types::LogLevel::Warn, &r);
         }
     }
 }
@@ -208,7 +196,7 @@ mod tests {
             t.mark(Stage::ReadBody, base + 3_000);
             t.mark(Stage::Parse, base + 12_000);
             // A clock that steps back counts as nothing, not as a wrapped huge value.
-            t.mark(Stage::Pipeline, base + 11_000);
+            t.mark(Stage::Plan, base + 11_000);
             let report = t.finish();
             assert_eq!(report.is_some(), i + 1 == REPORT_EVERY, "a report every {REPORT_EVERY} decisions");
         }

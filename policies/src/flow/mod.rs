@@ -4,6 +4,7 @@
 //! scheduler instances ([`fairness`]). Pure logic: the filter, the host and the simulator's
 //! router share it (`reference/llmd.md` §2 for llm-d's semantics).
 
+pub mod admission;
 pub mod fairness;
 pub mod queue;
 pub mod saturation;
@@ -12,9 +13,10 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+pub use admission::{admit, Refusal, DROPPED_REASON_HEADER};
 pub use fairness::{jain_index, Board, Demand, Rivals};
 pub use queue::{FlowQueue, Popped, Shed};
-pub use saturation::{dispatch_cost, pool_saturation, Gate, SaturationConfig};
+pub use saturation::{dispatch_cost, pool_saturation, DetectorConfig, Gate};
 
 /// What to do with a request naming an objective the table does not know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize, Default)]

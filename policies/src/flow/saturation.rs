@@ -11,14 +11,14 @@ use crate::endpoint::Endpoint;
 /// Saturation settings of llm-d's utilization detector.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct SaturationConfig {
+pub struct DetectorConfig {
     pub queue_threshold: f64,
     pub kv_threshold: f64,
     /// Metrics this old or older count as fully saturated (0: every endpoint does).
     pub stale_ms: u64,
 }
 
-impl Default for SaturationConfig {
+impl Default for DetectorConfig {
     fn default() -> Self {
         Self { queue_threshold: 5.0, kv_threshold: 0.8, stale_ms: 200 }
     }
@@ -27,7 +27,7 @@ impl Default for SaturationConfig {
 /// Pool saturation: the mean over endpoints of `max(waiting/queue_threshold,
 /// kv_usage/kv_threshold)`; an endpoint without fresh metrics counts as 1.0. `None` when the
 /// pool has no endpoint.
-pub fn pool_saturation<'a>(endpoints: impl IntoIterator<Item = &'a Endpoint>, cfg: &SaturationConfig) -> Option<f64> {
+pub fn pool_saturation<'a>(endpoints: impl IntoIterator<Item = &'a Endpoint>, cfg: &DetectorConfig) -> Option<f64> {
     let (mut sum, mut n) = (0.0, 0usize);
     for e in endpoints {
         n += 1;
@@ -46,7 +46,7 @@ pub fn pool_saturation<'a>(endpoints: impl IntoIterator<Item = &'a Endpoint>, cf
 /// The saturation one more request adds to the pool, as the detector will see it once it is
 /// queued on an engine: `1 / (queue_threshold × endpoints)`. The host pushes it with each
 /// snapshot, so filters need not know the detector's settings.
-pub fn dispatch_cost(endpoints: usize, cfg: &SaturationConfig) -> f64 {
+pub fn dispatch_cost(endpoints: usize, cfg: &DetectorConfig) -> f64 {
     let per_endpoint = if cfg.queue_threshold > 0.0 { 1.0 / cfg.queue_threshold } else { 1.0 };
     per_endpoint / endpoints.max(1) as f64
 }
@@ -108,7 +108,7 @@ mod tests {
             metrics: Some(EndpointMetrics { waiting, kv_usage: kv, age_ms, ..Default::default() }),
             ..Default::default()
         };
-        let cfg = SaturationConfig::default();
+        let cfg = DetectorConfig::default();
         let s = pool_saturation(&[ep(0.0, 0.4, 0), ep(10.0, 0.0, 0)], &cfg).unwrap();
         assert!((s - (0.5 + 2.0) / 2.0).abs() < 1e-9, "{s}");
         let s = pool_saturation(&[ep(0.0, 0.0, 0), ep(0.0, 0.0, 500)], &cfg).unwrap();
@@ -118,7 +118,7 @@ mod tests {
 
     #[test]
     fn the_gate_adds_work_the_metrics_have_not_seen_yet() {
-        let cfg = SaturationConfig::default();
+        let cfg = DetectorConfig::default();
         let cost = dispatch_cost(2, &cfg);
         assert!((cost - 0.1).abs() < 1e-12, "1/(5*2): {cost}");
         let mut g = Gate::default();

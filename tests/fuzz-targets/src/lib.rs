@@ -75,7 +75,7 @@ pub fn request_parse(data: &[u8]) {
 
 /// The filter's snapshot decoder: protobuf bytes from shared data into the scheduler's pool.
 pub fn snapshot_decode(data: &[u8]) {
-    if let Ok(pool) = attache_scheduler_filter::snapshot::decode_pool(data) {
+    if let Ok(pool) = attache_scheduler_filter::shared::snapshot::decode_pool(data) {
         // Whatever decodes must be usable by the scheduler without panicking.
         for e in &pool.endpoints {
             let _ = e.base_model();

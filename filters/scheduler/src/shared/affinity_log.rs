@@ -21,7 +21,7 @@
 
 use attache_policies::index::AffinityTable;
 
-use crate::host;
+use crate::hostcalls as host;
 
 /// Pages kept per writer.
 pub const RING: u64 = 32;

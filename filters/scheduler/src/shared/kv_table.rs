@@ -134,6 +134,12 @@ pub struct Reader {
     slots: u64,
 }
 
+impl attache_policies::plan::KvIndexView for Reader {
+    fn holders(&self, key: u64) -> Vec<(u16, u8)> {
+        Reader::holders(self, key)
+    }
+}
+
 impl Reader {
     pub fn new(slots: u64) -> Self {
         Self { epoch: epoch(), slots }

@@ -4,7 +4,7 @@
 
 use attache_policies::session::{Sticky, StickyStore};
 
-use crate::host;
+use crate::hostcalls as host;
 
 pub struct SharedSticky;
 
@@ -26,28 +26,5 @@ impl StickyStore for SharedSticky {
         v.extend_from_slice(&entry.expires_ms.to_be_bytes());
         v.extend_from_slice(entry.endpoint.as_bytes());
         host::set_shared_data(&format!("attache.sticky.{slot}"), &v);
-    }
-}
-
-/// The response id at the start of a Responses API body (`{"id":"resp_…"` non-streamed, or the
-/// `response.created` event streamed), if the first bytes carry one.
-pub fn response_id(first_bytes: &[u8]) -> Option<String> {
-    let text = std::str::from_utf8(first_bytes.get(..first_bytes.len().min(4096))?).ok()?;
-    let at = text.find("\"resp_")? + 1;
-    let id: String =
-        text.get(at..)?.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').take(128).collect();
-    (id.len() > 5).then_some(id)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn finds_response_ids_in_plain_and_streamed_bodies() {
-        let plain = br#"{"id":"resp_abc123","object":"response","output":[]}"#;
-        assert_eq!(super::response_id(plain).as_deref(), Some("resp_abc123"));
-        let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_9f-x\",\"object\":\"response\"}}\n\n";
-        assert_eq!(super::response_id(sse).as_deref(), Some("resp_9f-x"));
-        assert_eq!(super::response_id(b"{\"id\":\"chatcmpl-1\"}"), None);
-        assert_eq!(super::response_id(&[0xff, 0xfe]), None);
     }
 }

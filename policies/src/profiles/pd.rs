@@ -1,4 +1,4 @@
-//! Prefill/decode disaggregation: llm-d's prefix-based P/D decider (`reference/llmd.md` §1.4).
+//! Prefill/decode disaggregation: llm-d's `prefix-based-pd-decider` (`reference/llmd.md` §1.4).
 //!
 //! The decode profile runs first and picks the primary endpoint. If the prompt's tokens that
 //! endpoint does *not* hold reach `threshold_tokens`, the prefill profile picks a separate
@@ -7,8 +7,6 @@
 //! decodes with the transferred KV.
 
 use serde::{Deserialize, Serialize};
-
-use crate::config::ScorerWeights;
 
 /// llm-d's P/D header: `ip:port` of the prefill endpoint.
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -20,24 +18,11 @@ pub struct PdConfig {
     /// Disaggregate when the prompt's uncached tokens on the chosen decode endpoint reach this
     /// (llm-d's `nonCachedTokens`); 0 disables P/D.
     pub threshold_tokens: usize,
-    /// The prefill profile's scorer weights: prefix affinity and load (llm-d's sample P/D
-    /// profile uses prefix 2, queue 1).
-    pub prefill_weights: ScorerWeights,
 }
 
 impl Default for PdConfig {
     fn default() -> Self {
-        Self {
-            threshold_tokens: 16,
-            prefill_weights: ScorerWeights {
-                prefix: 2.0,
-                queue: 1.0,
-                kv_cache: 0.0,
-                no_hit_lru: 0.0,
-                precise_prefix: 2.0,
-                lora: 0.0,
-            },
-        }
+        Self { threshold_tokens: 16 }
     }
 }
 
@@ -59,7 +44,7 @@ mod tests {
         assert!(!should_disaggregate(&cfg, 2000, 1990), "10 uncached: decode prefills it");
         assert!(!should_disaggregate(&cfg, 10, 0), "a short prompt");
         assert!(!should_disaggregate(&cfg, 5000, 6000), "more cached than asked");
-        let off = PdConfig { threshold_tokens: 0, ..PdConfig::default() };
+        let off = PdConfig { threshold_tokens: 0 };
         assert!(!should_disaggregate(&off, 100_000, 0), "0 disables P/D");
     }
 }

@@ -1,7 +1,26 @@
-//! The max-score picker: highest total score first, ties broken at random (llm-d shuffles
-//! before sorting). It returns the primary endpoint followed by fallbacks.
+//! `max-score-picker`: highest total score first, ties broken at random (llm-d shuffles
+//! before sorting); candidates in a higher tier lead, and within a tier the score order stands.
 
+use super::{tier, Picker};
 use crate::rng::SplitMix64;
+
+pub struct MaxScore;
+
+impl Picker for MaxScore {
+    fn name(&self) -> &'static str {
+        "max-score-picker"
+    }
+
+    fn doc(&self) -> &'static str {
+        "highest weighted total first (seeded random tie-break), sticky then affine candidates leading"
+    }
+
+    fn pick(&self, totals: &[f64], tiers: &[u8], seed: u64) -> Vec<usize> {
+        let mut order = max_score(totals, totals.len(), seed);
+        by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(tier::NONE));
+        order
+    }
+}
 
 /// Order candidate positions by descending score with a seeded random tie-break, keep `max`.
 pub fn max_score(scores: &[f64], max: usize, seed: u64) -> Vec<usize> {
@@ -13,14 +32,6 @@ pub fn max_score(scores: &[f64], max: usize, seed: u64) -> Vec<usize> {
         .collect();
     order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.2.cmp(&b.2)));
     order.into_iter().take(max.max(1)).map(|(i, _, _)| i).collect()
-}
-
-/// The tier a candidate leads in, highest first: the filters' verdict that the score order
-/// alone must not overturn (a session's sticky endpoint, then the affinity filter's holders).
-pub mod tier {
-    pub const NONE: u8 = 0;
-    pub const AFFINE: u8 = 1;
-    pub const STICKY: u8 = 2;
 }
 
 /// Reorder positions (already in score order) so higher tiers lead; within a tier the score
@@ -52,5 +63,6 @@ mod tests {
         let mut flat = vec![2, 1, 0];
         by_tier(&mut flat, |_| tier::NONE);
         assert_eq!(flat, vec![2, 1, 0], "no tiers: the score order stands");
+        assert_eq!(MaxScore.pick(&[0.1, 0.9, 0.5], &[tier::AFFINE, 0, 0], 1), vec![0, 1, 2]);
     }
 }

@@ -1,5 +1,5 @@
-//! Snapshots: from the host's stream into shared data (agent side), and from shared data into
-//! a worker's cached [`PoolState`] (scheduler side).
+//! Snapshots in shared data: written from the host's stream (by the agent), read into a
+//! worker's cached [`PoolState`] (by the scheduler).
 //!
 //! Shared-data layout (namespaced by `vm_id`): `attache.snapshot` holds the encoded
 //! `attache.v1.Snapshot`; `attache.snapshot.version` holds 16 bytes, host epoch then version,
@@ -10,11 +10,9 @@ use attache_policies::endpoint::LoraState;
 use attache_policies::{Endpoint, EndpointMetrics, PoolState, Role};
 use attache_proto::v1;
 use prost::Message;
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, LogLevel};
+use proxy_wasm::types::LogLevel;
 
-use crate::config::SubscribeConfig;
-use crate::host;
+use crate::hostcalls as host;
 
 pub const SNAPSHOT_KEY: &str = "attache.snapshot";
 pub const VERSION_KEY: &str = "attache.snapshot.version";
@@ -25,8 +23,6 @@ pub const CHANGED_KEY: &str = "attache.snapshot.changed";
 /// When the snapshot stream last carried anything (heartbeats included): ms since the epoch,
 /// 8 bytes little-endian. Workers compare it with their clock to notice a silent host.
 pub const HEARD_KEY: &str = "attache.host.heard_ms";
-const SERVICE: &str = "attache.v1.SnapshotService";
-const METHOD: &str = "Subscribe";
 
 /// Convert the wire snapshot into the policies' pool state.
 pub fn to_pool(s: &v1::Snapshot) -> PoolState {
@@ -145,87 +141,6 @@ impl SnapshotCache {
                 host::log(LogLevel::Warn, &format!("attache: undecodable snapshot ignored: {e}"));
                 false
             }
-        }
-    }
-}
-
-/// The client side of the host's snapshot stream, driven from a root context's callbacks.
-pub struct Subscriber {
-    cfg: SubscribeConfig,
-    token: Option<u32>,
-    last_message_ms: u64,
-    pub received: u64,
-    pub reconnects: u64,
-}
-
-impl Subscriber {
-    pub fn new(cfg: SubscribeConfig) -> Self {
-        Self { cfg, token: None, last_message_ms: 0, received: 0, reconnects: 0 }
-    }
-
-    pub fn tick_ms(&self) -> u64 {
-        self.cfg.tick_ms.max(50)
-    }
-
-    /// Open the stream if it is not open, and reopen it if the host went silent.
-    pub fn ensure_open(&mut self, node: &str, now_ms: u64) {
-        if let Some(t) = self.token {
-            if now_ms.saturating_sub(self.last_message_ms) <= self.cfg.idle_timeout_ms {
-                return;
-            }
-            host::log(LogLevel::Warn, "attache: snapshot stream silent, reopening");
-            let _ = hostcalls::cancel_grpc_stream(t);
-            self.token = None;
-        }
-        let req = v1::SubscribeRequest { node: node.to_owned() }.encode_to_vec();
-        match hostcalls::open_grpc_stream(&self.cfg.cluster, SERVICE, METHOD, vec![]) {
-            Ok(t) => {
-                // tonic runs a server-streaming handler only after the client half-closes.
-                if hostcalls::send_grpc_stream_message(t, Some(&req), true).is_err() {
-                    let _ = hostcalls::cancel_grpc_stream(t);
-                    return;
-                }
-                self.token = Some(t);
-                self.last_message_ms = now_ms;
-                self.reconnects += 1;
-            }
-            Err(s) => {
-                host::log(LogLevel::Warn, &format!("attache: open_grpc_stream({}) failed: {s:?}", self.cfg.cluster))
-            }
-        }
-    }
-
-    /// Handle one stream message; returns what it carried (heartbeats are consumed here).
-    pub fn on_message(&mut self, token: u32, size: usize, now_ms: u64) -> Option<v1::update::Kind> {
-        if self.token != Some(token) {
-            return None;
-        }
-        self.last_message_ms = now_ms;
-        heard(now_ms);
-        let bytes = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size).ok().flatten()?;
-        match v1::Update::decode(bytes.as_slice()) {
-            Ok(u) => {
-                self.received += 1;
-                match u.kind {
-                    Some(v1::update::Kind::Heartbeat(_)) | None => None,
-                    k => k,
-                }
-            }
-            Err(e) => {
-                host::log(LogLevel::Warn, &format!("attache: undecodable update ignored: {e}"));
-                None
-            }
-        }
-    }
-
-    pub fn on_close(&mut self, token: u32) {
-        if self.token == Some(token) {
-            let (code, msg) = hostcalls::get_grpc_status().unwrap_or((0, None));
-            host::log(
-                LogLevel::Info,
-                &format!("attache: snapshot stream closed (grpc {code}: {}); will reopen", msg.unwrap_or_default()),
-            );
-            self.token = None;
         }
     }
 }

@@ -1,0 +1,124 @@
+//! Route one parsed request: read the engine token ids (parse), plan it on the worker's newest
+//! state (`policies::plan`), then apply the plan: headers, scorer hand-off, session binding,
+//! what the worker learns, metrics and in-flight accounting. Called from the request's own
+//! body callback, or from the flow-control queue (with the request made the effective context
+//! first).
+
+use attache_policies::flow::Refusal;
+use attache_policies::plan::{self, Plan, PlanConfig, PlanRequest, StateView};
+use attache_policies::prompt_tokens;
+use attache_policies::request::InferenceRequest;
+use attache_policies::scoring;
+use attache_policies::ErrorResponse;
+
+use crate::hostcalls as host;
+use crate::request::RequestState;
+use crate::shared::affinity_log::PENDING_MAX;
+use crate::shared::kv_table;
+use crate::shared::sessions::SharedSticky;
+use crate::stages::{self, Stage};
+use crate::worker::Worker;
+
+/// Answer the effective context's request with an error, counting it.
+pub fn answer(w: &mut Worker, id: u32, err: &ErrorResponse) {
+    w.metrics.error(err.reason);
+    host::debug(|| format!("attache[{id}]: {} {}", err.status, err.reason));
+    host::send_json(err.status, err.reason, &err.body, &[]);
+}
+
+/// Answer the effective context's request with flow control's refusal, counting it.
+pub fn refuse(w: &mut Worker, id: u32, refusal: &Refusal) {
+    match refusal.shed {
+        Some(shed) => w.metrics.flow_shed(shed),
+        None => w.metrics.error(refusal.response.reason),
+    }
+    let r = &refusal.response;
+    host::debug(|| format!("attache[{id}]: {} {}", r.status, r.reason));
+    host::send_json(r.status, r.reason, &r.body, &refusal.headers);
+}
+
+/// The request's token ids as the engine computes them, counting a prompt precise routing
+/// could not tokenize.
+fn prompt_ids(w: &mut Worker, req: &InferenceRequest, id: u32) -> Option<Vec<u32>> {
+    let pc = &w.config.scheduler.precise;
+    match prompt_tokens::engine_ids(pc, req, w.tokenizer.as_mut()) {
+        Ok(ids) => ids,
+        Err(e) => {
+            host::debug(|| format!("attache[{id}]: no precise scores: {e}"));
+            w.metrics.prompt_untokenized();
+            None
+        }
+    }
+}
+
+/// Pick the endpoints for `req` and apply the decision to the effective context. `now_ms` is
+/// the caller's clock reading: one per decision, not one per use.
+pub fn route(
+    w: &mut Worker,
+    st: &mut RequestState,
+    req: &InferenceRequest,
+    body_len: usize,
+    now_ms: u64,
+) -> Result<(), ErrorResponse> {
+    let ids = prompt_ids(w, req, st.id);
+    stages::mark(Stage::PromptTokens);
+    let host_silent_ms = w.host_silent_ms(now_ms, w.config.scheduler.host_stale_ms);
+    let config = std::rc::Rc::clone(&w.config);
+    let kv = kv_table::Reader::new(config.scheduler.precise.slots);
+    let request = PlanRequest {
+        id: st.id,
+        req,
+        body_len,
+        prompt_ids: ids.as_deref(),
+        sticky: st.sticky.as_deref(),
+        session_key: st.session_key,
+        rollout_session: st.session.as_deref(),
+    };
+    let view = StateView {
+        pool: &w.cache.pool,
+        state: &w.state,
+        affinity: Some(&w.affinity),
+        kv: config.scheduler.precise.enabled.then_some(&kv as &dyn plan::KvIndexView),
+        inflight: &w.inflight,
+        inflight_tokens: &w.inflight_tokens,
+        host_silent_ms,
+    };
+    let settings = PlanConfig { scheduler: &w.scheduler, sessions: &config.sessions, scoring: &config.scoring };
+    let plan = plan::plan(&request, &view, &settings)?;
+    stages::mark(Stage::Plan);
+    apply(w, st, &plan, now_ms)?;
+    host::debug(|| format!("attache[{}]: {}", st.id, plan.log_line(&req.model, w.cache.pool.version)));
+    Ok(())
+}
+
+/// Apply a plan to the effective context and the worker.
+fn apply(w: &mut Worker, st: &mut RequestState, plan: &Plan, now_ms: u64) -> Result<(), ErrorResponse> {
+    for (name, value) in &plan.headers {
+        if !host::set_request_header(name, value) {
+            let msg = format!("could not set the {name} header");
+            return Err(ErrorResponse::new(500, "header_write_failed", "InternalServerError", None, &msg));
+        }
+    }
+    stages::mark(Stage::Headers);
+    for (key, value) in &plan.properties {
+        if host::set_property(key, value) && *key == scoring::CONTEXT_PROPERTY {
+            st.handed_off.clone_from(&plan.handed_off);
+        }
+    }
+    if let Some(binding) = &plan.session {
+        plan::bind(&mut SharedSticky, binding, now_ms);
+    }
+    st.session_token.clone_from(&plan.session_token);
+    stages::mark(Stage::Handoff);
+    let room = PENDING_MAX.saturating_sub(w.affinity_pending.len());
+    let sharing = w.affinity.capacity() > 0;
+    let publish = plan::learn(plan, &mut w.state, sharing.then_some(&mut w.affinity), room);
+    w.affinity_pending.extend(publish);
+    stages::mark(Stage::Learn);
+    w.metrics.planned(&plan.metrics, &plan.dispatch.endpoint);
+    w.dispatched(plan);
+    st.dispatched = Some(plan.dispatch.endpoint.clone());
+    st.dispatched_tokens = plan.dispatch.uncached_tokens;
+    stages::mark(Stage::Accounting);
+    Ok(())
+}

@@ -1,0 +1,149 @@
+//! One Envoy worker's scheduler state, shared by its HTTP contexts: the configuration, what the
+//! worker learned from its own decisions, its in-flight load, its flow-control queue, metrics.
+
+use attache_policies::index::AffinityTable;
+use attache_policies::plan::Plan;
+use attache_policies::prompt_tokens::PromptTokenizer;
+use attache_policies::{Scheduler, SchedulerState};
+use hashbrown::HashMap;
+use proxy_wasm::types::LogLevel;
+
+use crate::config::FilterConfig;
+use crate::flow_state::FlowState;
+use crate::hostcalls as host;
+use crate::metrics::Metrics;
+use crate::shared::affinity_log::AffinityLog;
+use crate::shared::snapshot::{self, SnapshotCache};
+
+/// State shared by one worker's HTTP contexts.
+pub struct Worker {
+    /// Shared so per-request code can hold it while borrowing the worker mutably.
+    pub config: std::rc::Rc<FilterConfig>,
+    pub scheduler: Scheduler,
+    pub state: SchedulerState,
+    pub cache: SnapshotCache,
+    /// Requests this worker has dispatched and not yet finished, per endpoint.
+    pub inflight: HashMap<String, u32>,
+    /// Uncached prompt tokens of those requests per endpoint (the affinity filter's TTFT gate).
+    pub inflight_tokens: HashMap<String, u64>,
+    pub metrics: Metrics,
+    /// The model's tokenizer and chat template, for precise routing of text and chat prompts
+    /// (None if not configured or if it failed its start-up check).
+    pub tokenizer: Option<PromptTokenizer>,
+    /// Flow control: this worker's queue, saturation gate and fairness board.
+    pub flow: FlowState,
+    /// What this worker knows of every worker's decisions (its own at once, the others' from
+    /// the affinity log at each tick), probed on the request path without a host call.
+    pub affinity: AffinityTable,
+    /// This worker's side of the affinity log in shared data ([`crate::shared::affinity_log`]).
+    pub affinity_log: AffinityLog,
+    /// This worker's decisions not yet appended to its log: `(block hash, endpoint)`, written
+    /// from the tick, off the request path.
+    pub affinity_pending: Vec<(u64, String)>,
+    /// When the host was last heard from, as of this worker's last tick (see [`Worker::housekeep`]).
+    pub heard_ms: Option<u64>,
+}
+
+/// The scheduler's tick period when neither flow control nor the affinity table asks for a
+/// shorter one: it records histogram samples and re-reads the host's heartbeat and the log level.
+pub const HOUSEKEEPING_TICK_MS: u64 = 100;
+
+impl Worker {
+    /// Milliseconds since the host was last heard from (0 if it never was). Reads the heartbeat
+    /// from the tick's copy, off the request path; only when that copy says the host has been
+    /// silent longer than `stale_after_ms` is the shared heartbeat read again, so a host heard
+    /// since the last tick never gets a load-only decision.
+    pub fn host_silent_ms(&mut self, now_ms: u64, stale_after_ms: u64) -> u64 {
+        let silent = |heard: Option<u64>| heard.map_or(0, |h| now_ms.saturating_sub(h));
+        if self.heard_ms.is_none() || silent(self.heard_ms) > stale_after_ms {
+            if let Some(h) = snapshot::heard_ms() {
+                self.heard_ms = Some(h);
+            }
+        }
+        silent(self.heard_ms)
+    }
+
+    /// The tick's bookkeeping, kept off the request path: histogram samples, the host's
+    /// heartbeat and its silence gauge, Envoy's log level.
+    pub fn housekeep(&mut self, now_ms: u64) {
+        self.metrics.flush_samples();
+        if let Some(h) = snapshot::heard_ms() {
+            self.heard_ms = Some(h);
+            self.metrics.host_silence(now_ms.saturating_sub(h));
+        }
+        host::refresh_log_level();
+    }
+
+    /// Append this worker's pending decisions to its affinity log, and learn the other
+    /// workers' new ones from theirs.
+    pub fn flush_affinity(&mut self) {
+        if self.affinity.capacity() == 0 {
+            return;
+        }
+        if !self.affinity_pending.is_empty() {
+            let batch = std::mem::take(&mut self.affinity_pending);
+            self.affinity_log.write(&batch);
+        }
+        let learned = self.affinity_log.read_into(&mut self.affinity);
+        self.metrics.affinity_learned(learned);
+    }
+}
+
+impl Worker {
+    /// The worker for a checked configuration. `Err`: its profiles do not resolve (the root
+    /// refuses the configuration).
+    pub fn new(config: FilterConfig) -> Result<Self, String> {
+        let scheduler = Scheduler::new(config.scheduler.clone()).map_err(|e| e.to_string())?;
+        let mut metrics = Metrics::define(scheduler.decode_profile());
+        let tokenizer = load_tokenizer(&config, &mut metrics);
+        Ok(Self {
+            tokenizer,
+            flow: FlowState::new(config.flow.enabled),
+            affinity: AffinityTable::new(config.scheduler.prefix.shared_slots),
+            affinity_log: AffinityLog::default(),
+            affinity_pending: Vec::new(),
+            heard_ms: None,
+            state: SchedulerState::new(&config.scheduler),
+            scheduler,
+            cache: SnapshotCache::default(),
+            inflight: HashMap::new(),
+            inflight_tokens: HashMap::new(),
+            metrics,
+            config: std::rc::Rc::new(config),
+        })
+    }
+
+    /// Count a planned request against its endpoint until it ends.
+    pub fn dispatched(&mut self, plan: &Plan) {
+        let d = &plan.dispatch;
+        *self.inflight.entry(d.endpoint.clone()).or_insert(0) += 1;
+        *self.inflight_tokens.entry(d.endpoint.clone()).or_insert(0) += d.uncached_tokens;
+    }
+
+    /// A request to `endpoint` with `tokens` uncached prompt tokens ended.
+    pub fn released(&mut self, endpoint: &str, tokens: u64) {
+        if let Some(n) = self.inflight.get_mut(endpoint) {
+            *n = n.saturating_sub(1);
+        }
+        if let Some(t) = self.inflight_tokens.get_mut(endpoint) {
+            *t = t.saturating_sub(tokens);
+        }
+    }
+}
+
+/// The model's tokenizer and chat template for precise routing, if configured and if they give
+/// the engine's ids on the configured checks; otherwise none, logged and counted.
+fn load_tokenizer(config: &FilterConfig, metrics: &mut Metrics) -> Option<PromptTokenizer> {
+    let pc = &config.scheduler.precise;
+    if !pc.enabled || pc.tokenizer_json.is_none() {
+        return None;
+    }
+    let why = match PromptTokenizer::load_checked(pc) {
+        Ok((t, 0)) => return Some(t),
+        Ok((_, failed)) => format!("tokenizer gives other ids than the engine on {failed} check(s)"),
+        Err(e) => format!("tokenizer not usable ({e})"),
+    };
+    host::log(LogLevel::Error, &format!("attache: {why}; text and chat prompts will not be routed precisely"));
+    metrics.tokenizer_mismatch();
+    None
+}

@@ -1,0 +1,521 @@
+//! One pure call per request: [`plan`] takes the parsed request, a view of the newest state and
+//! the configuration, and returns everything the host must do with it: the endpoints, headers,
+//! properties for custom scorers, the session binding, the prefiller, the index updates and the
+//! metric deltas. The Envoy filter applies a plan; the endpoint picker and the simulator call the
+//! same function, so scheduling is written once.
+
+use hashbrown::HashMap;
+
+use crate::endpoint::PoolState;
+use crate::error::{ErrorResponse, ScheduleError};
+use crate::index::{self, AffinityTable};
+use crate::pickers::tier;
+use crate::plugin_config::ScoringConfig;
+use crate::prefix;
+use crate::profiles::pd::PREFILLER_HEADER;
+use crate::profiles::SchedulingInput;
+use crate::request::InferenceRequest;
+use crate::scheduler::{Decision, Scheduler, SchedulerState};
+use crate::scoring::{self, ScoringContext};
+use crate::session::SessionConfig;
+use crate::{precise, session};
+
+/// The header Envoy's `override_host` LB policy (or an ORIGINAL_DST cluster) routes on: the
+/// primary endpoint, then the fallbacks.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// Routing headers a client may not set: removed from every request before it is scheduled.
+pub const ROUTING_HEADERS: [&str; 2] = [DESTINATION_HEADER, PREFILLER_HEADER];
+
+/// The precise index, as the host sees it: (endpoint id, tier mask) per block key.
+pub trait KvIndexView {
+    fn holders(&self, key: u64) -> Vec<(u16, u8)>;
+}
+
+/// The newest state a decision reads.
+pub struct StateView<'a> {
+    pub pool: &'a PoolState,
+    /// What this scheduler learned from its own decisions.
+    pub state: &'a SchedulerState,
+    /// What it learned from the other scheduler instances' (`None`: sharing is off).
+    pub affinity: Option<&'a AffinityTable>,
+    /// The precise index (`None`: precise routing is off).
+    pub kv: Option<&'a dyn KvIndexView>,
+    /// Requests this scheduler has in flight, and their uncached prompt tokens, per endpoint.
+    pub inflight: &'a HashMap<String, u32>,
+    pub inflight_tokens: &'a HashMap<String, u64>,
+    /// Milliseconds since the host was last heard from (0: never, or just now).
+    pub host_silent_ms: u64,
+}
+
+/// The configuration a decision reads.
+pub struct PlanConfig<'a> {
+    pub scheduler: &'a Scheduler,
+    pub sessions: &'a SessionConfig,
+    pub scoring: &'a ScoringConfig,
+}
+
+/// One request, parsed.
+pub struct PlanRequest<'a> {
+    /// The host's id of the stream (the tie-break seed of a request with no prefix).
+    pub id: u32,
+    pub req: &'a InferenceRequest,
+    pub body_len: usize,
+    /// Token ids as the engine computes them ([`crate::prompt_tokens::engine_ids`]).
+    pub prompt_ids: Option<&'a [u32]>,
+    /// The endpoint its session or conversation is bound to ([`session::resolve`]).
+    pub sticky: Option<&'a str>,
+    /// The session header's table key, to bind the session to its new primary.
+    pub session_key: Option<u64>,
+    /// The value of the first configured rollout session header (custom scorers' bucket).
+    pub rollout_session: Option<&'a str>,
+}
+
+/// A filter-state property: key and value.
+pub type Property = (&'static str, Vec<u8>);
+
+/// Bind a session's key to its endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionBinding {
+    pub key: u64,
+    pub endpoint: String,
+    pub ttl_ms: u64,
+    pub slots: u64,
+}
+
+/// What this scheduler learns from the decision.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct IndexUpdate {
+    /// The prompt's block hashes and message anchors, recorded for the primary (and the
+    /// prefill endpoint) by [`SchedulerState::commit`].
+    pub hashes: Vec<u64>,
+    pub anchors: Vec<usize>,
+    /// Block hashes the cross-worker table does not yet prove for the primary: stored in this
+    /// worker's table and published to the others.
+    pub shared: Vec<u64>,
+}
+
+/// Metric deltas of one decision.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct MetricsDelta {
+    /// Scored on this scheduler's own load alone: the host was silent.
+    pub load_only: bool,
+    /// The primary's score by each scorer that has a histogram and had something to go on.
+    pub scores: Vec<(&'static str, f64)>,
+    pub matched_blocks: usize,
+    pub total_blocks: usize,
+    /// The primary is the session's sticky endpoint.
+    pub sticky_hit: bool,
+    /// The request was split; the prefill endpoint.
+    pub disaggregated: Option<String>,
+}
+
+/// Where the request goes, for in-flight accounting.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dispatch {
+    pub endpoint: String,
+    /// Prompt tokens the endpoint is not expected to hold.
+    pub uncached_tokens: u64,
+}
+
+/// Everything the host does with one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub decision: Decision,
+    /// Request headers to set, in order.
+    pub headers: Vec<(&'static str, String)>,
+    /// Filter-state properties for custom scorers and the picker, in order.
+    pub properties: Vec<Property>,
+    /// When the scoring context is among `properties`: each candidate's expected prefix hit,
+    /// to grade the rollout arm that acted once the response starts.
+    pub handed_off: Option<Vec<(String, f32)>>,
+    pub session: Option<SessionBinding>,
+    /// The endpoint the response's session token names.
+    pub session_token: Option<String>,
+    pub index: IndexUpdate,
+    pub dispatch: Dispatch,
+    pub metrics: MetricsDelta,
+}
+
+impl Plan {
+    /// The decision log line (without the host's request prefix).
+    pub fn log_line(&self, model: &str, snapshot_version: u64) -> String {
+        let d = &self.decision;
+        let Some(best) = d.scores.first() else {
+            return format!("model={model} -> (none)");
+        };
+        let scores: Vec<String> = best.scores.iter().map(|(n, v)| format!("{n}={v:.3}")).collect();
+        format!(
+            "model={model} -> {} ({} total={:.3} matched={}/{} candidates={} snapshot={snapshot_version})",
+            d.header_value(),
+            scores.join(" "),
+            best.total,
+            best.matched_blocks,
+            d.total_blocks,
+            d.candidates,
+        )
+    }
+}
+
+/// Plan one request. Pure: everything it reads comes in through `view`, and every change it
+/// implies is in the returned [`Plan`].
+pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig<'_>) -> Result<Plan, ErrorResponse> {
+    let cfg = &config.scheduler.config;
+    let req = request.req;
+    let hashes = prefix::block_hashes(&cfg.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
+    let anchors = prefix::anchor_blocks(&cfg.prefix, &req.message_ends);
+    let seed = hashes.first().copied().unwrap_or(u64::from(request.id));
+    let shared = view.affinity.filter(|t| t.capacity() > 0).map(|t| t.matches(&hashes, &anchors));
+    let precise_scores = precise_scores(request, view, config.scheduler);
+    let load_only = cfg.host_stale_ms > 0 && view.host_silent_ms > cfg.host_stale_ms;
+    let input = SchedulingInput {
+        model: &req.model,
+        block_hashes: &hashes,
+        anchors: &anchors,
+        inflight: view.inflight,
+        inflight_tokens: Some(view.inflight_tokens),
+        seed,
+        extra_matches: shared.as_ref(),
+        precise: precise_scores.as_ref(),
+        prompt_tokens: request.prompt_ids.map_or_else(|| req.prompt.approx_tokens(), <[u32]>::len),
+        sticky: request.sticky,
+        load_only,
+    };
+    let decision = config.scheduler.schedule(&input, view.pool, view.state).map_err(|e| ErrorResponse::from(&e))?;
+    let best = decision.scores.first().ok_or_else(|| ErrorResponse::from(&ScheduleError::NoEndpoints))?;
+    let dispatch = Dispatch {
+        endpoint: best.address.clone(),
+        uncached_tokens: input.prompt_tokens.saturating_sub(best.cached_tokens) as u64,
+    };
+    let metrics = metrics(&decision, load_only, config.sessions.enabled);
+    let known = shared.as_ref().and_then(|m| m.get(&best.address)).copied().unwrap_or(0);
+    let index = IndexUpdate {
+        shared: if shared.is_some() { index::shared_entries(&hashes, &anchors, known) } else { Vec::new() },
+        hashes,
+        anchors,
+    };
+    let mut headers = vec![(DESTINATION_HEADER, decision.header_value())];
+    headers.extend(decision.prefiller().map(|p| (PREFILLER_HEADER, p.to_owned())));
+    let (properties, handed_off) = match config.scoring.context {
+        true => handoff(request, &decision, view.pool, config.scheduler, seed),
+        false => (Vec::new(), None),
+    };
+    let (session, session_token) = bind_session(request, &decision, config.sessions);
+    Ok(Plan { decision, headers, properties, handed_off, session, session_token, index, dispatch, metrics })
+}
+
+/// Precise scores from the engines' KV events, when the request has engine token ids and the
+/// host has an index.
+fn precise_scores(
+    request: &PlanRequest<'_>,
+    view: &StateView<'_>,
+    scheduler: &Scheduler,
+) -> Option<HashMap<u32, (f64, usize)>> {
+    let (ids, kv) = (request.prompt_ids?, view.kv?);
+    let pc = &scheduler.config.precise;
+    let seed = prefix::chain_seed(&request.req.model, None);
+    Some(precise::scores(
+        &view.pool.endpoints,
+        &pc.tier_weights,
+        |bs| prefix::token_block_keys(seed, ids, bs),
+        |k| kv.holders(k),
+    ))
+}
+
+fn metrics(decision: &Decision, load_only: bool, sessions: bool) -> MetricsDelta {
+    let best = decision.scores.first();
+    let scores = best
+        .map(|b| b.scores.iter().filter_map(|(n, v)| Some((crate::scorers::find(n)?.metric()?, *v))).collect())
+        .unwrap_or_default();
+    MetricsDelta {
+        load_only,
+        scores,
+        matched_blocks: best.map_or(0, |b| b.matched_blocks),
+        total_blocks: decision.total_blocks,
+        sticky_hit: sessions && decision.sticky,
+        disaggregated: decision.prefiller().map(str::to_owned),
+    }
+}
+
+/// The scoring context for custom scorer filters, and the tiers their picker must keep.
+fn handoff(
+    request: &PlanRequest<'_>,
+    decision: &Decision,
+    pool: &PoolState,
+    scheduler: &Scheduler,
+    seed: u64,
+) -> (Vec<Property>, Option<Vec<(String, f32)>>) {
+    let req = request.req;
+    let session = request.rollout_session.or(req.user.as_deref());
+    let bucket = session.map_or_else(|| scoring::bucket_of_seed(seed), |s| scoring::bucket_of(s.as_bytes()));
+    let prompt_tokens = request.prompt_ids.map_or(request.body_len / 4, <[u32]>::len);
+    let ctx = ScoringContext {
+        bucket,
+        seed,
+        max_endpoints: scheduler.config.max_endpoints.min(255) as u8,
+        model: req.model.clone(),
+        prompt_tokens: prompt_tokens.min(u32::MAX as usize) as u32,
+        max_tokens: req.max_tokens.unwrap_or(0).min(u64::from(u32::MAX)) as u32,
+        stream: req.stream,
+        candidates: scoring_candidates(decision, pool),
+    };
+    let mut properties = Vec::with_capacity(2);
+    if decision.tiers.iter().any(|&t| t != tier::NONE) {
+        properties.push((scoring::TIERS_PROPERTY, decision.tiers.clone()));
+    }
+    properties.push((scoring::CONTEXT_PROPERTY, ctx.encode()));
+    let handed = ctx.candidates.into_iter().map(|c| (c.address, c.prefix_hit)).collect();
+    (properties, Some(handed))
+}
+
+/// The candidates as custom scorer filters see them.
+fn scoring_candidates(decision: &Decision, pool: &PoolState) -> Vec<scoring::Candidate> {
+    decision
+        .all
+        .iter()
+        .map(|s| {
+            let ep = pool.endpoints.iter().find(|e| e.address == s.address);
+            let m = ep.and_then(|e| e.metrics.as_ref());
+            scoring::Candidate {
+                address: s.address.clone(),
+                labels: ep.map(|e| e.labels.clone()).unwrap_or_default(),
+                waiting: m.map_or(0.0, |m| m.waiting as f32),
+                running: m.map_or(0.0, |m| m.running as f32),
+                kv_usage: m.map_or(0.0, |m| m.kv_usage as f32),
+                ttft_ms: m.map_or(0.0, |m| m.ttft_ms as f32),
+                prefix_hit: s.prefix_hit as f32,
+                score: s.total,
+            }
+        })
+        .collect()
+}
+
+/// Session affinity: bind the session to its primary (refreshing the TTL), and name the primary
+/// in the response's session token.
+fn bind_session(
+    request: &PlanRequest<'_>,
+    decision: &Decision,
+    cfg: &SessionConfig,
+) -> (Option<SessionBinding>, Option<String>) {
+    let Some(primary) = decision.endpoints.first().filter(|_| cfg.enabled) else {
+        return (None, None);
+    };
+    let binding = request.session_key.map(|key| SessionBinding {
+        key,
+        endpoint: primary.clone(),
+        ttl_ms: cfg.ttl_ms,
+        slots: cfg.slots,
+    });
+    (binding, Some(primary.clone()))
+}
+
+/// Apply what a plan teaches this scheduler: its index and LRU, and its cross-worker table.
+/// Returns the `(hash, endpoint)` entries to publish to the other workers, at most `room`.
+pub fn learn(
+    plan: &Plan,
+    state: &mut SchedulerState,
+    affinity: Option<&mut AffinityTable>,
+    room: usize,
+) -> Vec<(u64, String)> {
+    state.commit(&plan.decision, &plan.index.hashes, &plan.index.anchors);
+    let (Some(table), Some(primary)) = (affinity, plan.decision.endpoints.first()) else {
+        return Vec::new();
+    };
+    let mut publish = Vec::with_capacity(plan.index.shared.len().min(room));
+    for (i, &h) in plan.index.shared.iter().enumerate() {
+        table.store(h, primary);
+        if i < room {
+            publish.push((h, primary.clone()));
+        }
+    }
+    publish
+}
+
+/// Bind a plan's session in a sticky store.
+pub fn bind(store: &mut dyn session::StickyStore, binding: &SessionBinding, now_ms: u64) {
+    session::bind(store, binding.slots, binding.key, &binding.endpoint, now_ms, binding.ttl_ms);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::{Endpoint, Role};
+    use crate::request::{parse, Api};
+    use crate::session::StickyStore;
+    use crate::SchedulerConfig;
+
+    fn pool(n: usize) -> PoolState {
+        let endpoints = (0..n)
+            .map(|i| Endpoint { id: i as u32, block_size: 16, ..Endpoint::idle(format!("10.0.0.{i}:8000"), "m") })
+            .collect();
+        PoolState { version: 1, endpoints, ..Default::default() }
+    }
+
+    /// Everything a plan reads, owned, with nothing learned yet.
+    struct World {
+        scheduler: Scheduler,
+        state: SchedulerState,
+        pool: PoolState,
+        affinity: AffinityTable,
+        inflight: HashMap<String, u32>,
+        tokens: HashMap<String, u64>,
+        sessions: SessionConfig,
+        scoring: ScoringConfig,
+        silent_ms: u64,
+    }
+
+    impl World {
+        fn new(pool: PoolState) -> Self {
+            let scheduler = Scheduler::new(SchedulerConfig::default()).unwrap();
+            Self {
+                state: scheduler.new_state(),
+                scheduler,
+                pool,
+                affinity: AffinityTable::new(1024),
+                inflight: HashMap::new(),
+                tokens: HashMap::new(),
+                sessions: SessionConfig::default(),
+                scoring: ScoringConfig::default(),
+                silent_ms: 0,
+            }
+        }
+
+        fn plan(&self, req: &PlanRequest<'_>, kv: Option<&dyn KvIndexView>) -> Result<Plan, ErrorResponse> {
+            let view = StateView {
+                pool: &self.pool,
+                state: &self.state,
+                affinity: Some(&self.affinity),
+                kv,
+                inflight: &self.inflight,
+                inflight_tokens: &self.tokens,
+                host_silent_ms: self.silent_ms,
+            };
+            let config = PlanConfig { scheduler: &self.scheduler, sessions: &self.sessions, scoring: &self.scoring };
+            plan(req, &view, &config)
+        }
+
+        /// Plan and learn, as a host applies a plan.
+        fn route(&mut self, req: &PlanRequest<'_>) -> Plan {
+            let p = self.plan(req, None).unwrap();
+            let publish = learn(&p, &mut self.state, Some(&mut self.affinity), usize::MAX);
+            assert_eq!(publish.len(), p.index.shared.len());
+            p
+        }
+    }
+
+    fn request(body: &str) -> InferenceRequest {
+        parse(Api::Completions, body.as_bytes()).unwrap()
+    }
+
+    fn req<'a>(r: &'a InferenceRequest) -> PlanRequest<'a> {
+        PlanRequest {
+            id: 1,
+            req: r,
+            body_len: 0,
+            prompt_ids: None,
+            sticky: None,
+            session_key: None,
+            rollout_session: None,
+        }
+    }
+
+    #[test]
+    fn a_plan_carries_the_headers_the_dispatch_and_what_to_learn() {
+        let mut w = World::new(pool(3));
+        let r = request(&format!(r#"{{"model":"m","prompt":"{}"}}"#, "a long shared prompt ".repeat(60)));
+        let first = w.route(&PlanRequest { session_key: Some(42), ..req(&r) });
+        let primary = first.decision.endpoints[0].clone();
+        assert_eq!(first.headers[0], (DESTINATION_HEADER, first.decision.header_value()));
+        assert_eq!(first.headers.len(), 1, "no P/D in this pool");
+        assert_eq!(first.dispatch.endpoint, primary);
+        assert!(first.properties.is_empty() && first.handed_off.is_none(), "no custom scorers configured");
+        let binding = first.session.clone().unwrap();
+        assert_eq!((binding.key, binding.endpoint.as_str()), (42, primary.as_str()));
+        assert_eq!(first.session_token.as_deref(), Some(primary.as_str()));
+        assert!(!first.index.hashes.is_empty() && !first.index.shared.is_empty());
+        let names: Vec<&str> = first.metrics.scores.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, ["prefix", "queue", "kv_cache"], "no token ids: the precise scorer is not listed");
+        // The same prompt again: the index and the affinity table learned it.
+        let again = w.route(&req(&r));
+        assert_eq!(again.dispatch.endpoint, primary);
+        assert!(again.index.shared.is_empty(), "the table proves it already");
+        assert_eq!(again.metrics.matched_blocks, again.metrics.total_blocks);
+        assert!(again.log_line("m", 1).contains(&primary));
+    }
+
+    #[test]
+    fn a_silent_host_makes_the_plan_load_only_and_says_so() {
+        let mut w = World::new(pool(2));
+        let r = request(r#"{"model":"m","prompt":"hello"}"#);
+        w.silent_ms = w.scheduler.config.host_stale_ms + 1;
+        assert!(w.plan(&req(&r), None).unwrap().metrics.load_only);
+        w.silent_ms = w.scheduler.config.host_stale_ms;
+        assert!(!w.plan(&req(&r), None).unwrap().metrics.load_only);
+    }
+
+    #[test]
+    fn refusals_are_responses_with_a_status() {
+        let w = World::new(pool(2));
+        let r = request(r#"{"model":"nope","prompt":"hi"}"#);
+        let e = w.plan(&req(&r), None).unwrap_err();
+        assert_eq!((e.status, e.reason), (404, "unknown_model"));
+        let empty = World::new(PoolState::default());
+        assert_eq!(empty.plan(&req(&request(r#"{"model":"m","prompt":"hi"}"#)), None).unwrap_err().status, 503);
+    }
+
+    #[test]
+    fn custom_scorers_get_the_context_and_a_split_gets_its_prefiller() {
+        let mut p = pool(3);
+        p.endpoints[0].role = Role::Prefill;
+        let mut w = World::new(p);
+        w.scoring.context = true;
+        let r = request(&format!(r#"{{"model":"m","prompt":"{}"}}"#, "x".repeat(8192)));
+        let plan = w.plan(&PlanRequest { rollout_session: Some("s"), ..req(&r) }, None).unwrap();
+        assert_eq!(plan.headers[1], (PREFILLER_HEADER, "10.0.0.0:8000".to_owned()));
+        assert_eq!(plan.metrics.disaggregated.as_deref(), Some("10.0.0.0:8000"));
+        let ctx = plan.properties.iter().find(|(k, _)| *k == scoring::CONTEXT_PROPERTY).unwrap();
+        let decoded = ScoringContext::decode(&ctx.1).unwrap();
+        assert_eq!(decoded.bucket, scoring::bucket_of(b"s"));
+        assert_eq!(decoded.candidates.len(), 2, "the two decode candidates");
+        assert_eq!(plan.handed_off.as_ref().map(Vec::len), Some(2));
+    }
+
+    struct OneHolder(u16);
+
+    impl KvIndexView for OneHolder {
+        fn holders(&self, _key: u64) -> Vec<(u16, u8)> {
+            vec![(self.0, precise::GPU)]
+        }
+    }
+
+    #[test]
+    fn engine_token_ids_route_precisely_to_what_the_kv_index_holds() {
+        let w = World::new(pool(4));
+        let r = request(
+            r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31,32]}"#,
+        );
+        let ids: Vec<u32> = (1..=32).collect();
+        let plan = w.plan(&PlanRequest { prompt_ids: Some(&ids), ..req(&r) }, Some(&OneHolder(2))).unwrap();
+        assert_eq!(plan.dispatch.endpoint, "10.0.0.2:8000");
+        assert_eq!(plan.dispatch.uncached_tokens, 0, "it holds both blocks");
+        assert!(plan.metrics.scores.iter().any(|(n, v)| *n == "precise" && *v > 0.99));
+    }
+
+    #[test]
+    fn binding_a_plan_session_is_found_again() {
+        #[derive(Default)]
+        struct Mem(std::collections::HashMap<u64, session::Sticky>);
+        impl StickyStore for Mem {
+            fn load(&mut self, slot: u64) -> Option<session::Sticky> {
+                self.0.get(&slot).cloned()
+            }
+            fn store(&mut self, slot: u64, entry: &session::Sticky) {
+                self.0.insert(slot, entry.clone());
+            }
+        }
+        let mut m = Mem::default();
+        let b = SessionBinding { key: 9, endpoint: "10.0.0.1:8000".into(), ttl_ms: 100, slots: 64 };
+        bind(&mut m, &b, 1_000);
+        assert_eq!(session::lookup(&mut m, 64, 9, 1_050).as_deref(), Some("10.0.0.1:8000"));
+        assert_eq!(session::lookup(&mut m, 64, 9, 1_100), None, "expired");
+    }
+}

@@ -1,0 +1,176 @@
+//! One profile run over a pool: what each candidate is proven to hold, its scores by plugin
+//! name, and its weighted total.
+
+use hashbrown::HashMap;
+
+use super::Profile;
+use crate::endpoint::Endpoint;
+use crate::filters::saturation::SaturationConfig;
+use crate::index;
+use crate::scorers::no_hit_lru::LastCold;
+use crate::scorers::ScoreContext;
+
+/// What scheduling needs to know about one request.
+#[derive(Clone, Copy)]
+pub struct SchedulingInput<'a> {
+    pub model: &'a str,
+    /// Approximate prefix block hashes of the prompt (see [`crate::prefix`]).
+    pub block_hashes: &'a [u64],
+    /// Blocks of `block_hashes` that end a message ([`crate::prefix::anchor_blocks`]): the
+    /// approximate index records and probes them, so matches are exact where prompts diverge.
+    pub anchors: &'a [usize],
+    /// Requests this scheduler instance has in flight per endpoint address.
+    pub inflight: &'a HashMap<String, u32>,
+    /// Uncached prompt tokens of those requests per endpoint address (llm-d's
+    /// `inflight-load-producer`), for the affinity filter's TTFT gate; `None` counts none.
+    pub inflight_tokens: Option<&'a HashMap<String, u64>>,
+    /// Seed for the picker's tie-break.
+    pub seed: u64,
+    /// Prefix matches learned elsewhere (other Envoy workers, see
+    /// [`crate::index::AffinityTable::matches`]): endpoint → leading blocks held.
+    pub extra_matches: Option<&'a HashMap<String, usize>>,
+    /// Precise prefix scores from the engines' KV events ([`crate::precise::scores`]):
+    /// endpoint id → (score, matched blocks).
+    pub precise: Option<&'a HashMap<u32, (f64, usize)>>,
+    /// Prompt length in tokens (exact when tokenized, else estimated), for the P/D decision.
+    pub prompt_tokens: usize,
+    /// The endpoint this request's session or conversation is bound to
+    /// ([`crate::session`]): it becomes the primary while it is a candidate.
+    pub sticky: Option<&'a str>,
+    /// The host has gone silent (see `host_stale_ms`): its metrics and KV index may be out of
+    /// date, so scoring falls back to this scheduler's own in-flight load alone.
+    pub load_only: bool,
+}
+
+/// One scored candidate, for the picker, the decision log and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredEndpoint {
+    pub address: String,
+    /// Each scorer's score (0..1), keyed by plugin type, in profile order; a scorer that had
+    /// nothing to go on (the precise scorer without token ids) is left out.
+    pub scores: Vec<(&'static str, f64)>,
+    /// The weighted total.
+    pub total: f64,
+    /// The best prefix-affinity score (approximate or precise): what custom scorers see.
+    pub prefix_hit: f64,
+    pub matched_blocks: usize,
+    /// Prompt tokens this endpoint is expected to hold (approximate or precise, the larger).
+    pub cached_tokens: usize,
+    /// It holds at least `prefix.affinity_threshold` of the prompt.
+    pub affine: bool,
+}
+
+impl ScoredEndpoint {
+    /// The score of the scorer named `name` (0 when the profile has none).
+    pub fn score(&self, name: &str) -> f64 {
+        self.scores.iter().find(|(n, _)| *n == name).map_or(0.0, |(_, v)| *v)
+    }
+}
+
+/// A profile applied to one request over one pool.
+pub struct ProfileRun<'a> {
+    pub profile: &'a Profile,
+    pub endpoints: &'a [Endpoint],
+    pub input: &'a SchedulingInput<'a>,
+    /// Leading blocks each endpoint holds by this scheduler's approximate index.
+    pub matches: &'a HashMap<String, usize>,
+    pub last_cold: &'a LastCold,
+    pub saturation: &'a SaturationConfig,
+    /// `prefix.affinity_threshold`.
+    pub affinity_threshold: f64,
+    /// `prefix.block_size_tokens`.
+    pub block_tokens: usize,
+}
+
+impl ProfileRun<'_> {
+    /// Leading blocks each candidate is proven to hold, by this worker's index and by what the
+    /// other workers learned (the affinity table).
+    fn proven(&self, chosen: &[&Endpoint]) -> Vec<(usize, usize)> {
+        let extra = self.input.extra_matches;
+        chosen
+            .iter()
+            .map(|e| {
+                let local = self.matches.get(&e.address).copied().unwrap_or(0);
+                (local, extra.and_then(|m| m.get(&e.address)).copied().unwrap_or(0))
+            })
+            .collect()
+    }
+
+    /// The share of the prompt each candidate may hold, by either index: for the gate, a match
+    /// is known only to the last block either index records before the prompts diverge
+    /// ([`index::match_upper_bound`], [`index::table_match_upper_bound`]); precise matches
+    /// count blocks over the prompt's full blocks (the tier-weighted score where unknown).
+    fn held(&self, chosen: &[&Endpoint], proven: &[(usize, usize)], precise: &[(f64, usize)]) -> Vec<f64> {
+        let (total, anchors, tokens) = (self.input.block_hashes.len(), self.input.anchors, self.input.prompt_tokens);
+        chosen
+            .iter()
+            .zip(proven.iter().zip(precise))
+            .map(|(e, (&(local, extra), &(ps, pb)))| {
+                let bound = index::match_upper_bound(total, anchors, local)
+                    .max(index::table_match_upper_bound(total, anchors, extra));
+                let approx = if total == 0 { 0.0 } else { bound as f64 / total as f64 };
+                let keys = if e.block_size == 0 { 0 } else { tokens / e.block_size as usize };
+                let exact = if keys == 0 { ps } else { pb as f64 / keys as f64 };
+                approx.max(exact).min(1.0)
+            })
+            .collect()
+    }
+
+    /// Score `candidates` (positions in the pool): every candidate, in pool order, and whether
+    /// none of them holds enough of the prompt to count.
+    pub fn score(&self, candidates: &[usize]) -> (Vec<ScoredEndpoint>, bool) {
+        let input = self.input;
+        let chosen: Vec<&Endpoint> = candidates.iter().filter_map(|&i| self.endpoints.get(i)).collect();
+        let proven = self.proven(&chosen);
+        let matched: Vec<usize> = proven.iter().map(|&(local, extra)| local.max(extra)).collect();
+        let precise: Vec<(f64, usize)> =
+            chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0))).collect();
+        let held = self.held(&chosen, &proven, &precise);
+        let threshold = self.affinity_threshold;
+        let affine: Vec<bool> = held.iter().map(|&h| h > 0.0 && h >= threshold).collect();
+        let cold = !affine.iter().any(|&a| a);
+        let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
+        let ctx = ScoreContext {
+            model: input.model,
+            candidates: &chosen,
+            inflight: &inflight,
+            matched_blocks: &matched,
+            total_blocks: input.block_hashes.len(),
+            precise: input.precise.map(|_| precise.as_slice()),
+            cold,
+            load_only: input.load_only,
+            saturation: self.saturation,
+            last_cold: self.last_cold,
+        };
+        let by_scorer: Vec<Vec<f64>> = self.profile.scorers.iter().map(|(s, _)| s.score(&ctx)).collect();
+        // A scorer with nothing to go on for this request counts 0 and is not listed.
+        let listed: Vec<bool> = self.profile.scorers.iter().map(|(s, _)| s.active(&ctx)).collect();
+        let mut row = Vec::with_capacity(by_scorer.len());
+        let scored = chosen
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                row.clear();
+                for col in &by_scorer {
+                    row.push(*col.get(i)?);
+                }
+                let (&affine, &(_, precise_blocks), &matched_blocks) =
+                    (affine.get(i)?, precise.get(i)?, matched.get(i)?);
+                let (total, prefix_hit) = self.profile.total(&row, affine, input.load_only);
+                let scorers = self.profile.scorers.iter().zip(&listed).zip(&row);
+                let scores = scorers.filter(|((_, on), _)| **on).map(|(((s, _), _), v)| (s.name(), *v)).collect();
+                let cached_tokens = (matched_blocks * self.block_tokens).max(precise_blocks * e.block_size as usize);
+                Some(ScoredEndpoint {
+                    address: e.address.clone(),
+                    scores,
+                    total,
+                    prefix_hit,
+                    matched_blocks,
+                    cached_tokens: cached_tokens.min(input.prompt_tokens),
+                    affine,
+                })
+            })
+            .collect();
+        (scored, cold)
+    }
+}
