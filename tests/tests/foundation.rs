@@ -145,8 +145,11 @@ async fn the_affinity_filter_keeps_a_busy_holder_that_scores_alone_would_leave()
         let opts = SimOpts { engines: 3, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() };
         s.start_sim(opts).expect("sim");
         s.start_host().expect("host");
+        let mut profiles = attache_policies::profiles::ProfilesConfig::default();
+        let prefix_scorer = profiles.decode.plugins.iter_mut().find(|p| p.kind == "prefix-cache-scorer");
+        prefix_scorer.expect("the default profile has the prefix scorer").weight = Some(1.0);
         let config = serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304,
-            "weights": {"prefix": 1.0}, "prefix": {"affinity_filter": {"enabled": filter}}}});
+            "profiles": profiles, "prefix": {"affinity_filter": {"enabled": filter}}}});
         s.start_envoy(EnvoyKind::Attache, &config, 2).expect("envoy");
         s.wait_snapshot(3, Duration::from_secs(20)).expect("snapshot");
         let http = fresh_client();
