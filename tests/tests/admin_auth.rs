@@ -5,7 +5,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use attache_e2e::stack::free_port;
+use attache_e2e::ports::free_port;
 use attache_e2e::Paths;
 
 const TOKEN: &str = "admin-token-0123456789";

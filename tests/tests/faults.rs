@@ -8,8 +8,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client::{self, Outcome};
-use attache_e2e::stack::{http_get_blocking, stat_value};
+use attache_e2e::stats::stat_value;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};

@@ -10,8 +10,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client::Outcome;
-use attache_e2e::stack::http_get_blocking;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};

@@ -8,8 +8,10 @@ use std::collections::HashSet;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::{free_port, http_get_blocking, ExternalEngine};
+use attache_e2e::ports::free_port;
+use attache_e2e::stack::ExternalEngine;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 

@@ -206,7 +206,7 @@ async fn host_binary_discovers_engines_and_envoy_routes_to_them() {
     s.wait_snapshot(2, Duration::from_secs(20)).expect("two discovered engines, ready");
 
     let snap: serde_json::Value = serde_json::from_str(
-        &attache_e2e::stack::http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default(),
+        &attache_e2e::admin_http::http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default(),
     )
     .expect("snapshot JSON");
     let models: Vec<&serde_json::Value> =

@@ -17,8 +17,11 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::{free_port, free_port_range, http_get_blocking, ExternalEngine, Proc};
+use attache_e2e::ports::{free_port, free_port_range};
+use attache_e2e::process::Proc;
+use attache_e2e::stack::ExternalEngine;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};

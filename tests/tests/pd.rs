@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use attache_e2e::stack::stat_line;
+use attache_e2e::stats::stat_line;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 

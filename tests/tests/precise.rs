@@ -6,8 +6,8 @@ mod common;
 
 use std::time::Duration;
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::http_get_blocking;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};
@@ -70,7 +70,7 @@ async fn requests_go_to_the_engine_that_holds_their_blocks() {
     }
     let stats = s.envoy_stats();
     assert!(
-        attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.precise.index_entries_applied") >= 120,
+        attache_e2e::stats::stat_value(&stats, "wasmcustom.attache.precise.index_entries_applied") >= 120,
         "{stats}"
     );
     let kv = http_get_blocking(s.host_admin_port, "/v1/kv").unwrap_or_default();
