@@ -4,6 +4,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use attache_host::bootstrap::{self, Params, Pool, Variant};
 
 use super::Stack;
 use crate::admin_http::http_get_blocking;
@@ -15,9 +16,10 @@ use crate::stats::stat_value;
 pub enum EnvoyKind {
     /// Attaché with the override_host pool (recommended).
     Attache,
-    /// Attaché with an ORIGINAL_DST pool.
+    /// Attaché with an ORIGINAL_DST pool ([`Variant::OriginalDst`]).
     AttacheOriginalDst,
-    /// Attaché without the bootstrap singleton: every worker subscribes (Istio's shape).
+    /// Attaché without the bootstrap singleton: every worker subscribes (Istio's shape,
+    /// [`Variant::PerWorker`]).
     AttachePerWorker,
     /// Plain round-robin, no Attaché.
     RoundRobin,
@@ -33,19 +35,20 @@ impl Stack {
         serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304}})
     }
 
-    /// Render an Envoy template.
+    /// Render `kind`'s bootstrap: `envoy/attache.yaml` as written or as one of its variants,
+    /// or `envoy/round-robin.yaml`. [`Stack::envoy_template`] replaces the file.
     pub fn render_envoy(&self, kind: EnvoyKind, scheduler_config: &serde_json::Value) -> anyhow::Result<String> {
-        let file = match kind {
-            EnvoyKind::Attache => "attache.yaml",
-            EnvoyKind::AttacheOriginalDst => "attache-original-dst.yaml",
-            EnvoyKind::AttachePerWorker => "attache-per-worker.yaml",
-            EnvoyKind::RoundRobin => "round-robin.yaml",
+        let (file, variant) = match kind {
+            EnvoyKind::Attache => ("attache.yaml", Variant::AsWritten),
+            EnvoyKind::AttacheOriginalDst => ("attache.yaml", Variant::OriginalDst),
+            EnvoyKind::AttachePerWorker => ("attache.yaml", Variant::PerWorker),
+            EnvoyKind::RoundRobin => ("round-robin.yaml", Variant::AsWritten),
         };
         let path = self.envoy_template.clone().unwrap_or_else(|| self.paths.root.join("envoy").join(file));
         let tpl = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        let pool = attache_host::bootstrap::Pool::Static(self.engine_addrs());
-        let params = attache_host::bootstrap::Params {
+        let pool = Pool::Static(self.engine_addrs());
+        let params = Params {
             admin: loopback(self.envoy_admin_port),
             listen: loopback(self.envoy_port),
             host_grpc: loopback(self.host_grpc_port),
@@ -53,8 +56,9 @@ impl Stack {
             scheduler_config,
             pool: &pool,
             scorer_slots: &self.scorer_slots,
+            variant,
         };
-        attache_host::bootstrap::render(&tpl, &params).with_context(|| format!("rendering {}", path.display()))
+        bootstrap::render(&tpl, &params).with_context(|| format!("rendering {} as {variant:?}", path.display()))
     }
 
     /// Start Envoy (or restart it) with `kind`, and wait until it is ready.
