@@ -8,6 +8,10 @@
 //! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`.
 //! No cluster runs here, so nothing is installed.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

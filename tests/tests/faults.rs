@@ -4,6 +4,10 @@
 //! draining. Each test counts its requests and asserts which ones may fail and that no other
 //! was lost. (Killing the host mid-load is `foundation::killing_the_host_fails_no_request_...`.)
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,10 @@
 //! End-to-end tests of the foundation: the real Envoy 1.40 binary with the Attaché filter, the
 //! host and simulated vLLM engines, all real processes on loopback.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::{HashMap, HashSet};

@@ -2,6 +2,10 @@
 //! the endpoints file over the host's EDS with no Envoy restart. And the host's own
 //! Prometheus `/metrics`, checked against what an independent publisher (pyzmq) sent.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::HashSet;

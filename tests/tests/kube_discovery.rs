@@ -6,6 +6,10 @@
 //! forces a new list, and the InferenceObjective priority table. The last test runs the host
 //! binary itself, discovering simulated engines and routing requests to them through Envoy.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 

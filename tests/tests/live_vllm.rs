@@ -11,6 +11,10 @@
 //! template agree with vLLM's own `/tokenize`; a text or chat prompt whose prefix vLLM holds is
 //! routed to vLLM, not to the simulated engines.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::path::PathBuf;

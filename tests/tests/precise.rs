@@ -2,6 +2,10 @@
 //! indexes them and streams the index to the filters, and the filter in the real Envoy 1.40
 //! routes a request to the engine that actually holds its prefix, with no routing history.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::Duration;

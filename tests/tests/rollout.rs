@@ -3,6 +3,10 @@
 //! Envoy's scorer slots over ECDS, canaried per session, promoted and rolled back, under a
 //! steady request loop that counts every failure.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::{HashMap, HashSet};
