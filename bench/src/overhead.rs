@@ -205,7 +205,7 @@ async fn send(http: &reqwest::Client, sys: &System, bodies: Vec<Vec<u8>>, into: 
 struct System {
     name: String,
     _stack: Stack,
-    _peer: Option<attache_e2e::stack::Proc>,
+    _peer: Option<attache_e2e::process::Proc>,
     url: String,
     pid: u32,
 }
@@ -354,7 +354,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let mut decision = serde_json::Map::new();
     for sys in stacks.iter().filter(|s| s.name.starts_with("attache")) {
         let stats = sys._stack.envoy_stats();
-        let q = |p: &str| attache_e2e::stack::histogram_quantile(&stats, "wasmcustom.attache.decision_us", p);
+        let q = |p: &str| attache_e2e::stats::histogram_quantile(&stats, "wasmcustom.attache.decision_us", p);
         println!("  {} in-filter decision time over all sizes: p50 {:?} us, p99 {:?} us", sys.name, q("P50"), q("P99"));
         decision.insert(sys.name.clone(), json!({"p50_us": q("P50"), "p99_us": q("P99")}));
     }

@@ -9,7 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use attache_e2e::stack::{free_port, Proc};
+use attache_e2e::ports::free_port;
+use attache_e2e::process::Proc;
 use attache_e2e::Stack;
 
 #[derive(clap::Args, Debug, Clone)]

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use attache_e2e::client;
-use attache_e2e::stack::histogram_quantile;
+use attache_e2e::stats::histogram_quantile;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use attache_policies::rng::SplitMix64;
 use serde::Serialize;

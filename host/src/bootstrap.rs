@@ -1,12 +1,16 @@
 //! Rendering Envoy's bootstrap from the templates in `envoy/`.
 //!
-//! One renderer for every launcher: `attache gateway` renders `envoy/attache.yaml` (built into
-//! the binary) with an EDS-fed pool, and the test and benchmark launcher renders the same file
-//! and its variants with a static pool. Placeholders are `{{NAME}}`; a placeholder left
-//! unfilled is an error rather than a bootstrap Envoy would refuse with a less clear message.
+//! One template, one renderer: `attache gateway` renders `envoy/attache.yaml` (built into the
+//! binary) with an EDS-fed pool, and the test and benchmark launcher renders the same file with
+//! a static pool, as written or as one of its [`Variant`]s. A variant is the template with a
+//! few structural edits made here (docs/architecture.md, "Envoy bootstraps"), so the variants
+//! cannot drift from it. Placeholders are `{{NAME}}`; a placeholder left unfilled is an error
+//! rather than a bootstrap Envoy would refuse with a less clear message.
 
 use std::net::SocketAddr;
 use std::path::Path;
+
+use serde_yaml::{Mapping, Value};
 
 /// `envoy/attache.yaml`: the recommended bootstrap (snapshot agent, scheduler, `override_host`).
 pub const ATTACHE_TEMPLATE: &str = include_str!("../../envoy/attache.yaml");
@@ -14,6 +18,28 @@ pub const ATTACHE_TEMPLATE: &str = include_str!("../../envoy/attache.yaml");
 pub const SCORER_SLOT_TEMPLATE: &str = include_str!("../../envoy/scorer-slot.yaml");
 /// `envoy/picker.yaml`: the picker after the last scorer slot.
 pub const PICKER_TEMPLATE: &str = include_str!("../../envoy/picker.yaml");
+
+/// The header the scheduler names its endpoints in, which the pool routes on.
+const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
+/// Which shape of `envoy/attache.yaml` to render. Each variant differs from the template as
+/// written by exactly the edits listed here, and nothing else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Variant {
+    /// The template as written (for any template: `round-robin.yaml` is only ever rendered so).
+    #[default]
+    AsWritten,
+    /// The `pool` cluster is `ORIGINAL_DST`, routed by the first `ip:port` of the destination
+    /// header: its discovery and `load_balancing_policy` give way to `type: ORIGINAL_DST`,
+    /// `lb_policy: CLUSTER_PROVIDED` and `original_dst_lb_config`. Envoy reads that header as one
+    /// address, so the scheduler names one endpoint (`scheduler.max_endpoints: 1`): no
+    /// fallbacks. The chart's gateway is this variant for Kubernetes.
+    OriginalDst,
+    /// No bootstrap singleton: `bootstrap_extensions` (the snapshot agent) is dropped and each
+    /// worker's scheduler subscribes itself (`subscribe: {cluster: attache_host}`), the shape
+    /// Istio's WasmPlugin can express. One snapshot stream per worker plus one, instead of one.
+    PerWorker,
+}
 
 /// Where Envoy's `pool` cluster learns its members.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,18 +67,23 @@ pub struct Params<'a> {
     pub pool: &'a Pool,
     /// Custom scorer slots, each with a stable and a canary arm, then the picker.
     pub scorer_slots: &'a [String],
+    pub variant: Variant,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
     #[error("endpoint `{0}` is not ip:port")]
     BadEndpoint(String),
-    #[error("this template lists the pool's endpoints itself; it cannot take them from EDS")]
-    NoEds,
     #[error("unknown placeholder {0}")]
     Unknown(String),
+    #[error("this template lists the pool's endpoints itself; it cannot take them from EDS")]
+    NoEds,
     #[error("the scheduler configuration must be a JSON object")]
     SchedulerNotObject,
+    #[error("the rendered template is not YAML: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+    #[error("the {variant:?} variant needs {missing} in the template")]
+    NotAttache { variant: Variant, missing: &'static str },
 }
 
 /// The static `lb_endpoints` entries, one line each.
@@ -126,8 +157,6 @@ const PLACEHOLDERS: &[&str] = &[
     "HOST_GRPC_ADDRESS",
     "HOST_GRPC_PORT",
     "WASM",
-    "SCHEDULER_CONFIG_SINGLE",
-    "SCHEDULER_CONFIG_PER_WORKER",
     "SCHEDULER_CONFIG",
 ];
 
@@ -146,12 +175,9 @@ fn unknown_placeholder(template: &str) -> Option<String> {
     None
 }
 
-/// Fill `template`'s placeholders. The scheduler configuration goes in last, so nothing in it
-/// is taken for a placeholder.
-pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> {
-    if let Some(name) = unknown_placeholder(template) {
-        return Err(BootstrapError::Unknown(name));
-    }
+/// The scheduler filter's configuration as the variant needs it: the scorers' context on when
+/// there are scorer slots, one endpoint for `ORIGINAL_DST`, its own stream per worker.
+fn scheduler_config(p: &Params<'_>) -> Result<serde_json::Value, BootstrapError> {
     if !p.scheduler_config.is_object() {
         return Err(BootstrapError::SchedulerNotObject);
     }
@@ -159,11 +185,21 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
     if !p.scorer_slots.is_empty() {
         scheduler["scoring"]["context"] = serde_json::json!(true);
     }
-    // Variants: one destination only (ORIGINAL_DST), or a stream per worker (no singleton).
-    let mut single = scheduler.clone();
-    single["scheduler"]["max_endpoints"] = serde_json::json!(1);
-    let mut per_worker = scheduler.clone();
-    per_worker["subscribe"] = serde_json::json!({"cluster": "attache_host"});
+    match p.variant {
+        Variant::AsWritten => {}
+        Variant::OriginalDst => scheduler["scheduler"]["max_endpoints"] = serde_json::json!(1),
+        Variant::PerWorker => scheduler["subscribe"] = serde_json::json!({"cluster": "attache_host"}),
+    }
+    Ok(scheduler)
+}
+
+/// Fill `template`'s placeholders, then make the variant's edits. The scheduler configuration
+/// goes in last, so nothing in it is taken for a placeholder.
+pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> {
+    if let Some(name) = unknown_placeholder(template) {
+        return Err(BootstrapError::Unknown(name));
+    }
+    let scheduler = scheduler_config(p)?;
     let mut out = template.replace("{{SCORER_FILTERS}}\n", &scorer_filters(p.scorer_slots));
     if out.contains("{{POOL_DISCOVERY}}") {
         out = out.replace("{{POOL_DISCOVERY}}\n", &pool_discovery(p.pool)?);
@@ -172,7 +208,7 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         let Pool::Static(addresses) = p.pool else { return Err(BootstrapError::NoEds) };
         out = out.replace("{{POOL_ENDPOINTS}}\n", &lb_endpoints(addresses)?);
     }
-    Ok(out
+    let out = out
         .replace("{{ADMIN_ADDRESS}}", &p.admin.ip().to_string())
         .replace("{{ADMIN_PORT}}", &p.admin.port().to_string())
         .replace("{{LISTEN_ADDRESS}}", &p.listen.ip().to_string())
@@ -181,9 +217,49 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         .replace("{{HOST_GRPC_PORT}}", &p.host_grpc.port().to_string())
         // Inside a double-quoted YAML scalar.
         .replace("{{WASM}}", &p.wasm.display().to_string().replace('\\', "\\\\").replace('"', "\\\""))
-        .replace("{{SCHEDULER_CONFIG_SINGLE}}", &quoted(&single))
-        .replace("{{SCHEDULER_CONFIG_PER_WORKER}}", &quoted(&per_worker))
-        .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler)))
+        .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler));
+    match p.variant {
+        // As written, comments and all.
+        Variant::AsWritten => Ok(out),
+        variant => reshape(&out, variant),
+    }
+}
+
+/// The variant's structural edits on a rendered bootstrap (the scheduler configuration is
+/// already the variant's). The result is YAML without the template's comments.
+fn reshape(rendered: &str, variant: Variant) -> Result<String, BootstrapError> {
+    let missing = |missing| BootstrapError::NotAttache { variant, missing };
+    let mut doc: Value = serde_yaml::from_str(rendered)?;
+    match variant {
+        Variant::AsWritten => {}
+        Variant::OriginalDst => {
+            let pool = doc["static_resources"]["clusters"]
+                .as_sequence_mut()
+                .and_then(|clusters| clusters.iter_mut().find(|c| c["name"] == "pool"))
+                .and_then(Value::as_mapping_mut)
+                .ok_or_else(|| missing("a `pool` cluster"))?;
+            original_dst(pool);
+        }
+        Variant::PerWorker => {
+            let top = doc.as_mapping_mut().ok_or_else(|| missing("a mapping at the top"))?;
+            top.remove("bootstrap_extensions").ok_or_else(|| missing("the snapshot agent (`bootstrap_extensions`)"))?;
+        }
+    }
+    Ok(serde_yaml::to_string(&doc)?)
+}
+
+/// The `pool` cluster as `ORIGINAL_DST` on the destination header: Envoy creates a host for the
+/// `ip:port` the header names, so neither a member list nor a load-balancing policy remains.
+fn original_dst(pool: &mut Mapping) {
+    for key in ["type", "load_assignment", "eds_cluster_config", "load_balancing_policy"] {
+        pool.remove(key);
+    }
+    pool.insert("type".into(), "ORIGINAL_DST".into());
+    pool.insert("lb_policy".into(), "CLUSTER_PROVIDED".into());
+    let mut lb = Mapping::new();
+    lb.insert("use_http_header".into(), true.into());
+    lb.insert("http_header_name".into(), DESTINATION_HEADER.into());
+    pool.insert("original_dst_lb_config".into(), Value::Mapping(lb));
 }
 
 #[cfg(test)]
@@ -199,6 +275,7 @@ mod tests {
             scheduler_config: cfg,
             pool,
             scorer_slots: slots,
+            variant: Variant::AsWritten,
         }
     }
 
@@ -254,10 +331,84 @@ mod tests {
         assert!(y.contains("{{ m[''role''] }} {{WASM}} {{POOL_DISCOVERY}}"), "{y}");
         let e = render("eps:\n{{POOL_ENDPOINTS}}\n", &params(&Pool::Eds, &cfg, &[])).unwrap_err();
         assert!(matches!(e, BootstrapError::NoEds));
+        // A variant needs what it edits.
+        let plain = render(
+            "static_resources: {clusters: []}\n",
+            &Params { variant: Variant::OriginalDst, ..params(&Pool::Eds, &cfg, &[]) },
+        );
+        assert!(matches!(plain, Err(BootstrapError::NotAttache { variant: Variant::OriginalDst, .. })), "{plain:?}");
+        let plain = render("admin: {}\n", &Params { variant: Variant::PerWorker, ..params(&Pool::Eds, &cfg, &[]) });
+        assert!(matches!(plain, Err(BootstrapError::NotAttache { variant: Variant::PerWorker, .. })), "{plain:?}");
         let list = serde_json::json!([1]);
         assert!(matches!(
             render(ATTACHE_TEMPLATE, &params(&Pool::Eds, &list, &[])),
             Err(BootstrapError::SchedulerNotObject)
         ));
+    }
+
+    /// `envoy/attache.yaml` rendered as `variant` with a static pool: the document, and the
+    /// scheduler's configuration parsed out of it.
+    fn rendered(variant: Variant) -> (serde_yaml::Value, serde_json::Value) {
+        let cfg = serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 1000}});
+        let pool = Pool::Static(vec!["10.0.0.7:8000".into(), "10.0.0.8:8000".into()]);
+        let y = render(ATTACHE_TEMPLATE, &Params { variant, ..params(&pool, &cfg, &[]) }).unwrap();
+        let doc: serde_yaml::Value = serde_yaml::from_str(&y).unwrap();
+        let filters = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0];
+        let scheduler = &filters["typed_config"]["http_filters"][0]["config_discovery"]["default_config"]["config"];
+        let json = serde_json::from_str(scheduler["configuration"]["value"].as_str().unwrap()).unwrap();
+        (doc, json)
+    }
+
+    /// `doc` without what a variant may change: the pool cluster, the snapshot agent and the
+    /// scheduler's configuration string.
+    fn outside_the_variants_edits(mut doc: serde_yaml::Value) -> serde_yaml::Value {
+        let clusters = doc["static_resources"]["clusters"].as_sequence_mut().unwrap();
+        clusters.retain(|c| c["name"] != "pool");
+        doc.as_mapping_mut().unwrap().remove("bootstrap_extensions");
+        let filters = &mut doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0];
+        let scheduler = &mut filters["typed_config"]["http_filters"][0]["config_discovery"]["default_config"]["config"];
+        scheduler["configuration"]["value"] = "(the scheduler's configuration)".into();
+        doc
+    }
+
+    #[test]
+    fn each_variant_differs_from_the_template_only_by_its_documented_edits() {
+        let (base, base_cfg) = rendered(Variant::AsWritten);
+        let pool = |doc: &serde_yaml::Value| {
+            doc["static_resources"]["clusters"].as_sequence().unwrap().iter().find(|c| c["name"] == "pool").cloned()
+        };
+        let base_pool = pool(&base).unwrap();
+        assert_eq!(base_pool["type"], "STATIC");
+        assert!(base["bootstrap_extensions"].is_sequence(), "the snapshot agent");
+
+        let (odst, odst_cfg) = rendered(Variant::OriginalDst);
+        let odst_pool = pool(&odst).unwrap();
+        assert_eq!(odst_pool["type"], "ORIGINAL_DST");
+        assert_eq!(odst_pool["lb_policy"], "CLUSTER_PROVIDED");
+        assert_eq!(odst_pool["original_dst_lb_config"]["http_header_name"], DESTINATION_HEADER);
+        assert_eq!(odst_pool["original_dst_lb_config"]["use_http_header"], true);
+        for gone in ["load_assignment", "load_balancing_policy", "eds_cluster_config"] {
+            assert!(odst_pool.get(gone).is_none(), "{gone}");
+        }
+        // The pool's other settings (circuit breakers, timeouts) are the template's.
+        for kept in ["circuit_breakers", "connect_timeout", "name"] {
+            assert_eq!(odst_pool[kept], base_pool[kept], "{kept}");
+        }
+        let mut want = base_cfg.clone();
+        want["scheduler"]["max_endpoints"] = 1.into();
+        assert_eq!(odst_cfg, want, "one endpoint: Envoy reads the header as one address");
+        assert!(odst["bootstrap_extensions"].is_sequence());
+
+        let (per_worker, per_worker_cfg) = rendered(Variant::PerWorker);
+        assert!(per_worker.get("bootstrap_extensions").is_none(), "no singleton");
+        assert_eq!(pool(&per_worker), Some(base_pool.clone()));
+        let mut want = base_cfg.clone();
+        want["subscribe"] = serde_json::json!({"cluster": "attache_host"});
+        assert_eq!(per_worker_cfg, want, "each worker subscribes itself");
+
+        // And nothing else differs.
+        let rest = outside_the_variants_edits(base);
+        assert_eq!(outside_the_variants_edits(odst), rest);
+        assert_eq!(outside_the_variants_edits(per_worker), rest);
     }
 }

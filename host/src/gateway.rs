@@ -202,6 +202,7 @@ impl Gateway {
             scheduler_config: &self.config.scheduler,
             pool: &Pool::Eds,
             scorer_slots: &[],
+            variant: bootstrap::Variant::AsWritten,
         };
         Ok(bootstrap::render(bootstrap::ATTACHE_TEMPLATE, &params)?)
     }

@@ -2,10 +2,14 @@
 //! `/healthz` stays open for probes), and the host refuses to expose the admin API beyond
 //! loopback without one. Runs the real host binary.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use attache_e2e::stack::free_port;
+use attache_e2e::ports::free_port;
 use attache_e2e::Paths;
 
 const TOKEN: &str = "admin-token-0123456789";

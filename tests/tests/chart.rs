@@ -8,6 +8,10 @@
 //! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`.
 //! No cluster runs here, so nothing is installed.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -306,6 +310,143 @@ fn each_mode_renders_what_it_promises() {
     }
     roles.sort();
     assert_eq!(roles, ["decode", "prefill"]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The gateway's bootstrap against `envoy/attache.yaml`: one template, and the chart's hand-written
+// Kubernetes form of it (Helm has to render it at install time), kept from drifting by this test.
+
+/// Where the chart's gateway bootstrap may differ from `envoy/attache.yaml` rendered as its
+/// ORIGINAL_DST variant (`attache_host::bootstrap::Variant::OriginalDst`), and why; the same
+/// list is in docs/architecture.md ("Envoy bootstraps"). Paths name list items by their `name`.
+/// Placeholders (addresses, ports, the module's path, the scheduler's configuration) are filled
+/// with the chart's values before comparing, so they are not differences.
+const GATEWAY_DIFFERENCES: &[(&str, &str)] = &[
+    ("node.cluster", "the release's gateway name, so two releases' gateways are told apart"),
+    ("static_resources.listeners[health]", "Kubernetes readiness: 200 while serving, 503 once draining"),
+    ("static_resources.listeners[metrics]", "/stats/prometheus for scrapes, without exposing the admin interface"),
+    ("static_resources.clusters[admin]", "the metrics listener's route to the admin interface"),
+    ("static_resources.clusters[attache_host].type", "STRICT_DNS: the host is a Service, found by its DNS name"),
+    (
+        "static_resources.clusters[attache_host].load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address.address",
+        "the host Service's DNS name",
+    ),
+];
+
+/// A bootstrap as JSON, with every Wasm `configuration` string parsed, so JSON spacing and key
+/// order are not differences.
+fn bootstrap_tree(yaml: &str) -> Value {
+    fn parse_configs(v: &mut Value) {
+        match v {
+            Value::Object(m) => {
+                if let Some(Value::String(s)) = m.get("value") {
+                    if let Ok(parsed @ Value::Object(_)) = serde_json::from_str::<Value>(s) {
+                        m.insert("value".into(), parsed);
+                    }
+                }
+                m.values_mut().for_each(parse_configs);
+            }
+            Value::Array(a) => a.iter_mut().for_each(parse_configs),
+            _ => {}
+        }
+    }
+    let mut v: Value = serde_yaml::from_str(yaml).expect("a bootstrap is YAML");
+    parse_configs(&mut v);
+    v
+}
+
+/// The paths where `a` and `b` differ: a key or list item on one side only, or another value.
+/// Lists of named objects (listeners, clusters, filters) are matched by name.
+fn differences(a: &Value, b: &Value, path: &str, out: &mut Vec<String>) {
+    let join = |key: &str| if path.is_empty() { key.to_owned() } else { format!("{path}.{key}") };
+    let named = |l: &[Value]| l.iter().all(|x| x["name"].is_string());
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                differences(x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), &join(k), out);
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if named(x) && named(y) => {
+            let names: std::collections::BTreeSet<&str> =
+                x.iter().chain(y).filter_map(|i| i["name"].as_str()).collect();
+            for n in names {
+                let find = |l: &[Value]| l.iter().find(|i| i["name"] == n).cloned().unwrap_or(Value::Null);
+                differences(&find(x), &find(y), &format!("{path}[{n}]"), out);
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                differences(p, q, &format!("{path}[{i}]"), out);
+            }
+        }
+        _ if a != b => out.push(path.to_owned()),
+        _ => {}
+    }
+}
+
+/// `envoy/attache.yaml` as the ORIGINAL_DST variant, its placeholders filled with what the
+/// chart's bootstrap `chart` has in their places.
+fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
+    let sockets = |a: &Value| -> std::net::SocketAddr {
+        format!("{}:{}", a["address"].as_str().unwrap_or_default(), a["port_value"]).parse().expect("ip:port")
+    };
+    let named = |list: &Value, name: &str| -> Value {
+        list.as_array().into_iter().flatten().find(|x| x["name"] == name).cloned().expect(name)
+    };
+    let listener = named(&chart["static_resources"]["listeners"], "inference");
+    let host = named(&chart["static_resources"]["clusters"], "attache_host");
+    let host_socket =
+        &host["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"];
+    let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
+    let scheduler = &named(&hcm["http_filters"], "attache.scheduler")["config_discovery"]["default_config"]["config"];
+    let wasm = scheduler["vm_config"]["code"]["local"]["filename"].as_str().expect("the module's path");
+    let pool = attache_host::bootstrap::Pool::Static(Vec::new());
+    let params = attache_host::bootstrap::Params {
+        admin: sockets(&chart["admin"]["address"]["socket_address"]),
+        listen: sockets(&listener["address"]["socket_address"]),
+        // The address is the Service's name (a listed difference); the port is compared.
+        host_grpc: std::net::SocketAddr::from(([127, 0, 0, 1], host_socket["port_value"].as_u64().unwrap_or(0) as u16)),
+        wasm: Path::new(wasm),
+        // The chart's configuration goes in: the variant must then make it what the chart has.
+        scheduler_config: &scheduler["configuration"]["value"],
+        pool: &pool,
+        scorer_slots: &[],
+        variant: attache_host::bootstrap::Variant::OriginalDst,
+    };
+    let template = std::fs::read_to_string(t.root.join("envoy/attache.yaml")).expect("envoy/attache.yaml");
+    bootstrap_tree(&attache_host::bootstrap::render(&template, &params).expect("render envoy/attache.yaml"))
+}
+
+#[test]
+fn the_gateway_bootstrap_differs_from_envoy_attache_yaml_only_as_documented() {
+    let t = tools();
+    let allowed: Vec<&str> = GATEWAY_DIFFERENCES.iter().map(|(path, _)| *path).collect();
+    let mut cases: Vec<(String, Option<PathBuf>)> = vec![("default".into(), None)];
+    cases.extend(ci_values(&t).into_iter().map(|p| (p.display().to_string(), Some(p))));
+    let mut compared = 0;
+    for (name, values) in cases {
+        let d = docs(&t.render(values.as_deref(), &[]).expect("render"));
+        let Some(yaml) = of_kind(&d, "ConfigMap").into_iter().find_map(|c| c["data"]["envoy.yaml"].as_str()) else {
+            continue; // no gateway of the chart's own with these values
+        };
+        let chart = bootstrap_tree(yaml);
+        let template = template_as_the_chart_fills_it(&t, &chart);
+        let mut found = Vec::new();
+        differences(&template, &chart, "", &mut found);
+        let unexplained: Vec<&String> = found.iter().filter(|p| !allowed.contains(&p.as_str())).collect();
+        assert!(
+            unexplained.is_empty(),
+            "{name}: the chart's gateway bootstrap differs from envoy/attache.yaml (ORIGINAL_DST variant) at \
+             {unexplained:#?}\nMake them agree, or list the difference and its reason in GATEWAY_DIFFERENCES and \
+             docs/architecture.md"
+        );
+        // A listed difference that is gone is taken off the list, so the list stays the truth.
+        let stale: Vec<&&str> = allowed.iter().filter(|p| !found.iter().any(|f| f == *p)).collect();
+        assert!(stale.is_empty(), "{name}: listed differences that no longer differ: {stale:?}");
+        compared += 1;
+    }
+    assert!(compared >= 2, "the default values and at least one CI values file render a gateway");
 }
 
 #[test]

@@ -4,12 +4,17 @@
 //! draining. Each test counts its requests and asserts which ones may fail and that no other
 //! was lost. (Killing the host mid-load is `foundation::killing_the_host_fails_no_request_...`.)
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client::{self, Outcome};
-use attache_e2e::stack::{http_get_blocking, stat_value};
+use attache_e2e::stats::stat_value;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};

@@ -1,13 +1,17 @@
 //! End-to-end tests of the foundation: the real Envoy 1.40 binary with the Attaché filter, the
 //! host and simulated vLLM engines, all real processes on loopback.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::http_get_blocking;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::Value;
@@ -249,9 +253,9 @@ async fn bad_bodies_get_clear_errors_and_the_proxy_keeps_serving() {
     let ok = send(&s, &http, chat("sys", "still fine?", 3), &[]).await;
     assert!(ok.ok() && ok.done, "{}", ok.body);
     let stats = s.envoy_stats();
-    assert!(attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.errors.malformed_body") >= 4, "{stats}");
+    assert!(attache_e2e::stats::stat_value(&stats, "wasmcustom.attache.errors.malformed_body") >= 4, "{stats}");
     assert_eq!(
-        attache_e2e::stack::stat_value(&stats, "wasm.attache_scheduler.vm_reload"),
+        attache_e2e::stats::stat_value(&stats, "wasm.attache_scheduler.vm_reload"),
         0,
         "the filter must never trap"
     );
@@ -281,7 +285,7 @@ async fn header_bytes_that_are_not_utf8_are_served_without_a_trap() {
     assert_eq!(served, 6);
     // Scheduled by the filter (not passed through a reloaded VM), and no VM reloaded.
     let stats = s.envoy_stats_when("wasmcustom.attache.requests.scheduled", 6, Duration::from_secs(2));
-    assert_eq!(attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.requests.scheduled"), 6, "{stats}");
+    assert_eq!(attache_e2e::stats::stat_value(&stats, "wasmcustom.attache.requests.scheduled"), 6, "{stats}");
     let reloads: Vec<&str> = stats.lines().filter(|l| l.contains("attache_scheduler.vm_reload")).collect();
     assert!(!reloads.is_empty(), "Envoy shows the scheduler's reload counters:\n{stats}");
     assert!(reloads.iter().all(|l| l.ends_with(": 0")), "the filter trapped: {reloads:?}");

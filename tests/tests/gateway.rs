@@ -2,14 +2,20 @@
 //! the endpoints file over the host's EDS with no Envoy restart. And the host's own
 //! Prometheus `/metrics`, checked against what an independent publisher (pyzmq) sent.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::HashSet;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::{free_port, http_get_blocking, ExternalEngine};
+use attache_e2e::ports::free_port;
+use attache_e2e::stack::ExternalEngine;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 

@@ -6,6 +6,10 @@
 //! forces a new list, and the InferenceObjective priority table. The last test runs the host
 //! binary itself, discovering simulated engines and routing requests to them through Envoy.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -206,7 +210,7 @@ async fn host_binary_discovers_engines_and_envoy_routes_to_them() {
     s.wait_snapshot(2, Duration::from_secs(20)).expect("two discovered engines, ready");
 
     let snap: serde_json::Value = serde_json::from_str(
-        &attache_e2e::stack::http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default(),
+        &attache_e2e::admin_http::http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default(),
     )
     .expect("snapshot JSON");
     let models: Vec<&serde_json::Value> =

@@ -11,14 +11,21 @@
 //! template agree with vLLM's own `/tokenize`; a text or chat prompt whose prefix vLLM holds is
 //! routed to vLLM, not to the simulated engines.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::{free_port, free_port_range, http_get_blocking, ExternalEngine, Proc};
+use attache_e2e::ports::{free_port, free_port_range};
+use attache_e2e::process::Proc;
+use attache_e2e::stack::ExternalEngine;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};

@@ -2,6 +2,10 @@
 //! Attaché filter nor the host writes prompts, client credentials or the admin token to its
 //! log, on good requests and on refused ones. Real Envoy 1.40, host and simulator.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::process::Command;

@@ -2,6 +2,10 @@
 //! `vllm:lora_requests_info` (simulated: one active adapter per engine), the host pushes them,
 //! and the scheduler prefers llm-d's tiers: adapter running > free slot > adapter waiting > none.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::Duration;

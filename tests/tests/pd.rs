@@ -2,11 +2,15 @@
 //! a prefill endpoint for long uncached prompts and passes it as `x-prefiller-host-port`; the
 //! simulated decode engine runs the prefill there (as llm-d's sidecar does) and pulls the KV.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::Duration;
 
-use attache_e2e::stack::stat_line;
+use attache_e2e::stats::stat_line;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 

@@ -2,6 +2,10 @@
 //! host's wasmtime admission (ABI exports, on_configure, recorded sample requests within the
 //! budget), and behaves there as it does in Envoy (malformed bodies answered with 400).
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use attache_e2e::Paths;
 use attache_host::policy::admission::{admit, AdmissionConfig, AdmissionError};
 

@@ -2,12 +2,16 @@
 //! indexes them and streams the index to the filters, and the filter in the real Envoy 1.40
 //! routes a request to the engine that actually holds its prefix, with no routing history.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::Duration;
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client;
-use attache_e2e::stack::http_get_blocking;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};
@@ -70,7 +74,7 @@ async fn requests_go_to_the_engine_that_holds_their_blocks() {
     }
     let stats = s.envoy_stats();
     assert!(
-        attache_e2e::stack::stat_value(&stats, "wasmcustom.attache.precise.index_entries_applied") >= 120,
+        attache_e2e::stats::stat_value(&stats, "wasmcustom.attache.precise.index_entries_applied") >= 120,
         "{stats}"
     );
     let kv = http_get_blocking(s.host_admin_port, "/v1/kv").unwrap_or_default();

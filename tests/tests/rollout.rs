@@ -3,6 +3,10 @@
 //! Envoy's scorer slots over ECDS, canaried per session, promoted and rolled back, under a
 //! steady request loop that counts every failure.
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::collections::{HashMap, HashSet};
@@ -265,7 +269,7 @@ async fn upload_canary_promote_and_rollback_under_load_fail_no_request() {
         st["transitions"].as_array().unwrap().iter().map(|t| t["action"].as_str().unwrap()).collect();
     assert_eq!(actions, vec!["rollout", "promote", "rollout", "rollback"], "{st}");
     // The same transitions, counted on the host's Prometheus page.
-    let metrics = attache_e2e::stack::http_get_blocking(p.s.host_admin_port, "/metrics").expect("host /metrics");
+    let metrics = attache_e2e::admin_http::http_get_blocking(p.s.host_admin_port, "/metrics").expect("host /metrics");
     for (action, n) in [("rollout", 2), ("promote", 1), ("rollback", 1)] {
         let line = format!("attache_host_policy_transitions_total{{action=\"{action}\"}} {n}");
         assert!(metrics.lines().any(|l| l == line), "no `{line}` in\n{metrics}");

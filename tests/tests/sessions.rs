@@ -3,6 +3,10 @@
 //! saturates, and Responses API `previous_response_id` continuity across workers (the simulated
 //! engines, like vLLM, only know the responses they produced: a wrong pick is a 404).
 
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -8,6 +8,8 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod fuzz;
+mod module_cycles;
+mod rust_tokens;
 
 const ENVOY_VERSION: &str = "1.40.0";
 /// Independent wire checks used by the tests.
@@ -229,9 +231,15 @@ fn run_tests(cmd: &mut Command, totals: &mut Totals) -> Result<()> {
     Ok(())
 }
 
-/// `fmt --check`, then clippy (`-D warnings`) natively and for wasm32, with and without the
-/// measurement build's per-stage clocks.
+/// The code's shape: no module cycle inside any crate ([`module_cycles`]).
+fn shape() -> Result<()> {
+    module_cycles::check(&root())
+}
+
+/// The shape checks, `fmt --check`, then clippy (`-D warnings`) natively and for wasm32, with
+/// and without the measurement build's per-stage clocks.
 fn lint() -> Result<()> {
+    shape()?;
     ensure_libzmq()?;
     ensure_wasm_target()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
@@ -393,6 +401,7 @@ fn main() -> Result<()> {
         Some("build") => build(),
         Some("test") => test(&args[1..]),
         Some("lint") => lint(),
+        Some("shape") => shape(),
         Some("unit") => with_summary("unit", unit),
         Some("e2e") => with_summary("e2e", |t| e2e(&args[1..], t)),
         Some("up") => {
@@ -409,7 +418,9 @@ fn main() -> Result<()> {
             run(Command::new(bench_bin()).current_dir(root()).args(&args[1..]))
         }
         _ => {
-            eprintln!("usage: cargo xtask <demo|up|test|lint|unit|e2e|build|bench ...|fuzz [--seconds N] [TARGET...]>");
+            eprintln!(
+                "usage: cargo xtask <demo|up|test|lint|shape|unit|e2e|build|bench ...|fuzz [--seconds N] [TARGET...]>"
+            );
             std::process::exit(64);
         }
     }

@@ -81,10 +81,20 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (include "attache.fullname" .) .Values.pool.name }}
 {{- end }}
 
-{{/* The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the host. */}}
+{{/*
+The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the
+host. `oneEndpoint` lists a single endpoint in x-gateway-destination-endpoint, for an
+ORIGINAL_DST pool: Envoy reads that header as one ip:port, and a list would match no host
+(host/src/bootstrap.rs, Variant::OriginalDst, does the same).
+*/}}
 {{- define "attache.schedulerConfig" -}}
 {{- $cfg := deepCopy .ctx.Values.scheduler.config }}
 {{- $_ := set $cfg "role" "scheduler" }}
+{{- if .oneEndpoint }}
+{{- $scheduler := default (dict) (get $cfg "scheduler") }}
+{{- $_ := set $scheduler "max_endpoints" 1 }}
+{{- $_ := set $cfg "scheduler" $scheduler }}
+{{- end }}
 {{- if .subscribeCluster }}
 {{- $_ := set $cfg "subscribe" (dict "cluster" .subscribeCluster "idle_timeout_ms" 5000 "tick_ms" 500) }}
 {{- end }}

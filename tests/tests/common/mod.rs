@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use attache_e2e::admin_http::http_get_blocking;
 use attache_e2e::client::{self, Outcome};
-use attache_e2e::stack::http_get_blocking;
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 
 pub const MODEL: &str = "tinyllama";
