@@ -6,11 +6,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use attache_host::discovery::StaticEndpoints;
-use attache_host::kv_index::KvIndex;
 use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
 use attache_host::policy::service::PolicyService;
 use attache_host::state::PoolState;
 use attache_host::{admin, eds, policy, push, scrape, HostConfig};
+use attache_kv::engine::Engine;
+use attache_kv::KvIndex;
 use clap::{Parser, Subcommand};
 use tokio::sync::RwLock;
 use tracing::{error, info, warn};
@@ -345,6 +346,7 @@ async fn apply_discovery(
                 endpoint_id: st.id_of(&e.address),
                 address: e.address.clone(),
                 model: e.models.first().cloned().unwrap_or_default(),
+                engine: Engine::from_name(&e.engine),
                 publisher: spec.publisher,
                 replay: spec.replay,
             }
