@@ -9,6 +9,7 @@
 //! and a [`picker`] chooses the primary endpoint plus fallbacks. [`scheduler::Scheduler`] wires
 //! the pipeline together.
 
+pub mod canary;
 pub mod chat_template;
 pub mod config;
 pub mod endpoint;
