@@ -7,6 +7,7 @@ pub mod config;
 pub mod discovery;
 pub mod eds;
 pub mod gateway;
+pub mod host;
 pub mod kubernetes;
 pub mod kv_subscribe;
 pub mod policy;
@@ -17,3 +18,4 @@ pub mod state;
 pub mod telemetry;
 
 pub use config::HostConfig;
+pub use host::Host;
