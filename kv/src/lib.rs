@@ -1,7 +1,8 @@
 //! What engines say about their KV caches, turned into the router's precise prefix index.
 //!
 //! This crate does no I/O: no sockets, no threads, no clock. The host reads ZMQ frames and
-//! hands them here; the filters and the simulator share the block-key rules.
+//! scrapes `/metrics`, and asks this crate what they mean; the filter computes the same block
+//! keys from the prompts it tokenizes (through `attache_policies::prefix`).
 //!
 //! * [`engine`]: each engine's profile (`vllm`, `sglang`): its metric names and event format.
 //! * [`events`]: decoding KV-event batches ([`msgpack`] underneath).
