@@ -1,4 +1,4 @@
-//! Decoding vLLM KV-cache events (`reference/engines.md` §2).
+//! Decoding vLLM KV-cache events (`reference/engines.md` §2); SGLang publishes the same format.
 //!
 //! A ZMQ message is three frames: topic (UTF-8), sequence (8 bytes, big-endian), payload
 //! (msgpack `[ts, events, data_parallel_rank]`, or a map with those keys). Events are tagged
