@@ -6,8 +6,8 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
-use attache_host::kv_events;
-use attache_host::kv_index::KvIndex;
+use attache_kv::events as kv_events;
+use attache_kv::KvIndex;
 use attache_sim::kv::{KvEvent, Medium};
 use attache_sim::kv_publish::{encode_batch, Encoding};
 use serde_json::json;
@@ -96,13 +96,13 @@ pub fn run(out_path: &std::path::Path) -> anyhow::Result<()> {
             ix.apply(
                 ep,
                 "tinyllama",
-                &attache_host::kv_events::KvEvent::BlockStored {
+                &attache_kv::events::KvEvent::BlockStored {
                     block_hashes: hashes.clone(),
                     parent_block_hash: parent,
                     token_ids: tokens,
                     block_size: 16,
                     lora_name: None,
-                    medium: attache_host::kv_events::Medium::Gpu,
+                    medium: attache_kv::events::Medium::Gpu,
                 },
             );
             parent = hashes.last().copied();

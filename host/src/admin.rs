@@ -2,7 +2,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use attache_policies::{precise, prefix};
+use attache_kv::block_key;
+use attache_policies::precise;
 use attache_proto::v1;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -12,8 +13,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::kv_index::KvIndex;
 use crate::kv_subscribe::KvCounters;
+use attache_kv::index::KvIndex;
 
 #[derive(Clone)]
 pub struct AdminState {
@@ -78,7 +79,7 @@ async fn kv_match(
     if req.block_size == 0 {
         return Err((StatusCode::BAD_REQUEST, "block_size must be positive".into()));
     }
-    let keys = prefix::token_block_keys(prefix::chain_seed(&req.model, None), &req.token_ids, req.block_size);
+    let keys = block_key::token_block_keys(block_key::chain_seed(&req.model, None), &req.token_ids, req.block_size);
     let ix = st.kv_index.lock().unwrap_or_else(|p| p.into_inner());
     let m = precise::match_prefix(&keys, &precise::TierWeights::default(), |k| ix.holders(k));
     let snap = st.snapshots.borrow().clone();

@@ -113,7 +113,7 @@ mod tests {
     fn configuration_doc_shows_the_defaults() {
         check("host-defaults", &HostConfig::default());
         check("host-kubernetes-defaults", &crate::kubernetes::KubernetesConfig::default());
-        check("host-policy-auto-defaults", &crate::policy::service::AutoPolicy::default());
+        check("host-policy-auto-defaults", &attache_policies::canary::AutoPolicy::default());
         let text = serde_yaml::to_string(&HostConfig::default()).unwrap();
         assert_eq!(HostConfig::from_yaml(&text).unwrap().grpc_listen, HostConfig::default().grpc_listen);
     }

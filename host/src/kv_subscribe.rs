@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::kv_events::{self, EventBatch};
-use crate::kv_index::KvIndex;
+use attache_kv::engine::Engine;
+use attache_kv::events::{self, EventBatch};
+use attache_kv::KvIndex;
 
 /// Counters, exported on the admin API.
 #[derive(Debug, Default)]
@@ -48,6 +49,8 @@ pub struct EngineSource {
     /// The engine's `ip:port` (as in the topic).
     pub address: String,
     pub model: String,
+    /// Its profile, which says how its events are encoded.
+    pub engine: Engine,
     /// The engine's PUB endpoint to connect to (`None` when it connects to the collector).
     pub publisher: Option<String>,
     /// The engine's replay ROUTER, if it has one.
@@ -305,7 +308,7 @@ impl Worker {
     fn handle(&self, frames: &[Vec<u8>], src: &EngineSource) {
         self.counters.messages.fetch_add(1, Ordering::Relaxed);
         let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-        let msg = match kv_events::split_frames(&refs) {
+        let msg = match events::split_frames(&refs) {
             Ok(m) => m,
             Err(e) => {
                 self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
@@ -348,7 +351,7 @@ impl Worker {
         }
         // The sequence advances even if the payload is garbage: replaying it would not help.
         self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last = Some(seq);
-        match kv_events::decode_batch(msg.payload) {
+        match src.engine.event_format().decode(msg.payload) {
             Ok(batch) => {
                 self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last_ts_bits =
                     batch.ts.to_bits();
@@ -414,7 +417,7 @@ impl Worker {
                 if seq < from {
                     continue;
                 }
-                match kv_events::decode_batch(payload) {
+                match src.engine.event_format().decode(payload) {
                     Ok(b) => out.push((seq, b)),
                     Err(_) => {
                         self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);

@@ -7,12 +7,9 @@ pub mod config;
 pub mod discovery;
 pub mod eds;
 pub mod gateway;
+pub mod host;
 pub mod kubernetes;
-pub mod kv_events;
-pub mod kv_index;
 pub mod kv_subscribe;
-pub mod msgpack;
-pub mod open_table;
 pub mod policy;
 pub mod prom;
 pub mod push;
@@ -21,3 +18,4 @@ pub mod state;
 pub mod telemetry;
 
 pub use config::HostConfig;
+pub use host::Host;

@@ -1,10 +1,12 @@
 //! A Prometheus text-format parser, and the extraction of the engine metrics a router needs
-//! from vLLM and SGLang expositions (`reference/engines.md` §1, §4, §7).
+//! from an exposition, under the names its engine's profile gives ([`attache_kv::engine`]).
 //!
 //! The parser accepts any label order, escaped label values, `# HELP`/`# TYPE` comments and
 //! optional timestamps; a malformed line is skipped and counted, never fatal.
 
 use std::collections::BTreeMap;
+
+use attache_kv::engine::Engine;
 
 /// One sample line.
 #[derive(Debug, Clone, PartialEq)]
@@ -118,34 +120,6 @@ pub struct EngineMetrics {
     pub models: Vec<String>,
 }
 
-/// Which metric names each engine uses. Fallbacks come second.
-struct Names {
-    waiting: &'static [&'static str],
-    running: &'static [&'static str],
-    kv: &'static [&'static str],
-    cache_info: &'static str,
-    block_size_label: &'static str,
-    num_blocks_label: &'static str,
-}
-
-const VLLM: Names = Names {
-    waiting: &["vllm:num_requests_waiting"],
-    running: &["vllm:num_requests_running"],
-    kv: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
-    cache_info: "vllm:cache_config_info",
-    block_size_label: "block_size",
-    num_blocks_label: "num_gpu_blocks",
-};
-
-const SGLANG: Names = Names {
-    waiting: &["sglang:num_queue_reqs"],
-    running: &["sglang:num_running_reqs"],
-    kv: &["sglang:token_usage"],
-    cache_info: "sglang:cache_config_info",
-    block_size_label: "page_size",
-    num_blocks_label: "num_pages",
-};
-
 /// Error when an exposition lacks the metrics a router needs.
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[error("exposition has none of the {engine} metrics {missing:?}")]
@@ -161,17 +135,17 @@ fn first_present(exp: &Exposition<'_>, names: &[&'static str]) -> Option<Vec<f64
     })
 }
 
-/// Extract [`EngineMetrics`] for `engine` (`vllm` or `sglang`).
-pub fn engine_metrics(text: &str, engine: &str) -> Result<EngineMetrics, MissingMetrics> {
+/// Extract [`EngineMetrics`] under the names of `engine`'s profile.
+pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, MissingMetrics> {
     let exp = parse(text);
-    let names = if engine == "sglang" { &SGLANG } else { &VLLM };
+    let names = engine.metrics();
     let waiting = first_present(&exp, names.waiting);
     let running = first_present(&exp, names.running);
-    let kv = first_present(&exp, names.kv);
+    let kv = first_present(&exp, names.kv_usage);
     let (Some(waiting), Some(running), Some(kv)) = (waiting, running, kv) else {
         return Err(MissingMetrics {
-            engine: engine.into(),
-            missing: [names.waiting[0], names.running[0], names.kv[0]].to_vec(),
+            engine: engine.name().into(),
+            missing: [names.waiting[0], names.running[0], names.kv_usage[0]].to_vec(),
         });
     };
     let mut models: Vec<String> = exp
@@ -195,20 +169,16 @@ pub fn engine_metrics(text: &str, engine: &str) -> Result<EngineMetrics, Missing
         m.block_size = info.label(names.block_size_label).and_then(|v| v.parse().ok());
         m.num_gpu_blocks = info.label(names.num_blocks_label).and_then(|v| v.parse().ok());
     }
-    m.prefix_cache_queries =
-        exp.samples.iter().filter(|s| s.name == "vllm:prefix_cache_queries_total").map(|s| s.value).sum();
-    m.prefix_cache_hits =
-        exp.samples.iter().filter(|s| s.name == "vllm:prefix_cache_hits_total").map(|s| s.value).sum();
-    let ttft =
-        if engine == "sglang" { "sglang:time_to_first_token_seconds" } else { "vllm:time_to_first_token_seconds" };
+    m.prefix_cache_queries = exp.samples.iter().filter(|s| s.name == names.prefix_cache_queries).map(|s| s.value).sum();
+    m.prefix_cache_hits = exp.samples.iter().filter(|s| s.name == names.prefix_cache_hits).map(|s| s.value).sum();
+    let ttft = names.ttft;
     let total = |suffix: &str| -> f64 {
         exp.samples.iter().filter(|s| s.name.strip_prefix(ttft).is_some_and(|r| r == suffix)).map(|s| s.value).sum()
     };
     m.ttft_sum = total("_sum");
     m.ttft_count = total("_count");
     // LoRA: the series with the largest value (a timestamp) is the current one.
-    let lora =
-        exp.samples.iter().filter(|s| s.name == "vllm:lora_requests_info").max_by(|a, b| a.value.total_cmp(&b.value));
+    let lora = exp.samples.iter().filter(|s| s.name == names.lora_info).max_by(|a, b| a.value.total_cmp(&b.value));
     if let Some(l) = lora {
         let split = |v: Option<&str>| -> Vec<String> {
             v.unwrap_or("").split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
@@ -250,18 +220,18 @@ mod tests {
                  vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 4.0\nvllm:gpu_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
                  vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"a,b\",waiting_lora_adapters=\"\"} 1.0\n\
                  vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"c\",waiting_lora_adapters=\"d\"} 2.0\n";
-        let m = engine_metrics(v, "vllm").unwrap();
+        let m = engine_metrics(v, Engine::Vllm).unwrap();
         assert_eq!((m.waiting, m.running, m.kv_usage), (3.0, 4.0, 0.25));
         assert_eq!(m.running_loras, vec!["c"]);
         assert_eq!(m.waiting_loras, vec!["d"]);
         assert_eq!(m.models, vec!["m"], "served models come from the load gauges' model_name");
         let s = "sglang:num_queue_reqs{tp_rank=\"0\"} 5\nsglang:num_running_reqs 1\nsglang:token_usage 0.5\nsglang:cache_config_info{page_size=\"64\",num_pages=\"100\"} 1\n";
-        let m = engine_metrics(s, "sglang").unwrap();
+        let m = engine_metrics(s, Engine::Sglang).unwrap();
         assert_eq!(
             (m.waiting, m.running, m.kv_usage, m.block_size, m.num_gpu_blocks),
             (5.0, 1.0, 0.5, Some(64), Some(100))
         );
-        assert!(engine_metrics("foo 1\n", "vllm").is_err());
+        assert!(engine_metrics("foo 1\n", Engine::Vllm).is_err());
     }
 
     #[test]
@@ -270,7 +240,7 @@ mod tests {
         let text = attache_fixtures::read_vllm("metrics.under-load.txt").unwrap();
         let e = parse(&text);
         assert_eq!(e.bad_lines, 0);
-        let m = engine_metrics(&text, "vllm").unwrap();
+        let m = engine_metrics(&text, Engine::Vllm).unwrap();
         assert_eq!(m.block_size, Some(32));
         assert_eq!(m.num_gpu_blocks, Some(64));
         assert_eq!((m.running, m.waiting), (8.0, 0.0));

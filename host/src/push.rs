@@ -17,8 +17,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info};
 
-use crate::kv_index::{Delta, KvIndex};
 use crate::state::PoolState;
+use attache_kv::index::{Delta, KvIndex};
 
 fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use attache_kv::engine::Engine;
 use tokio::sync::RwLock;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn, Instrument};
@@ -13,7 +14,7 @@ use crate::state::PoolState;
 use crate::telemetry::ScrapeError;
 
 /// Scrape `address` forever, writing results into `state`.
-fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: String) -> JoinHandle<()> {
+fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Engine) -> JoinHandle<()> {
     let (client, state, interval, timeout, gone) =
         (scrapers.client.clone(), scrapers.state.clone(), scrapers.interval, scrapers.timeout, scrapers.gone.clone());
     let span = tracing::info_span!("scrape", endpoint = %address);
@@ -27,7 +28,7 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Str
             loop {
                 tick.tick().await;
                 let started = Instant::now();
-                let res = scrape_once(&client, &url, &engine, timeout).await;
+                let res = scrape_once(&client, &url, engine, timeout).await;
                 telemetry.scrape_done(&address, started.elapsed(), res.as_ref().map(|_| ()).map_err(|(_, kind)| *kind));
                 let refused = matches!(res, Err((_, ScrapeError::Refused)));
                 let res = res.map_err(|(e, _)| e);
@@ -69,7 +70,7 @@ fn transport_error(e: &reqwest::Error) -> ScrapeError {
 async fn scrape_once(
     client: &reqwest::Client,
     url: &str,
-    engine: &str,
+    engine: Engine,
     timeout: Duration,
 ) -> Result<prom::EngineMetrics, (String, ScrapeError)> {
     let resp = client.get(url).timeout(timeout).send().await.map_err(|e| (e.to_string(), transport_error(&e)))?;
@@ -114,7 +115,7 @@ impl Scrapers {
         });
         for e in &endpoints {
             if !self.handles.contains_key(&e.address) {
-                let h = spawn(self, e.address.clone(), e.metrics_path.clone(), e.engine.clone());
+                let h = spawn(self, e.address.clone(), e.metrics_path.clone(), Engine::from_name(&e.engine));
                 self.handles.insert(e.address.clone(), h);
             }
         }

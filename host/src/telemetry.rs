@@ -165,61 +165,61 @@ fn esc(v: &str) -> String {
 /// The exposition, in Prometheus text format 0.0.4.
 pub fn render(m: &HostMetrics, g: &Gauges<'_>) -> String {
     let mut out = String::with_capacity(4096);
-    let now = Instant::now();
-    {
-        let scrapes = lock(&m.scrapes);
-        family(&mut out, "attache_host_scrape_duration_seconds", "histogram", "Time to scrape an engine's /metrics.");
-        for (ep, s) in scrapes.iter() {
-            let ep = esc(ep);
-            for (le, n) in SCRAPE_BUCKETS.iter().zip(s.buckets) {
-                let _ =
-                    writeln!(out, "attache_host_scrape_duration_seconds_bucket{{endpoint=\"{ep}\",le=\"{le}\"}} {n}");
-            }
+    render_scrapes(&mut out, m, Instant::now());
+    render_pool_and_kv(&mut out, m, g);
+    render_snapshots_and_policy(&mut out, m);
+    out
+}
+
+/// Scrape latency, errors and age, per endpoint.
+fn render_scrapes(out: &mut String, m: &HostMetrics, now: Instant) {
+    let scrapes = lock(&m.scrapes);
+    family(out, "attache_host_scrape_duration_seconds", "histogram", "Time to scrape an engine's /metrics.");
+    for (ep, s) in scrapes.iter() {
+        let ep = esc(ep);
+        for (le, n) in SCRAPE_BUCKETS.iter().zip(s.buckets) {
+            let _ = writeln!(out, "attache_host_scrape_duration_seconds_bucket{{endpoint=\"{ep}\",le=\"{le}\"}} {n}");
+        }
+        let _ =
+            writeln!(out, "attache_host_scrape_duration_seconds_bucket{{endpoint=\"{ep}\",le=\"+Inf\"}} {}", s.count);
+        let _ = writeln!(out, "attache_host_scrape_duration_seconds_sum{{endpoint=\"{ep}\"}} {}", s.sum_s);
+        let _ = writeln!(out, "attache_host_scrape_duration_seconds_count{{endpoint=\"{ep}\"}} {}", s.count);
+    }
+    family(out, "attache_host_scrape_errors_total", "counter", "Failed scrapes, by reason.");
+    for (ep, s) in scrapes.iter() {
+        for (reason, n) in &s.errors {
             let _ = writeln!(
                 out,
-                "attache_host_scrape_duration_seconds_bucket{{endpoint=\"{ep}\",le=\"+Inf\"}} {}",
-                s.count
+                "attache_host_scrape_errors_total{{endpoint=\"{}\",reason=\"{}\"}} {n}",
+                esc(ep),
+                reason.label()
             );
-            let _ = writeln!(out, "attache_host_scrape_duration_seconds_sum{{endpoint=\"{ep}\"}} {}", s.sum_s);
-            let _ = writeln!(out, "attache_host_scrape_duration_seconds_count{{endpoint=\"{ep}\"}} {}", s.count);
-        }
-        family(&mut out, "attache_host_scrape_errors_total", "counter", "Failed scrapes, by reason.");
-        for (ep, s) in scrapes.iter() {
-            for (reason, n) in &s.errors {
-                let _ = writeln!(
-                    out,
-                    "attache_host_scrape_errors_total{{endpoint=\"{}\",reason=\"{}\"}} {n}",
-                    esc(ep),
-                    reason.label()
-                );
-            }
-        }
-        family(
-            &mut out,
-            "attache_host_scrape_age_seconds",
-            "gauge",
-            "Time since the engine's last good scrape (since its scraper started, if none was good).",
-        );
-        for (ep, s) in scrapes.iter() {
-            let age = s.last_ok.or(s.since).map(|t| now.saturating_duration_since(t).as_secs_f64()).unwrap_or(0.0);
-            let _ = writeln!(out, "attache_host_scrape_age_seconds{{endpoint=\"{}\"}} {age:.3}", esc(ep));
         }
     }
-    family(&mut out, "attache_host_endpoints", "gauge", "Endpoints in the newest snapshot, by readiness.");
+    family(
+        out,
+        "attache_host_scrape_age_seconds",
+        "gauge",
+        "Time since the engine's last good scrape (since its scraper started, if none was good).",
+    );
+    for (ep, s) in scrapes.iter() {
+        let age = s.last_ok.or(s.since).map(|t| now.saturating_duration_since(t).as_secs_f64()).unwrap_or(0.0);
+        let _ = writeln!(out, "attache_host_scrape_age_seconds{{endpoint=\"{}\"}} {age:.3}", esc(ep));
+    }
+}
+
+/// Endpoints by readiness, and the KV-event and precise-index families.
+fn render_pool_and_kv(out: &mut String, m: &HostMetrics, g: &Gauges<'_>) {
+    family(out, "attache_host_endpoints", "gauge", "Endpoints in the newest snapshot, by readiness.");
     let _ = writeln!(out, "attache_host_endpoints{{state=\"ready\"}} {}", g.ready_endpoints);
     let _ = writeln!(out, "attache_host_endpoints{{state=\"unready\"}} {}", g.unready_endpoints);
 
-    family(
-        &mut out,
-        "attache_host_kv_events_ingested_total",
-        "counter",
-        "KV-cache events applied to the precise index.",
-    );
+    family(out, "attache_host_kv_events_ingested_total", "counter", "KV-cache events applied to the precise index.");
     for (ep, n) in lock(&m.kv_ingested).iter() {
         let _ = writeln!(out, "attache_host_kv_events_ingested_total{{endpoint=\"{}\"}} {n}", esc(ep));
     }
     family(
-        &mut out,
+        out,
         "attache_host_kv_events_dropped_total",
         "counter",
         "KV-event messages or events not applied, by reason.",
@@ -233,38 +233,30 @@ pub fn render(m: &HostMetrics, g: &Gauges<'_>) -> String {
         ] {
             let _ = writeln!(out, "attache_host_kv_events_dropped_total{{reason=\"{reason}\"}} {n}");
         }
-        family(
-            &mut out,
-            "attache_host_kv_sequence_gaps_total",
-            "counter",
-            "KV-event sequence gaps (refilled from replay).",
-        );
+        family(out, "attache_host_kv_sequence_gaps_total", "counter", "KV-event sequence gaps (refilled from replay).");
         let _ = writeln!(out, "attache_host_kv_sequence_gaps_total {}", c(&kv.gaps));
-        family(
-            &mut out,
-            "attache_host_kv_engine_restarts_total",
-            "counter",
-            "Engine restarts seen on the KV-event stream.",
-        );
+        family(out, "attache_host_kv_engine_restarts_total", "counter", "Engine restarts seen on the KV-event stream.");
         let _ = writeln!(out, "attache_host_kv_engine_restarts_total {}", c(&kv.restarts));
     }
-    family(&mut out, "attache_host_kv_index_blocks", "gauge", "Blocks held in the precise prefix index.");
+    family(out, "attache_host_kv_index_blocks", "gauge", "Blocks held in the precise prefix index.");
     let _ = writeln!(out, "attache_host_kv_index_blocks {}", g.kv_index_blocks);
+}
 
-    family(&mut out, "attache_host_snapshot_version", "gauge", "Version of the newest published snapshot.");
+/// Snapshot publishing, subscribers and policy transitions.
+fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
+    family(out, "attache_host_snapshot_version", "gauge", "Version of the newest published snapshot.");
     let _ = writeln!(out, "attache_host_snapshot_version {}", m.snapshot_version.load(Ordering::Relaxed));
-    family(&mut out, "attache_host_snapshots_published_total", "counter", "Snapshot versions published.");
+    family(out, "attache_host_snapshots_published_total", "counter", "Snapshot versions published.");
     let _ = writeln!(out, "attache_host_snapshots_published_total {}", m.snapshots_published.load(Ordering::Relaxed));
-    family(&mut out, "attache_host_snapshot_bytes_total", "counter", "Encoded snapshot bytes sent to subscribers.");
+    family(out, "attache_host_snapshot_bytes_total", "counter", "Encoded snapshot bytes sent to subscribers.");
     let _ = writeln!(out, "attache_host_snapshot_bytes_total {}", m.snapshot_bytes.load(Ordering::Relaxed));
-    family(&mut out, "attache_host_subscribers", "gauge", "Open snapshot streams (Envoy agents or workers).");
+    family(out, "attache_host_subscribers", "gauge", "Open snapshot streams (Envoy agents or workers).");
     let _ = writeln!(out, "attache_host_subscribers {}", m.subscribers.load(Ordering::Relaxed).max(0));
 
-    family(&mut out, "attache_host_policy_transitions_total", "counter", "Policy slot transitions, by action.");
+    family(out, "attache_host_policy_transitions_total", "counter", "Policy slot transitions, by action.");
     for (action, n) in lock(&m.policy_transitions).iter() {
         let _ = writeln!(out, "attache_host_policy_transitions_total{{action=\"{}\"}} {n}", esc(action));
     }
-    out
 }
 
 #[cfg(test)]

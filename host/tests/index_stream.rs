@@ -5,10 +5,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use attache_host::kv_events::{KvEvent, Medium};
-use attache_host::kv_index::{KvIndex, GPU};
 use attache_host::push::{self, IndexFeed};
 use attache_host::state::PoolState;
+use attache_kv::events::{KvEvent, Medium};
+use attache_kv::index::{KvIndex, GPU};
 use attache_proto::v1::snapshot_service_client::SnapshotServiceClient;
 use attache_proto::v1::{update, SubscribeRequest, Update};
 use tokio::sync::RwLock;

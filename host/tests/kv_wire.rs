@@ -8,9 +8,10 @@ use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use attache_host::kv_index::{KvIndex, GPU};
 use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
-use attache_policies::prefix;
+use attache_kv::block_key;
+use attache_kv::engine::Engine;
+use attache_kv::index::{KvIndex, GPU};
 
 fn python() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
@@ -40,7 +41,7 @@ fn publisher(args: &[&str]) -> serde_json::Value {
 }
 
 fn keys(tokens: std::ops::Range<u32>) -> Vec<u64> {
-    prefix::token_block_keys(prefix::chain_seed("tinyllama", None), &tokens.collect::<Vec<_>>(), 16)
+    block_key::token_block_keys(block_key::chain_seed("tinyllama", None), &tokens.collect::<Vec<_>>(), 16)
 }
 
 fn run_bind_scenario(encoding: &str) {
@@ -51,6 +52,7 @@ fn run_bind_scenario(encoding: &str) {
         endpoint_id: 3,
         address: "127.0.0.1:1".into(),
         model: "tinyllama".into(),
+        engine: Engine::Vllm,
         publisher: Some(format!("tcp://127.0.0.1:{pub_port}")),
         replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
     }]);
@@ -95,6 +97,7 @@ fn collector_mode_engines_connect_and_topics_name_them() {
         endpoint_id: 7,
         address: "127.0.0.1:8000".into(),
         model: "tinyllama".into(),
+        engine: Engine::Vllm,
         publisher: None,
         replay: None,
     }]);
@@ -115,6 +118,7 @@ fn a_sequence_that_goes_back_is_a_restart_and_clears_the_engine() {
         endpoint_id: 1,
         address: "127.0.0.1:1".into(),
         model: "tinyllama".into(),
+        engine: Engine::Vllm,
         publisher: Some(format!("tcp://127.0.0.1:{p}")),
         replay: None,
     }]);

@@ -11,6 +11,7 @@
 //! for a disaggregated request, the prefill one. [`plan::plan`] is the one call a host makes per
 //! request: request → parse → plan → apply.
 
+pub mod canary;
 pub mod chat_template;
 pub mod config;
 pub mod endpoint;

@@ -4,10 +4,8 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
-/// Tier bits, as the host's index stores them.
-pub const GPU: u8 = 1;
-pub const CPU: u8 = 2;
-pub const DISK: u8 = 4;
+// Tier bits, as the host's index stores them.
+pub use attache_kv::tier::{CPU, DISK, GPU};
 
 /// How much a block is worth by where it is: reloading from CPU or disk is cheaper than
 /// recomputing, but not free.

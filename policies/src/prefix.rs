@@ -7,27 +7,12 @@
 //! * `h0 = xxh64(model ‖ cache_salt)`; `h_i = xxh64(LE64(xxh64(block_i)) ‖ LE64(h_{i-1}))`.
 //! * Hashing stops after `max_prefix_tokens` tokens (0 = unlimited).
 
-use xxhash_rust::xxh64::xxh64;
+use attache_kv::block_key::chain;
+// The precise block-key rules live in attache-kv; callers that hash prompts find them here too.
+pub use attache_kv::block_key::{chain_seed, token_block_keys};
 
 use crate::config::PrefixConfig;
 use crate::request::Prompt;
-
-/// The seed of a request's hash chain: model and cache salt.
-pub fn chain_seed(model: &str, cache_salt: Option<&str>) -> u64 {
-    let salt = cache_salt.unwrap_or("");
-    let mut buf = Vec::with_capacity(model.len() + salt.len());
-    buf.extend_from_slice(model.as_bytes());
-    buf.extend_from_slice(salt.as_bytes());
-    xxh64(&buf, 0)
-}
-
-#[inline]
-fn chain(prev: u64, block: &[u8]) -> u64 {
-    let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&xxh64(block, 0).to_le_bytes());
-    b[8..].copy_from_slice(&prev.to_le_bytes());
-    xxh64(&b, 0)
-}
 
 /// Block hashes of `prompt`, at most `max_prefix_tokens / block_size_tokens` (rounded up).
 pub fn block_hashes(cfg: &PrefixConfig, model: &str, cache_salt: Option<&str>, prompt: &Prompt) -> Vec<u64> {
@@ -98,28 +83,6 @@ pub fn anchor_blocks(cfg: &PrefixConfig, message_ends: &[usize]) -> Vec<usize> {
     out
 }
 
-/// Precise block keys: the same xxhash64 chain over token ids (little-endian u32), but only
-/// over *full* blocks of the engine's block size, continuing from `parent` (the previous
-/// block's key, or [`chain_seed`] at the start). The host computes these from `BlockStored`
-/// token ids and the filter from the prompt it tokenizes, so both sides agree whatever hash
-/// the engine itself uses (llm-d's dual-key design).
-pub fn token_block_keys(parent: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
-    let bs = block_size.max(1);
-    let mut prev = parent;
-    let mut buf = Vec::with_capacity(bs * 4);
-    tokens
-        .chunks_exact(bs)
-        .map(|block| {
-            buf.clear();
-            for id in block {
-                buf.extend_from_slice(&id.to_le_bytes());
-            }
-            prev = chain(prev, &buf);
-            prev
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,14 +117,9 @@ mod tests {
     }
 
     #[test]
-    fn token_block_keys_continue_a_chain_and_skip_partial_blocks() {
-        let seed = chain_seed("m", None);
+    fn precise_keys_are_the_approximate_chain_over_full_token_blocks() {
         let toks: Vec<u32> = (0..10).collect();
-        let all = token_block_keys(seed, &toks, 4);
-        assert_eq!(all.len(), 2, "the partial third block is not hashed");
-        let tail = token_block_keys(all[0], &toks[4..], 4);
-        assert_eq!(tail, all[1..]);
-        // Same chain as the approximate hasher over full token blocks.
+        let all = token_block_keys(chain_seed("m", None), &toks, 4);
         let cfg = cfg(4, 0);
         assert_eq!(block_hashes(&cfg, "m", None, &Prompt::Tokens(toks[..8].to_vec())), all);
     }

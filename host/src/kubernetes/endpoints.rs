@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use attache_kv::engine::Engine;
 use k8s_openapi::api::core::v1::Pod;
 
 use super::crds::{InferencePool, ObjectiveSpec};
@@ -102,10 +103,8 @@ pub fn endpoints<'a>(
                 .or_else(|| annotation(&pool.metadata, MODELS_ANNOTATION))
                 .map(split_models)
                 .unwrap_or_default();
-            let engine = match pod.metadata.labels.as_ref().and_then(|l| l.get(ENGINE_LABEL)).map(String::as_str) {
-                Some("sglang") => "sglang",
-                _ => "vllm",
-            };
+            let label = pod.metadata.labels.as_ref().and_then(|l| l.get(ENGINE_LABEL));
+            let engine = Engine::from_name(label.map_or("", String::as_str)).name();
             let port_annotation = |key| annotation(&pod.metadata, key).and_then(|v| v.trim().parse::<u16>().ok());
             let kv_events =
                 match (port_annotation(KV_EVENTS_PORT_ANNOTATION), port_annotation(KV_REPLAY_PORT_ANNOTATION)) {

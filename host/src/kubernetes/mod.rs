@@ -8,6 +8,7 @@
 
 pub mod crds;
 pub mod endpoints;
+pub mod sync;
 pub mod watch;
 
 use std::path::PathBuf;

@@ -143,86 +143,108 @@ pub async fn spawn(cfg: KubernetesConfig) -> anyhow::Result<Discovered> {
         follow(typed::<Pod>(&client, ns), pods_w, changed.clone(), resync, stats.clone())
             .instrument(tracing::info_span!("watch", kind = "Pod")),
     );
-    let objectives: Option<Store<DynamicObject>> = if cfg.objectives_api.trim().is_empty() {
-        None
-    } else {
-        let (group, version) = cfg
-            .objectives_api
-            .trim()
-            .split_once('/')
-            .with_context(|| format!("objectives_api {:?}: expected group/version", cfg.objectives_api))?;
-        let ar = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk(group, version, "InferenceObjective"),
-            "inferenceobjectives",
-        );
-        let writer = Writer::new(ar.clone());
-        let reader = writer.as_reader();
-        tokio::spawn(
-            follow(
-                match ns {
-                    Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
-                    None => Api::all_with(client.clone(), &ar),
-                },
-                writer,
-                changed.clone(),
-                resync,
-                stats.clone(),
-            )
-            .instrument(tracing::info_span!("watch", kind = "InferenceObjective")),
-        );
-        Some(reader)
-    };
+    let objectives = watch_objectives(&cfg, &client, &changed, resync, &stats)?;
 
     let (ep_tx, ep_rx) = tokio_watch::channel(Vec::new());
     let (obj_tx, obj_rx) = tokio_watch::channel(BTreeMap::new());
-    let names = cfg.pools.clone();
-    let publish_stats = stats.clone();
+    let stores = Stores { pools, pods, objectives };
     tokio::spawn(
-        async move {
-            // Publish nothing until both pools and pods have been listed once: an empty list
-            // before then would not be the cluster's state.
-            let (a, b) = tokio::join!(pools.wait_until_ready(), pods.wait_until_ready());
-            if a.is_err() || b.is_err() {
-                return;
-            }
-            info!("discovery: InferencePools and Pods listed");
-            let mut first = true;
-            loop {
-                let pool_list = pools.state();
-                let pod_list = pods.state();
-                let eps = endpoints(pool_list.iter().map(|p| p.as_ref()), pod_list.iter().map(|p| p.as_ref()), &names);
-                if first || *ep_tx.borrow() != eps {
-                    info!(endpoints = eps.len(), pools = pool_list.len(), "discovery: endpoints changed");
-                    publish_stats.publishes.fetch_add(1, Ordering::Relaxed);
-                    if ep_tx.send(eps).is_err() {
-                        return;
-                    }
-                    first = false;
-                }
-                if let Some(store) = &objectives {
-                    let objs = store
-                        .state()
-                        .iter()
-                        .filter_map(|o| match objective_of(o) {
-                            Ok(v) => Some(v),
-                            Err(e) => {
-                                warn!(error = %e, "skipping an unreadable InferenceObjective");
-                                None
-                            }
-                        })
-                        .collect::<Vec<_>>();
-                    let table = objective_table(objs, pool_list.iter().map(|p| p.as_ref()), &names);
-                    if *obj_tx.borrow() != table {
-                        info!(objectives = table.len(), "discovery: priority table changed");
-                        let _ = obj_tx.send(table);
-                    }
-                }
-                changed.notified().await;
-                // Coalesce a burst of events (a rollout touches many pods at once).
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-        .instrument(tracing::info_span!("discovery")),
+        publish(stores, cfg.pools.clone(), ep_tx, obj_tx, changed, stats.clone())
+            .instrument(tracing::info_span!("discovery")),
     );
     Ok(Discovered { endpoints: ep_rx, objectives: obj_rx, stats })
+}
+
+/// Watch `InferenceObjective`s of `cfg.objectives_api` (none when it is empty).
+fn watch_objectives(
+    cfg: &KubernetesConfig,
+    client: &Client,
+    changed: &Arc<Notify>,
+    resync: Option<Duration>,
+    stats: &Arc<WatchStats>,
+) -> anyhow::Result<Option<Store<DynamicObject>>> {
+    if cfg.objectives_api.trim().is_empty() {
+        return Ok(None);
+    }
+    let (group, version) = cfg
+        .objectives_api
+        .trim()
+        .split_once('/')
+        .with_context(|| format!("objectives_api {:?}: expected group/version", cfg.objectives_api))?;
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk(group, version, "InferenceObjective"),
+        "inferenceobjectives",
+    );
+    let writer = Writer::new(ar.clone());
+    let reader = writer.as_reader();
+    let api = match cfg.namespace.as_deref() {
+        Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
+        None => Api::all_with(client.clone(), &ar),
+    };
+    tokio::spawn(
+        follow(api, writer, changed.clone(), resync, stats.clone())
+            .instrument(tracing::info_span!("watch", kind = "InferenceObjective")),
+    );
+    Ok(Some(reader))
+}
+
+/// The reflector stores discovery reads.
+struct Stores {
+    pools: Store<InferencePool>,
+    pods: Store<Pod>,
+    objectives: Option<Store<DynamicObject>>,
+}
+
+/// After every change (a burst coalesced), recompute the endpoint list and the objective table
+/// and publish what differs. Publishes nothing until both pools and pods have been listed
+/// once: an empty list before then would not be the cluster's state.
+async fn publish(
+    stores: Stores,
+    names: Vec<String>,
+    ep_tx: tokio_watch::Sender<Vec<StaticEndpoint>>,
+    obj_tx: tokio_watch::Sender<BTreeMap<String, i32>>,
+    changed: Arc<Notify>,
+    stats: Arc<WatchStats>,
+) {
+    let Stores { pools, pods, objectives } = stores;
+    let (a, b) = tokio::join!(pools.wait_until_ready(), pods.wait_until_ready());
+    if a.is_err() || b.is_err() {
+        return;
+    }
+    info!("discovery: InferencePools and Pods listed");
+    let mut first = true;
+    loop {
+        let pool_list = pools.state();
+        let pod_list = pods.state();
+        let eps = endpoints(pool_list.iter().map(|p| p.as_ref()), pod_list.iter().map(|p| p.as_ref()), &names);
+        if first || *ep_tx.borrow() != eps {
+            info!(endpoints = eps.len(), pools = pool_list.len(), "discovery: endpoints changed");
+            stats.publishes.fetch_add(1, Ordering::Relaxed);
+            if ep_tx.send(eps).is_err() {
+                return;
+            }
+            first = false;
+        }
+        if let Some(store) = &objectives {
+            let objs = store
+                .state()
+                .iter()
+                .filter_map(|o| match objective_of(o) {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        warn!(error = %e, "skipping an unreadable InferenceObjective");
+                        None
+                    }
+                })
+                .collect::<Vec<_>>();
+            let table = objective_table(objs, pool_list.iter().map(|p| p.as_ref()), &names);
+            if *obj_tx.borrow() != table {
+                info!(objectives = table.len(), "discovery: priority table changed");
+                let _ = obj_tx.send(table);
+            }
+        }
+        changed.notified().await;
+        // Coalesce a burst of events (a rollout touches many pods at once).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -169,48 +169,15 @@ impl ExtensionConfigDiscoveryService for EcdsServer {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let mut published = self.published.clone();
-        let acks = self.acks.clone();
+        let mut session = DeltaSession::new(self.acks.clone());
         tokio::spawn(async move {
-            let mut node = String::from("unknown");
-            let mut subscribed: BTreeSet<String> = BTreeSet::new();
-            let mut sent: BTreeMap<String, String> = BTreeMap::new();
-            // nonce → the versions that response carried
-            let mut inflight: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-            let mut nonce = 0u64;
             loop {
                 tokio::select! {
                     msg = inbound.message() => {
-                        let r = match msg {
-                            Ok(Some(r)) => r,
+                        match msg {
+                            Ok(Some(r)) => session.on_request(r),
                             Ok(None) => break,
-                            Err(e) => { warn!(error = %e, node, "ECDS stream error"); break; }
-                        };
-                        if let Some(n) = r.node.as_ref().filter(|n| !n.id.is_empty()) {
-                            node = n.id.clone();
-                        }
-                        if !r.response_nonce.is_empty() {
-                            let carried = inflight.remove(&r.response_nonce).unwrap_or_default();
-                            let err = r.error_detail.as_ref().map(|e| e.message.clone());
-                            if let Some(msg) = &err {
-                                warn!(node, nonce = r.response_nonce, error = %msg, "Envoy refused a filter configuration; it keeps the previous one");
-                            }
-                            acks.with(&node, |m| {
-                                for (name, version) in carried {
-                                    let a = m.entry(name).or_default();
-                                    match &err {
-                                        None => { a.acked = Some(version); a.nack = None; }
-                                        Some(e) => a.nack = Some(e.clone()),
-                                    }
-                                }
-                            });
-                        }
-                        for n in r.resource_names_subscribe {
-                            info!(node, resource = %n, "ECDS subscribe");
-                            subscribed.insert(n);
-                        }
-                        for n in r.resource_names_unsubscribe {
-                            subscribed.remove(&n);
-                            sent.remove(&n);
+                            Err(e) => { warn!(error = %e, node = session.node, "ECDS stream error"); break; }
                         }
                     }
                     changed = published.changed() => {
@@ -218,53 +185,119 @@ impl ExtensionConfigDiscoveryService for EcdsServer {
                     }
                 }
                 let p = published.borrow_and_update().clone();
-                let mut resources = Vec::new();
-                let mut removed = Vec::new();
-                for name in &subscribed {
-                    match p.resources.get(name) {
-                        Some((version, any)) if sent.get(name) != Some(version) => {
-                            resources.push(Resource {
-                                name: name.clone(),
-                                version: version.clone(),
-                                resource: Some(any.clone()),
-                                ..Default::default()
-                            });
-                            sent.insert(name.clone(), version.clone());
-                        }
-                        None if sent.remove(name).is_some() => removed.push(name.clone()),
-                        _ => {}
-                    }
-                }
-                if resources.is_empty() && removed.is_empty() {
-                    continue;
-                }
-                nonce += 1;
-                let n = nonce.to_string();
-                let carried: Vec<(String, String)> =
-                    resources.iter().map(|r| (r.name.clone(), r.version.clone())).collect();
-                acks.with(&node, |m| {
-                    for (name, version) in &carried {
-                        m.entry(name.clone()).or_default().sent = version.clone();
-                    }
-                    for name in &removed {
-                        m.remove(name);
-                    }
-                });
-                info!(node, nonce = n, updated = ?carried, removed = ?removed, revision = p.revision, "ECDS push");
-                inflight.insert(n.clone(), carried);
-                let resp = DeltaDiscoveryResponse {
-                    system_version_info: p.revision.to_string(),
-                    resources,
-                    type_url: TYPED_EXTENSION_CONFIG.into(),
-                    removed_resources: removed,
-                    nonce: n,
-                    ..Default::default()
-                };
+                let Some(resp) = session.response(&p) else { continue };
                 if tx.send(Ok(resp)).await.is_err() {
                     break;
                 }
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// One Envoy's delta ECDS stream: what it subscribed to, what it was sent, and which versions
+/// each unanswered response carried.
+struct DeltaSession {
+    acks: Arc<Acks>,
+    node: String,
+    subscribed: BTreeSet<String>,
+    sent: BTreeMap<String, String>,
+    /// nonce → the versions that response carried
+    inflight: BTreeMap<String, Vec<(String, String)>>,
+    nonce: u64,
+}
+
+impl DeltaSession {
+    fn new(acks: Arc<Acks>) -> Self {
+        Self {
+            acks,
+            node: String::from("unknown"),
+            subscribed: BTreeSet::new(),
+            sent: BTreeMap::new(),
+            inflight: BTreeMap::new(),
+            nonce: 0,
+        }
+    }
+
+    /// A request from Envoy: who it is, the ACK or NACK of an earlier response, and
+    /// subscription changes.
+    fn on_request(&mut self, r: DeltaDiscoveryRequest) {
+        if let Some(n) = r.node.as_ref().filter(|n| !n.id.is_empty()) {
+            self.node = n.id.clone();
+        }
+        let node = &self.node;
+        if !r.response_nonce.is_empty() {
+            let carried = self.inflight.remove(&r.response_nonce).unwrap_or_default();
+            let err = r.error_detail.as_ref().map(|e| e.message.clone());
+            if let Some(msg) = &err {
+                warn!(node, nonce = r.response_nonce, error = %msg, "Envoy refused a filter configuration; it keeps the previous one");
+            }
+            self.acks.with(node, |m| {
+                for (name, version) in carried {
+                    let a = m.entry(name).or_default();
+                    match &err {
+                        None => {
+                            a.acked = Some(version);
+                            a.nack = None;
+                        }
+                        Some(e) => a.nack = Some(e.clone()),
+                    }
+                }
+            });
+        }
+        for n in r.resource_names_subscribe {
+            info!(node, resource = %n, "ECDS subscribe");
+            self.subscribed.insert(n);
+        }
+        for n in r.resource_names_unsubscribe {
+            self.subscribed.remove(&n);
+            self.sent.remove(&n);
+        }
+    }
+
+    /// The response that brings Envoy to `p`: subscribed resources whose version it was not
+    /// sent, and those no longer published. `None` when it is up to date.
+    fn response(&mut self, p: &Published) -> Option<DeltaDiscoveryResponse> {
+        let mut resources = Vec::new();
+        let mut removed = Vec::new();
+        for name in &self.subscribed {
+            match p.resources.get(name) {
+                Some((version, any)) if self.sent.get(name) != Some(version) => {
+                    resources.push(Resource {
+                        name: name.clone(),
+                        version: version.clone(),
+                        resource: Some(any.clone()),
+                        ..Default::default()
+                    });
+                    self.sent.insert(name.clone(), version.clone());
+                }
+                None if self.sent.remove(name).is_some() => removed.push(name.clone()),
+                _ => {}
+            }
+        }
+        if resources.is_empty() && removed.is_empty() {
+            return None;
+        }
+        self.nonce += 1;
+        let n = self.nonce.to_string();
+        let carried: Vec<(String, String)> = resources.iter().map(|r| (r.name.clone(), r.version.clone())).collect();
+        self.acks.with(&self.node, |m| {
+            for (name, version) in &carried {
+                m.entry(name.clone()).or_default().sent = version.clone();
+            }
+            for name in &removed {
+                m.remove(name);
+            }
+        });
+        info!(node = self.node, nonce = n, updated = ?carried, removed = ?removed, revision = p.revision, "ECDS push");
+        self.inflight.insert(n.clone(), carried);
+        Some(DeltaDiscoveryResponse {
+            system_version_info: p.revision.to_string(),
+            resources,
+            type_url: TYPED_EXTENSION_CONFIG.into(),
+            removed_resources: removed,
+            nonce: n,
+            ..Default::default()
+        })
     }
 }

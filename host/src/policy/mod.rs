@@ -5,6 +5,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod controller;
 pub mod ecds;
 pub mod rollout;
 pub mod service;

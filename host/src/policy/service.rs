@@ -11,50 +11,14 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use attache_policies::canary::{ArmCounters, AutoPolicy, Verdict};
+
 use super::admission::{self, AdmissionConfig};
+use super::controller::{Controller, Counters};
 use super::ecds::{self, Acks, Published};
 use super::rollout::{self, Deployed, RolloutError, RolloutFiles, RolloutState, Transition};
 use super::signing::TrustStore;
 use super::store::{ModuleRecord, ModuleStore, UploadError};
-
-/// When the controller promotes or rolls back a canary on its own.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AutoPolicy {
-    pub enabled: bool,
-    /// Promote a healthy canary (else only roll back bad ones).
-    pub promote: bool,
-    pub interval_ms: u64,
-    /// Canary requests needed before judging error rate, latency and hit rate, and before
-    /// promoting.
-    pub min_requests: u64,
-    /// A canary is promoted no sooner than this after it started.
-    pub min_duration_ms: u64,
-    /// Roll back when the canary trapped more often than this.
-    pub max_traps: u64,
-    /// Roll back when the canary's 5xx rate exceeds the stable's by more than this (0..1).
-    pub max_error_rate_increase: f64,
-    /// Roll back when the canary's mean time to response headers exceeds the stable's by more.
-    pub max_added_latency_ms: f64,
-    /// Roll back when the canary's expected prefix-cache hit rate is lower by more (0..1).
-    pub max_hit_rate_drop: f64,
-}
-
-impl Default for AutoPolicy {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            promote: true,
-            interval_ms: 1_000,
-            min_requests: 100,
-            min_duration_ms: 60_000,
-            max_traps: 0,
-            max_error_rate_increase: 0.01,
-            max_added_latency_ms: 100.0,
-            max_hit_rate_drop: 0.10,
-        }
-    }
-}
 
 /// `policy:` in the host configuration.
 #[derive(Debug, Clone, serde::Serialize, Deserialize)]
@@ -89,58 +53,6 @@ fn default_budget() -> u64 {
     50
 }
 
-/// Cumulative per-arm counters read from Envoy (summed over every Envoy).
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct ArmCounters {
-    pub requests: u64,
-    pub errors: u64,
-    pub traps: u64,
-    pub ttfb_us: u64,
-    pub hit_permille: u64,
-}
-
-impl ArmCounters {
-    fn since(&self, base: &ArmCounters) -> ArmCounters {
-        ArmCounters {
-            requests: self.requests.saturating_sub(base.requests),
-            errors: self.errors.saturating_sub(base.errors),
-            traps: self.traps.saturating_sub(base.traps),
-            ttfb_us: self.ttfb_us.saturating_sub(base.ttfb_us),
-            hit_permille: self.hit_permille.saturating_sub(base.hit_permille),
-        }
-    }
-    fn error_rate(&self) -> f64 {
-        if self.requests == 0 {
-            0.0
-        } else {
-            self.errors as f64 / self.requests as f64
-        }
-    }
-    fn mean_ttfb_ms(&self) -> f64 {
-        if self.requests == 0 {
-            0.0
-        } else {
-            self.ttfb_us as f64 / self.requests as f64 / 1000.0
-        }
-    }
-    fn hit_rate(&self) -> f64 {
-        if self.requests == 0 {
-            0.0
-        } else {
-            self.hit_permille as f64 / self.requests as f64 / 1000.0
-        }
-    }
-    pub fn json(&self) -> Value {
-        json!({
-            "requests": self.requests, "errors": self.errors, "traps": self.traps,
-            "error_rate": self.error_rate(), "mean_ttfb_ms": self.mean_ttfb_ms(), "hit_rate": self.hit_rate(),
-        })
-    }
-}
-
-/// `(slot, arm)` → counters.
-pub type Counters = BTreeMap<(String, String), ArmCounters>;
-
 /// Parse Envoy `/stats` text lines `wasmcustom.attache.rollout.<slot>.<arm>.<what>: N`.
 pub fn parse_rollout_stats(text: &str, into: &mut Counters) {
     for line in text.lines() {
@@ -167,62 +79,6 @@ pub fn parse_rollout_stats(text: &str, into: &mut Counters) {
             _ => {}
         }
     }
-}
-
-/// The controller's verdict on one canary.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
-    Wait(String),
-    Promote(String),
-    Rollback(String),
-}
-
-/// Judge a canary from its window and the stable's over the same time.
-pub fn judge(p: &AutoPolicy, canary: &ArmCounters, stable: &ArmCounters, age_ms: u64) -> Verdict {
-    if canary.traps > p.max_traps {
-        return Verdict::Rollback(format!("canary trapped {} time(s) (max {})", canary.traps, p.max_traps));
-    }
-    if canary.requests < p.min_requests {
-        return Verdict::Wait(format!("{} of {} canary requests", canary.requests, p.min_requests));
-    }
-    let compare = stable.requests > 0;
-    let base_err = if compare { stable.error_rate() } else { 0.0 };
-    if canary.error_rate() - base_err > p.max_error_rate_increase {
-        return Verdict::Rollback(format!(
-            "canary error rate {:.4} vs stable {:.4} (max increase {})",
-            canary.error_rate(),
-            base_err,
-            p.max_error_rate_increase
-        ));
-    }
-    if compare {
-        let added = canary.mean_ttfb_ms() - stable.mean_ttfb_ms();
-        if added > p.max_added_latency_ms {
-            return Verdict::Rollback(format!(
-                "canary adds {added:.1} ms to time-to-headers (max {})",
-                p.max_added_latency_ms
-            ));
-        }
-        let drop = stable.hit_rate() - canary.hit_rate();
-        if drop > p.max_hit_rate_drop {
-            return Verdict::Rollback(format!(
-                "canary cache-hit rate {:.3} vs stable {:.3} (max drop {})",
-                canary.hit_rate(),
-                stable.hit_rate(),
-                p.max_hit_rate_drop
-            ));
-        }
-    }
-    if age_ms < p.min_duration_ms {
-        return Verdict::Wait(format!("healthy; {} of {} ms observed", age_ms, p.min_duration_ms));
-    }
-    Verdict::Promote(format!(
-        "healthy over {} requests: error rate {:.4}, mean time-to-headers {:.1} ms, hit rate {:.3}",
-        canary.requests,
-        canary.error_rate(),
-        canary.mean_ttfb_ms(),
-        canary.hit_rate()
-    ))
 }
 
 /// A failed API operation: HTTP status, machine code, message.
@@ -282,10 +138,8 @@ pub struct PolicyService {
     published: watch::Sender<Arc<Published>>,
     pub acks: Arc<Acks>,
     token: crate::admin_auth::BearerToken,
-    /// Counters at each canary's start, by slot and canary start time.
-    baselines: Mutex<HashMap<String, (u64, ArmCounters, ArmCounters)>>,
-    /// The controller's last word per slot.
-    verdicts: Mutex<BTreeMap<String, String>>,
+    /// Each canary's starting counters and the last verdicts.
+    controller: Mutex<Controller>,
     http: reqwest::Client,
 }
 
@@ -310,8 +164,7 @@ impl PolicyService {
             published,
             acks: Arc::new(Acks::default()),
             token,
-            baselines: Mutex::new(HashMap::new()),
-            verdicts: Mutex::new(BTreeMap::new()),
+            controller: Mutex::new(Controller::default()),
             http: reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?,
             cfg,
         });
@@ -330,6 +183,10 @@ impl PolicyService {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, RolloutState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn controller(&self) -> std::sync::MutexGuard<'_, Controller> {
+        self.controller.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Rebuild the ECDS resources from the rollout state.
@@ -409,11 +266,7 @@ impl PolicyService {
             let mut st = self.lock();
             let t = st.rollout(slot, deployed, percent)?;
             if let (Some(c), Some(counters)) = (st.slots.get(slot).and_then(|s| s.canary.as_ref()), counters) {
-                let get = |arm: &str| counters.get(&(slot.to_owned(), arm.to_owned())).copied().unwrap_or_default();
-                self.baselines
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(slot.to_owned(), (c.started_unix_ms, get("canary"), get("stable")));
+                self.controller().start(slot, c.started_unix_ms, &counters);
             }
             t
         };
@@ -458,28 +311,11 @@ impl PolicyService {
         let Some(counters) = self.read_counters().await else {
             return;
         };
-        let canaries: Vec<(String, u64)> = self
-            .lock()
-            .slots
-            .iter()
-            .filter_map(|(slot, s)| s.canary.as_ref().map(|c| (slot.clone(), c.started_unix_ms)))
-            .collect();
-        for (slot, started) in canaries {
-            let get = |arm: &str| counters.get(&(slot.clone(), arm.to_owned())).copied().unwrap_or_default();
-            let (now_c, now_s) = (get("canary"), get("stable"));
-            let (base_c, base_s) = {
-                let mut b = self.baselines.lock().unwrap_or_else(|p| p.into_inner());
-                let e = b.entry(slot.clone()).or_insert((started, now_c, now_s));
-                if e.0 != started {
-                    *e = (started, now_c, now_s);
-                }
-                (e.1, e.2)
-            };
-            let (c, s) = (now_c.since(&base_c), now_s.since(&base_s));
-            let age = rollout::now_ms().saturating_sub(started);
-            let verdict = judge(&self.cfg.auto, &c, &s, age);
-            let text = format!("{verdict:?}");
-            self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).insert(slot.clone(), text);
+        let verdicts = {
+            let state = self.lock();
+            self.controller().judge(&state, &counters, &self.cfg.auto, rollout::now_ms())
+        };
+        for (slot, verdict) in verdicts {
             let result = match verdict {
                 Verdict::Rollback(reason) => Some(self.rollback(&slot, "controller", &reason)),
                 Verdict::Promote(reason) if self.cfg.auto.promote => Some(self.promote(&slot, "controller", &reason)),
@@ -510,7 +346,7 @@ impl PolicyService {
     pub async fn status(&self) -> Value {
         let state = self.lock().clone();
         let counters = self.read_counters().await.unwrap_or_default();
-        let verdicts = self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let verdicts = self.controller().verdicts().clone();
         let slots: serde_json::Map<String, Value> = state
             .slots
             .iter()
@@ -555,33 +391,5 @@ mod tests {
         assert_eq!(c[&("slo".into(), "stable".into())].errors, 4);
         assert_eq!(c[&("my_slot".into(), "stable".into())].ttfb_us, 10_000);
         assert_eq!(c.len(), 3);
-    }
-
-    #[test]
-    fn verdicts_follow_the_policy() {
-        let p = AutoPolicy { min_requests: 10, min_duration_ms: 1000, ..AutoPolicy::default() };
-        let arm = |requests, errors, traps, ttfb_ms: u64, hit: u64| ArmCounters {
-            requests,
-            errors,
-            traps,
-            ttfb_us: ttfb_ms * 1000 * requests,
-            hit_permille: hit * requests,
-        };
-        let stable = arm(100, 0, 0, 50, 800);
-        assert!(matches!(judge(&p, &arm(1, 0, 1, 50, 800), &stable, 0), Verdict::Rollback(r) if r.contains("trapped")));
-        assert!(matches!(judge(&p, &arm(5, 0, 0, 50, 800), &stable, 5000), Verdict::Wait(_)));
-        assert!(
-            matches!(judge(&p, &arm(20, 2, 0, 50, 800), &stable, 5000), Verdict::Rollback(r) if r.contains("error rate"))
-        );
-        assert!(
-            matches!(judge(&p, &arm(20, 0, 0, 400, 800), &stable, 5000), Verdict::Rollback(r) if r.contains("adds"))
-        );
-        assert!(
-            matches!(judge(&p, &arm(20, 0, 0, 50, 300), &stable, 5000), Verdict::Rollback(r) if r.contains("hit rate"))
-        );
-        assert!(matches!(judge(&p, &arm(20, 0, 0, 60, 790), &stable, 500), Verdict::Wait(_)));
-        assert!(matches!(judge(&p, &arm(20, 0, 0, 60, 790), &stable, 5000), Verdict::Promote(_)));
-        // No stable traffic to compare with (first version): only absolute error rate counts.
-        assert!(matches!(judge(&p, &arm(20, 0, 0, 900, 0), &ArmCounters::default(), 5000), Verdict::Promote(_)));
     }
 }

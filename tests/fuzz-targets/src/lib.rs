@@ -7,9 +7,10 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use attache_host::kv_events;
 use attache_host::policy::signing::{self, TrustStore};
 use attache_host::prom;
+use attache_kv::engine::Engine;
+use attache_kv::events as kv_events;
 use attache_policies::config::{PreciseConfig, PrefixConfig};
 use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api};
@@ -84,7 +85,7 @@ pub fn snapshot_decode(data: &[u8]) {
     }
 }
 
-/// The host's vLLM KV-event decoder: the three ZMQ frames, then the msgpack batch. The input
+/// The vLLM KV-event decoder (attache-kv): the three ZMQ frames, then the msgpack batch. The input
 /// is the payload frame; its first 8 bytes also serve as the sequence frame.
 pub fn kv_event_decode(data: &[u8]) {
     let seq = data.get(..8).unwrap_or(&[0; 8]);
@@ -98,8 +99,8 @@ pub fn prom_parse(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let exp = prom::parse(&text);
     let _ = prom::names(&exp);
-    let _ = prom::engine_metrics(&text, "vllm");
-    let _ = prom::engine_metrics(&text, "sglang");
+    let _ = prom::engine_metrics(&text, Engine::Vllm);
+    let _ = prom::engine_metrics(&text, Engine::Sglang);
 }
 
 fn trust() -> &'static TrustStore {

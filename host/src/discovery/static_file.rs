@@ -15,9 +15,12 @@
 //! Engines that *connect* to the host's collector (`kv_events_bind` in the host config) give
 //! only `replay` (or nothing); their messages are matched by topic `kv@<address>@<model>`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use tracing::{info, warn};
+
+use super::Sink;
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -94,6 +97,30 @@ impl StaticEndpoints {
         let text = std::fs::read_to_string(path).map_err(|source| DiscoveryError::Read { path: p.clone(), source })?;
         Self::parse(&p, &text)
     }
+}
+
+/// Follow `path`: re-read it when its modification time changes and apply it to `sink`. A
+/// stat(2) every 200 ms, so an edited file takes effect within a fifth of a second; a file that
+/// does not load keeps the previous endpoints.
+pub fn spawn_watch(path: PathBuf, mut sink: Sink) {
+    tokio::spawn(async move {
+        let mut last = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            let now = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+            if now == last {
+                continue;
+            }
+            last = now;
+            match StaticEndpoints::load(&path) {
+                Ok(eps) => {
+                    info!(endpoints = eps.endpoints.len(), "discovery: static file reloaded");
+                    sink.apply(eps).await;
+                }
+                Err(e) => warn!(error = %e, "discovery: keeping the previous endpoints"),
+            }
+        }
+    });
 }
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 //! The precise prefix index: block key → the endpoints that hold the block, and in which tier.
 //!
-//! Keys are Attaché's own ([`attache_policies::prefix::token_block_keys`]), recomputed from the
+//! Keys are Attaché's own ([`crate::block_key::token_block_keys`]), recomputed from the
 //! `token_ids` of each `BlockStored`, so the index works whatever hash the engine uses. Per
 //! endpoint, an engine-hash → key map resolves parents and removals (llm-d's dual keys).
 //!
@@ -12,21 +12,13 @@
 //! the hand evicts blocks whose bit is clear). Every change is also queued as a [`Delta`] for
 //! the filters, so pushing an update costs what changed, not the index size.
 
-use attache_policies::prefix;
 use hashbrown::HashMap;
 
-use crate::kv_events::{KvEvent, Medium};
+use crate::block_key;
+use crate::events::KvEvent;
 use crate::open_table::{Entry, OpenTable};
 
-pub use attache_policies::precise::{CPU, DISK, GPU};
-
-pub fn tier_bit(m: Medium) -> u8 {
-    match m {
-        Medium::Gpu => GPU,
-        Medium::Cpu => CPU,
-        Medium::Disk => DISK,
-    }
-}
+pub use crate::tier::{CPU, DISK, GPU};
 
 /// A change for the filters: after it, `endpoint` holds `key` in the tiers of `tiers`
 /// (0 = not at all).
@@ -391,7 +383,7 @@ impl KvIndex {
                     return;
                 }
                 let parent = match parent_block_hash {
-                    None => prefix::chain_seed(lora_name.as_deref().unwrap_or(model), None),
+                    None => block_key::chain_seed(lora_name.as_deref().unwrap_or(model), None),
                     Some(h) => match self.resolve(endpoint, *h) {
                         Some(k) => k,
                         None => {
@@ -400,8 +392,8 @@ impl KvIndex {
                         }
                     },
                 };
-                let keys = prefix::token_block_keys(parent, token_ids, bs);
-                let bit = tier_bit(*medium);
+                let keys = block_key::token_block_keys(parent, token_ids, bs);
+                let bit = medium.bit();
                 for (eh, key) in block_hashes.iter().zip(keys) {
                     let t = self.holder_tiers(key, endpoint) | bit;
                     self.set(key, endpoint, t);
@@ -410,7 +402,7 @@ impl KvIndex {
                 }
             }
             KvEvent::BlockRemoved { block_hashes, medium } => {
-                let bit = tier_bit(*medium);
+                let bit = medium.bit();
                 for eh in block_hashes {
                     let Some(key) = self.resolve(endpoint, *eh) else { continue };
                     let t = self.holder_tiers(key, endpoint) & !bit;
@@ -438,6 +430,7 @@ impl KvIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tier::Medium;
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>, medium: Medium) -> KvEvent {
         KvEvent::BlockStored {
@@ -451,7 +444,7 @@ mod tests {
     }
 
     fn keys(tokens: std::ops::Range<u32>) -> Vec<u64> {
-        prefix::token_block_keys(prefix::chain_seed("m", None), &tokens.collect::<Vec<_>>(), 4)
+        block_key::token_block_keys(block_key::chain_seed("m", None), &tokens.collect::<Vec<_>>(), 4)
     }
 
     #[test]

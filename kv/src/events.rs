@@ -1,4 +1,4 @@
-//! Decoding vLLM KV-cache events (`reference/engines.md` §2).
+//! Decoding vLLM KV-cache events (`reference/engines.md` §2); SGLang publishes the same format.
 //!
 //! A ZMQ message is three frames: topic (UTF-8), sequence (8 bytes, big-endian), payload
 //! (msgpack `[ts, events, data_parallel_rank]`, or a map with those keys). Events are tagged
@@ -10,6 +10,7 @@
 use thiserror::Error;
 
 use crate::msgpack::{MsgpackError, Reader, Value};
+pub use crate::tier::Medium;
 
 /// Limits that keep a hostile publisher from making the host allocate without bound.
 pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
@@ -26,26 +27,6 @@ pub enum KvEventError {
     Msgpack(#[from] MsgpackError),
     #[error("malformed batch: {0}")]
     Batch(&'static str),
-}
-
-/// Where a block lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Medium {
-    Gpu,
-    Cpu,
-    Disk,
-}
-
-impl Medium {
-    /// vLLM says "GPU" (or nothing); connectors and SGLang use other names for host memory and
-    /// storage tiers.
-    pub fn parse(s: Option<&str>) -> Self {
-        match s.map(str::to_ascii_lowercase).as_deref() {
-            Some("cpu") | Some("cpu_tier") | Some("host") | Some("l2") | Some("dram") => Medium::Cpu,
-            Some("disk") | Some("ssd") | Some("storage") | Some("l3") | Some("lmcache") => Medium::Disk,
-            _ => Medium::Gpu,
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq)]

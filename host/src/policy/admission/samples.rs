@@ -1,0 +1,117 @@
+//! The recorded requests admission replays through a module: representative API requests, and
+//! the scheduling contexts a custom scorer sees, with the check that it scored them.
+
+use super::{AdmissionError, AdmissionReport};
+
+/// A recorded request to replay through the module.
+#[derive(Debug, Clone)]
+pub struct SampleRequest {
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    /// Filter state present when the module sees the request (`wasm.<name>` → value), e.g.
+    /// the scheduling context a custom scorer reads.
+    pub properties: Vec<(String, Vec<u8>)>,
+}
+
+impl SampleRequest {
+    /// A POST to `path` with a JSON body.
+    pub fn post(path: &str, body: &str) -> Self {
+        Self {
+            headers: vec![
+                (":method".into(), "POST".into()),
+                (":path".into(), path.into()),
+                (":authority".into(), "gateway".into()),
+                ("content-type".into(), "application/json".into()),
+                ("content-length".into(), body.len().to_string()),
+            ],
+            body: body.as_bytes().to_vec(),
+            properties: Vec::new(),
+        }
+    }
+}
+
+/// A few representative requests: completions (text and token ids), chat, Responses,
+/// malformed JSON and an empty body.
+pub fn default_samples() -> Vec<SampleRequest> {
+    let long = "The scheduler routes each request to the engine that already holds its prefix. ".repeat(40);
+    vec![
+        SampleRequest::post("/v1/completions", &format!(r#"{{"model":"m","prompt":"{long}","max_tokens":8}}"#)),
+        SampleRequest::post("/v1/completions", r#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10],"max_tokens":4}"#),
+        SampleRequest::post(
+            "/v1/chat/completions",
+            &format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"{long}"}},{{"role":"user","content":"hi"}}],"stream":true}}"#
+            ),
+        ),
+        SampleRequest::post("/v1/responses", r#"{"model":"m","input":"hello","instructions":"be brief"}"#),
+        SampleRequest::post("/v1/completions", r#"{"model":"m","prompt":"#),
+        SampleRequest::post("/v1/completions", ""),
+    ]
+}
+
+/// Recorded scheduling contexts for a custom scorer: the filter state the scheduler leaves
+/// (1, 4 and 16 candidates; labelled and unlabelled; idle, queued and cold endpoints).
+pub fn scorer_samples() -> Vec<SampleRequest> {
+    use attache_policies::scoring::{Candidate, ScoringContext, CONTEXT_PROPERTY};
+    let classes = ["l4", "a100", "h100", ""];
+    let ctx = |n: usize, prompt_tokens: u32, seed: u64| ScoringContext {
+        bucket: (seed % 10_000) as u16,
+        seed,
+        max_endpoints: 3,
+        model: "m".into(),
+        prompt_tokens,
+        max_tokens: 128,
+        stream: seed.is_multiple_of(2),
+        candidates: (0..n)
+            .map(|i| Candidate {
+                address: format!("10.0.{}.{}:8000", i / 250, i % 250),
+                labels: match classes[i % classes.len()] {
+                    "" => Vec::new(),
+                    c => vec![("attache.io/accelerator".into(), c.into())],
+                },
+                waiting: (i % 5) as f32,
+                running: (i % 7) as f32,
+                kv_usage: (i % 10) as f32 / 10.0,
+                ttft_ms: [0.0, 35.0, 250.0, 2400.0][i % 4],
+                prefix_hit: [0.0, 0.5, 1.0][i % 3],
+                score: 1.0 + i as f64 / 10.0,
+            })
+            .collect(),
+    };
+    [ctx(1, 12, 1), ctx(4, 6000, 2), ctx(16, 900, 3), ctx(16, 0, 9_999)]
+        .into_iter()
+        .map(|c| SampleRequest {
+            properties: vec![(CONTEXT_PROPERTY.into(), c.encode())],
+            ..SampleRequest::post("/v1/chat/completions", "")
+        })
+        .collect()
+}
+
+/// Check that a scorer scored every sample: a decodable score sheet with one finite score per
+/// candidate.
+pub fn check_scorer_outputs(samples: &[SampleRequest], report: &AdmissionReport) -> Result<(), AdmissionError> {
+    use attache_policies::scoring::{ScoreSheet, ScoringContext, CONTEXT_PROPERTY, SCORES_PROPERTY};
+    for (k, (sample, outcome)) in samples.iter().zip(&report.outcomes).enumerate() {
+        let no = |reason: String| AdmissionError::NoScores { sample: k, reason };
+        let ctx = sample
+            .properties
+            .iter()
+            .find(|(p, _)| p == CONTEXT_PROPERTY)
+            .and_then(|(_, v)| ScoringContext::decode(v).ok())
+            .ok_or_else(|| no("sample has no scoring context".into()))?;
+        let sheet = outcome
+            .properties
+            .iter()
+            .find(|(p, _)| p == SCORES_PROPERTY)
+            .ok_or_else(|| no("the module wrote no score sheet (is it built with the scorer SDK?)".into()))?;
+        let sheet = ScoreSheet::decode(&sheet.1).map_err(|e| no(format!("score sheet does not decode: {e}")))?;
+        let entry = sheet.entries.first().ok_or_else(|| no("score sheet is empty".into()))?;
+        if entry.scores.len() != ctx.candidates.len() {
+            return Err(no(format!("{} scores for {} candidates", entry.scores.len(), ctx.candidates.len())));
+        }
+        if let Some(s) = entry.scores.iter().find(|s| !s.is_finite()) {
+            return Err(no(format!("non-finite score {s}")));
+        }
+    }
+    Ok(())
+}
