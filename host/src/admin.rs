@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::kv_subscribe::KvCounters;
+use crate::telemetry::KvCounters;
 use attache_kv::index::KvIndex;
 
 #[derive(Clone)]

@@ -40,7 +40,7 @@ pub struct HostConfig {
     pub kv_index_capacity: usize,
     /// Flow control inputs pushed with each snapshot: the saturation detector and the
     /// InferenceObjective priority table.
-    pub flow: FlowInputs,
+    pub flow: crate::state::FlowInputs,
     /// Kubernetes discovery (InferencePools, their pods, InferenceObjectives). Exclusive with
     /// `endpoints_file`.
     pub kubernetes: Option<crate::kubernetes::KubernetesConfig>,
@@ -64,20 +64,9 @@ impl Default for HostConfig {
             kv_index_capacity: 1_000_000,
             policy: None,
             kubernetes: None,
-            flow: FlowInputs::default(),
+            flow: crate::state::FlowInputs::default(),
         }
     }
-}
-
-/// `flow:` in the host configuration.
-#[derive(Debug, Clone, Default, serde::Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct FlowInputs {
-    /// llm-d's utilization detector settings (queue 5, KV 0.8, metrics older than 200 ms
-    /// count as saturated).
-    pub saturation: attache_policies::flow::DetectorConfig,
-    /// InferenceObjective name → priority (higher first; negative is sheddable).
-    pub objectives: std::collections::BTreeMap<String, i32>,
 }
 
 impl HostConfig {

@@ -18,29 +18,7 @@ use attache_kv::engine::Engine;
 use attache_kv::events::{self, EventBatch};
 use attache_kv::KvIndex;
 
-/// Counters, exported on the admin API.
-#[derive(Debug, Default)]
-pub struct KvCounters {
-    pub messages: AtomicU64,
-    pub events: AtomicU64,
-    pub decode_errors: AtomicU64,
-    pub skipped_events: AtomicU64,
-    pub gaps: AtomicU64,
-    pub replayed_batches: AtomicU64,
-    pub restarts: AtomicU64,
-    pub unknown_topics: AtomicU64,
-}
-
-impl KvCounters {
-    pub fn json(&self) -> serde_json::Value {
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        serde_json::json!({
-            "messages": g(&self.messages), "events": g(&self.events), "decode_errors": g(&self.decode_errors),
-            "skipped_events": g(&self.skipped_events), "gaps": g(&self.gaps), "replayed_batches": g(&self.replayed_batches),
-            "restarts": g(&self.restarts), "unknown_topics": g(&self.unknown_topics),
-        })
-    }
-}
+use crate::telemetry::KvCounters;
 
 /// Where one engine's events come from.
 #[derive(Debug, Clone, PartialEq)]

@@ -104,7 +104,7 @@ impl Scrapers {
 
     /// Start scrapers for new endpoints, stop those of endpoints that left, then update the
     /// pool state's endpoint set.
-    pub async fn apply(&mut self, endpoints: Vec<crate::discovery::StaticEndpoint>) {
+    pub async fn apply(&mut self, endpoints: Vec<crate::endpoints::StaticEndpoint>) {
         let wanted: std::collections::HashSet<&str> = endpoints.iter().map(|e| e.address.as_str()).collect();
         self.handles.retain(|addr, h| {
             let keep = wanted.contains(addr.as_str());

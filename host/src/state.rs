@@ -5,8 +5,19 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use attache_proto::v1;
 
-use crate::discovery::StaticEndpoint;
+use crate::endpoints::StaticEndpoint;
 use crate::prom::EngineMetrics;
+
+/// `flow:` in the host configuration.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FlowInputs {
+    /// llm-d's utilization detector settings (queue 5, KV 0.8, metrics older than 200 ms
+    /// count as saturated).
+    pub saturation: attache_policies::flow::DetectorConfig,
+    /// InferenceObjective name → priority (higher first; negative is sheddable).
+    pub objectives: std::collections::BTreeMap<String, i32>,
+}
 
 /// The saturation detector over the snapshot's endpoints (policies::flow::pool_saturation).
 fn saturation(endpoints: &[v1::Endpoint], cfg: &attache_policies::flow::DetectorConfig) -> Option<f64> {
@@ -55,7 +66,7 @@ pub struct PoolState {
     ids: BTreeMap<String, u16>,
     next_id: u16,
     /// Saturation detector settings and the objective table, pushed with each snapshot.
-    pub flow: crate::config::FlowInputs,
+    pub flow: FlowInputs,
 }
 
 impl PoolState {

@@ -12,8 +12,6 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::kv_subscribe::KvCounters;
-
 /// Upper bounds (seconds) of the scrape-duration histogram's buckets.
 const SCRAPE_BUCKETS: [f64; 10] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
 
@@ -256,6 +254,30 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     family(out, "attache_host_policy_transitions_total", "counter", "Policy slot transitions, by action.");
     for (action, n) in lock(&m.policy_transitions).iter() {
         let _ = writeln!(out, "attache_host_policy_transitions_total{{action=\"{}\"}} {n}", esc(action));
+    }
+}
+
+/// Counters, exported on the admin API.
+#[derive(Debug, Default)]
+pub struct KvCounters {
+    pub messages: AtomicU64,
+    pub events: AtomicU64,
+    pub decode_errors: AtomicU64,
+    pub skipped_events: AtomicU64,
+    pub gaps: AtomicU64,
+    pub replayed_batches: AtomicU64,
+    pub restarts: AtomicU64,
+    pub unknown_topics: AtomicU64,
+}
+
+impl KvCounters {
+    pub fn json(&self) -> serde_json::Value {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        serde_json::json!({
+            "messages": g(&self.messages), "events": g(&self.events), "decode_errors": g(&self.decode_errors),
+            "skipped_events": g(&self.skipped_events), "gaps": g(&self.gaps), "replayed_batches": g(&self.replayed_batches),
+            "restarts": g(&self.restarts), "unknown_topics": g(&self.unknown_topics),
+        })
     }
 }
 

@@ -2,6 +2,9 @@
 //! resend of the index (reset), then live deltas in order; a late subscriber starts from a
 //! full resend that already contains earlier changes. Real tonic server and client on loopback.
 
+// Helpers beside the tests may unwrap too: a failing unwrap is a failing test.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::too_many_lines)]
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

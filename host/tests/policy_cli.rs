@@ -1,5 +1,8 @@
 //! `attache policy keygen | sign | verify`, run as the binary: exit codes and messages.
 
+// Helpers beside the tests may unwrap too: a failing unwrap is a failing test.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::too_many_lines)]
+
 use std::path::Path;
 use std::process::{Command, Output};
 

@@ -416,6 +416,24 @@ fn render_messages(messages: &[ChatMessage]) -> (String, Vec<usize>) {
     (out, ends)
 }
 
+/// A completion's prompt (the first of a batch) and the batch size.
+fn completion_prompt(field: Option<PromptField<'_>>) -> Result<(Prompt, usize), RequestError> {
+    let missing = || RequestError::MissingField("prompt");
+    match field.ok_or_else(missing)? {
+        PromptField::Text(t) => Ok((Prompt::Text(t.into_owned()), 1)),
+        PromptField::Texts(ts) => {
+            let n = ts.len();
+            ts.into_iter().next().map(|t| (Prompt::Text(t.into_owned()), n)).ok_or_else(missing)
+        }
+        PromptField::Tokens(t) if t.is_empty() => Err(missing()),
+        PromptField::Tokens(t) => Ok((Prompt::Tokens(t), 1)),
+        PromptField::TokenLists(ls) => {
+            let n = ls.len();
+            ls.into_iter().find(|l| !l.is_empty()).map(|t| (Prompt::Tokens(t), n)).ok_or_else(missing)
+        }
+    }
+}
+
 /// Parse a request body for `api`.
 pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
@@ -441,30 +459,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         _ => return Err(RequestError::MissingModel),
     };
     let (prompt, num_prompts) = match api {
-        Api::Completions => match b.prompt {
-            None => return Err(RequestError::MissingField("prompt")),
-            Some(PromptField::Text(t)) => (Prompt::Text(t.into_owned()), 1),
-            Some(PromptField::Texts(ts)) => {
-                let n = ts.len();
-                match ts.into_iter().next() {
-                    Some(t) => (Prompt::Text(t.into_owned()), n),
-                    None => return Err(RequestError::MissingField("prompt")),
-                }
-            }
-            Some(PromptField::Tokens(t)) => {
-                if t.is_empty() {
-                    return Err(RequestError::MissingField("prompt"));
-                }
-                (Prompt::Tokens(t), 1)
-            }
-            Some(PromptField::TokenLists(ls)) => {
-                let n = ls.len();
-                match ls.into_iter().find(|l| !l.is_empty()) {
-                    Some(t) => (Prompt::Tokens(t), n),
-                    None => return Err(RequestError::MissingField("prompt")),
-                }
-            }
-        },
+        Api::Completions => completion_prompt(b.prompt)?,
         Api::ChatCompletions => match b.messages {
             Some(ref ms) if !ms.is_empty() => (Prompt::Text(String::new()), 1),
             _ => return Err(RequestError::MissingField("messages")),

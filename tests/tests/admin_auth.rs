@@ -4,7 +4,7 @@
 
 // A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
 // #[test] functions and #[cfg(test)] modules, not the helpers beside them.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::too_many_lines)]
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

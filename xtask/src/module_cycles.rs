@@ -14,21 +14,6 @@ use anyhow::{bail, Context, Result};
 
 use crate::rust_tokens::{tokenize, Token};
 
-/// Cycles that exist today, being removed by the plan refactor (issue 30): a found cycle
-/// passes (with a warning) while all its modules lie in one group listed for its crate root,
-/// so removing part of a cycle never fails; a new cycle, or one that joins groups, does.
-/// Empty this list when they are gone.
-pub const ALLOWED_CYCLES: &[(&str, &[&str])] = &[
-    // being removed by the plan refactor: config.rs and pd.rs import each other.
-    ("policies/src/lib.rs", &["config", "pd"]),
-    // being removed by the plan refactor: role roots, worker state, request state and the
-    // shared-data adapters are to import one way only.
-    ("filters/scheduler/src/lib.rs", &["flow", "http", "picker", "root", "route"]),
-    // being removed by the plan refactor of the host: telemetry reads kv_subscribe's
-    // counters, and kv_subscribe reports to telemetry.
-    ("host/src/lib.rs", &["kv_subscribe", "telemetry"]),
-];
-
 /// Top-level module → the top-level modules it uses.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 
@@ -443,7 +428,7 @@ pub fn workspace_members(root: &Path) -> Result<Vec<PathBuf>> {
     Ok(members)
 }
 
-/// Check every crate root of the workspace; print every cycle, fail on any not allowed.
+/// Check every crate root of the workspace; fail naming every cycle.
 pub fn check(root: &Path) -> Result<()> {
     let mut refused = Vec::new();
     let mut checked = 0;
@@ -453,28 +438,20 @@ pub fn check(root: &Path) -> Result<()> {
             let graph = module_graph(&crate_root).with_context(|| format!("reading the modules of {name}"))?;
             checked += 1;
             for set in cycles(&graph) {
-                let allowed = ALLOWED_CYCLES
-                    .iter()
-                    .any(|(c, group)| *c == name && set.iter().all(|m| group.contains(&m.as_str())));
                 let edges: Vec<String> = set
                     .iter()
                     .flat_map(|from| {
                         graph[from].iter().filter(|to| set.contains(to)).map(move |to| format!("{from}→{to}"))
                     })
                     .collect();
-                let line = format!("{name}: {} (edges {})", example_cycle(&graph, &set), edges.join(", "));
-                if allowed {
-                    eprintln!("xtask shape: allowed for now (ALLOWED_CYCLES): {line}");
-                } else {
-                    refused.push(line);
-                }
+                refused.push(format!("{name}: {} (edges {})", example_cycle(&graph, &set), edges.join(", ")));
             }
         }
     }
     if !refused.is_empty() {
         bail!("module cycles:\n  {}", refused.join("\n  "));
     }
-    eprintln!("xtask shape: no module cycle outside ALLOWED_CYCLES in {checked} crate roots");
+    eprintln!("xtask shape: no module cycle in {checked} crate roots");
     Ok(())
 }
 

@@ -5,5 +5,5 @@
 mod sink;
 pub mod static_file;
 
+pub use crate::endpoints::{DiscoveryError, KvEventsSpec, StaticEndpoint, StaticEndpoints};
 pub use sink::Sink;
-pub use static_file::{DiscoveryError, KvEventsSpec, StaticEndpoint, StaticEndpoints};

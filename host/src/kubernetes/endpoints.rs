@@ -22,7 +22,7 @@ use attache_kv::engine::Engine;
 use k8s_openapi::api::core::v1::Pod;
 
 use super::crds::{InferencePool, ObjectiveSpec};
-use crate::discovery::{KvEventsSpec, StaticEndpoint};
+use crate::endpoints::{KvEventsSpec, StaticEndpoint};
 
 pub const ROLE_LABEL: &str = "llm-d.ai/role";
 pub const ENGINE_LABEL: &str = "llm-d.ai/engine-type";

@@ -25,7 +25,7 @@ use tracing::{debug, info, warn, Instrument};
 use super::crds::{objective_of, InferencePool};
 use super::endpoints::{endpoints, objective_table};
 use super::KubernetesConfig;
-use crate::discovery::StaticEndpoint;
+use crate::endpoints::StaticEndpoint;
 
 /// What discovery publishes. Receivers see the newest value; the first arrives once pools and
 /// pods are both listed.
