@@ -31,6 +31,12 @@ impl AttacheRoot {
         Self { context_id, role: Role::Scheduler, worker: None, picker: None, subscriber: None }
     }
 
+    /// The worker's state (a scheduler's or an agent's), for tests.
+    #[cfg(test)]
+    pub(crate) fn worker(&self) -> Option<Rc<RefCell<Worker>>> {
+        self.worker.clone()
+    }
+
     fn node(&self) -> String {
         let name = proxy_wasm::hostcalls::get_property(vec!["plugin_name"])
             .ok()
