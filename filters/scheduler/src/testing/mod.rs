@@ -164,6 +164,11 @@ pub fn now_ms() -> u64 {
     with(|h| h.now_ns / 1_000_000)
 }
 
+/// Move the clock on by `ms`.
+pub fn advance_ms(ms: u64) {
+    with(|h| h.now_ns += ms * 1_000_000);
+}
+
 fn find<'a>(headers: &'a Headers, name: &str) -> Option<&'a [u8]> {
     headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_slice())
 }
@@ -208,5 +213,10 @@ impl MockHost {
     /// The value of metric `name` (None: never defined).
     pub fn metric(&self, name: &str) -> Option<i64> {
         self.metrics.iter().find(|m| m.name == name).map(|m| m.value)
+    }
+
+    /// Whether a line at `level` containing `needle` was logged.
+    pub fn logged(&self, level: LogLevel, needle: &str) -> bool {
+        self.logs.iter().any(|(l, m)| *l == level && m.contains(needle))
     }
 }
