@@ -213,6 +213,11 @@ impl Exchange {
         self.local_response().expect("the filter answered the request")
     }
 
+    /// How many times the filter resumed the request.
+    pub fn resumed(&self) -> u32 {
+        with(|h| h.streams.get(&self.id).map_or(0, |s| s.resumed))
+    }
+
     /// The upstream answers with `status` and `headers`.
     pub fn respond(&mut self, status: u16, headers: &[(&str, &str)]) -> Action {
         let mut all = vec![(":status".to_owned(), status.to_string().into_bytes())];
