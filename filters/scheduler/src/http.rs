@@ -322,3 +322,196 @@ impl HttpContext for SchedulerHttp {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use attache_policies::plan::DESTINATION_HEADER;
+    use attache_policies::profiles::pd::PREFILLER_HEADER;
+    use attache_policies::session::token_for;
+    use attache_proto::v1;
+    use proxy_wasm::types::Action;
+
+    use crate::testing::harness::{address, endpoint, prompt, publish, snapshot, Filter, Request, MODEL};
+    use crate::testing::{metric, with};
+
+    #[test]
+    fn a_request_is_routed_to_a_snapshot_endpoint_and_client_routing_headers_are_dropped() {
+        publish(&snapshot(3));
+        let mut filter = Filter::configure("");
+        let forged = Request::completion(&prompt("hello"))
+            .header(DESTINATION_HEADER, "6.6.6.6:1")
+            .header(PREFILLER_HEADER, "6.6.6.6:2");
+        let ex = filter.send(forged);
+        assert_eq!(ex.on_headers, Action::Pause, "the filter waits for the body");
+        assert!(ex.request_header(PREFILLER_HEADER).is_none(), "no P/D here: the client's prefiller is gone");
+        assert_eq!(ex.on_body, Some(Action::Continue));
+        assert!(ex.local_response().is_none());
+        let all: Vec<String> = (0..3).map(address).collect();
+        let dest = ex.destinations();
+        assert_eq!(dest.len(), 3, "the primary and two fallbacks (max_endpoints)");
+        assert!(dest.iter().all(|d| all.contains(d)), "{dest:?}: the client's destination is gone");
+        filter.tick();
+        assert_eq!(metric("attache.requests.scheduled"), Some(1), "counted from the tick");
+    }
+
+    #[test]
+    fn requests_that_are_not_inference_pass_through_untouched() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        for req in [Request::get("/v1/models"), Request::post("/v1/embeddings", "{}")] {
+            let ex = filter.send(req.header(DESTINATION_HEADER, "6.6.6.6:1"));
+            assert_eq!((ex.on_headers, ex.on_body.unwrap_or(Action::Continue)), (Action::Continue, Action::Continue));
+            assert!(ex.request_header(DESTINATION_HEADER).is_none(), "still never trusted");
+        }
+        assert_eq!(metric("attache.requests.passthrough"), Some(2));
+    }
+
+    /// Send `req`; the filter must answer it itself with `status` and `reason`.
+    fn refused(filter: &Filter, req: Request, status: u32, reason: &str) -> serde_json::Value {
+        let ex = filter.send(req);
+        let r = ex.refused();
+        assert_eq!((r.status, r.header("x-attache-error")), (status, Some(reason)));
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert!(ex.on_body.unwrap_or(ex.on_headers) == Action::Pause, "the request goes no further");
+        assert!(ex.request_header(DESTINATION_HEADER).is_none());
+        let body = r.json();
+        assert_eq!(body["error"]["code"], status, "{body}");
+        assert_eq!(metric(&format!("attache.errors.{reason}")), Some(1));
+        body
+    }
+
+    #[test]
+    fn malformed_bodies_are_400_with_a_json_error() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        refused(&filter, Request::completion("{not json"), 400, "malformed_body");
+        refused(&filter, Request::completion(r#"{"prompt":"hi"}"#), 400, "missing_model");
+    }
+
+    #[test]
+    fn a_request_without_a_body_is_400() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        let ex = filter.send(Request::completion(""));
+        assert_eq!((ex.refused().status, ex.on_headers, ex.on_body), (400, Action::Pause, None));
+    }
+
+    #[test]
+    fn an_unknown_model_is_404() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        let body = refused(&filter, Request::completion(r#"{"model":"nope","prompt":"hi"}"#), 404, "unknown_model");
+        assert_eq!(body["error"]["param"], "model");
+    }
+
+    #[test]
+    fn no_snapshot_or_no_ready_endpoint_is_503() {
+        let filter = Filter::configure("");
+        refused(&filter, Request::completion(&prompt("hi")), 503, "no_endpoints");
+        let mut s = snapshot(2);
+        s.endpoints.iter_mut().for_each(|e| e.ready = false);
+        publish(&s);
+        let ex = filter.send(Request::completion(&prompt("hi")));
+        assert_eq!(ex.refused().status, 503);
+    }
+
+    #[test]
+    fn a_body_over_max_body_bytes_is_413_from_its_length_or_its_size() {
+        publish(&snapshot(2));
+        let filter = Filter::configure(r#"{"scheduler":{"max_body_bytes":64}}"#);
+        let big = prompt(&"x".repeat(100));
+        let ex = filter.send(Request::completion(&big));
+        assert_eq!((ex.refused().status, ex.on_body), (413, None), "refused at the headers");
+        assert_eq!(ex.refused().header("x-attache-error"), Some("body_too_large"));
+        let ex = filter.send(Request::completion(&big).chunked());
+        assert_eq!((ex.on_headers, ex.refused().status), (Action::Pause, 413), "refused at the body");
+        let ex = filter.send(Request::completion(&prompt("small")));
+        assert!(ex.primary().is_some(), "a body within the limit is routed");
+    }
+
+    #[test]
+    fn a_session_sticks_to_its_endpoint_and_the_response_names_it() {
+        publish(&snapshot(3));
+        let filter = Filter::configure("");
+        let mut first = filter.send(Request::completion(&prompt("turn one")).header("x-session-id", "s-1"));
+        let bound = first.primary().expect("routed");
+        assert_eq!(first.respond(200, &[]), Action::Continue);
+        assert_eq!(first.response_header("x-session-token"), Some(token_for(&bound)));
+        first.finish();
+
+        // The session's endpoint is now the busiest: a request without the session goes
+        // elsewhere, the session's next turn does not.
+        let mut busy = snapshot(3);
+        busy.version = 2;
+        busy.endpoints.iter_mut().filter(|e| e.address == bound).for_each(|e| e.waiting = 4.0);
+        publish(&busy);
+        let other = filter.send(Request::completion(&prompt("another user")));
+        assert_ne!(other.primary(), Some(bound.clone()), "load alone avoids the busy endpoint");
+        let second = filter.send(Request::completion(&prompt("turn two")).header("x-session-id", "s-1"));
+        assert_eq!(second.primary(), Some(bound));
+        assert!(metric("attache.session.sticky_hits").unwrap_or(0) >= 1);
+    }
+
+    #[test]
+    fn a_session_token_from_the_client_names_the_endpoint() {
+        publish(&snapshot(3));
+        let filter = Filter::configure("");
+        let req = Request::completion(&prompt("hi")).header("x-session-token", &token_for(&address(2)));
+        assert_eq!(filter.send(req).primary(), Some(address(2)));
+        let forged = Request::completion(&prompt("hi")).header("x-session-token", &token_for("not an address!"));
+        assert!(filter.send(forged).primary().is_some(), "a token that names no address is ignored");
+    }
+
+    #[test]
+    fn in_flight_requests_are_counted_until_their_stream_ends() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        let a = filter.send(Request::completion(&prompt("one")));
+        let b = filter.send(Request::completion(&prompt("two")));
+        let in_flight = || (0..2).map(|i| filter.inflight(&address(i))).sum::<u32>();
+        assert_eq!(in_flight(), 2);
+        assert!(filter.inflight(&a.primary().expect("routed")) >= 1);
+        a.finish();
+        assert_eq!(in_flight(), 1);
+        b.finish();
+        assert_eq!(in_flight(), 0);
+        let w = filter.worker();
+        assert!(w.borrow().inflight_tokens.values().all(|t| *t == 0), "tokens released too");
+    }
+
+    #[test]
+    fn a_responses_api_answer_binds_its_id_to_the_endpoint_that_served_it() {
+        publish(&snapshot(3));
+        let filter = Filter::configure("");
+        let body = serde_json::json!({ "model": MODEL, "input": "hi" }).to_string();
+        let mut first = filter.send(Request::post("/v1/responses", &body));
+        // A fallback served it: the primary failed.
+        let served = first.destinations().last().cloned().expect("routed");
+        assert_ne!(first.primary(), Some(served.clone()));
+        with(|h| {
+            let path = vec!["upstream".to_owned(), "address".to_owned()];
+            h.streams.entry(first.id).or_default().properties.insert(path, served.clone().into_bytes());
+        });
+        first.respond(200, &[]);
+        first.respond_body(r#"{"id":"resp_1","object":"response"}"#);
+        first.finish();
+        assert_eq!(metric("attache.session.responses_learned"), Some(1));
+        let next = serde_json::json!({ "model": MODEL, "input": "more", "previous_response_id": "resp_1" });
+        let ex = filter.send(Request::post("/v1/responses", &next.to_string()));
+        assert_eq!(ex.primary(), Some(served));
+    }
+
+    #[test]
+    fn an_endpoint_that_is_not_ready_is_never_picked() {
+        let mut s = snapshot(3);
+        s.endpoints[0].ready = false;
+        s.endpoints.push(v1::Endpoint { models: vec!["other".into()], ..endpoint(9) });
+        publish(&s);
+        let filter = Filter::configure("");
+        for i in 0..6 {
+            let ex = filter.send(Request::completion(&prompt(&format!("request {i}"))));
+            assert!(!ex.destinations().contains(&address(0)), "{:?}", ex.destinations());
+            assert!(!ex.destinations().contains(&address(9)), "serves another model");
+        }
+    }
+}

@@ -32,6 +32,8 @@ pub mod request;
 pub mod root;
 pub mod shared;
 pub mod stages;
+#[cfg(test)]
+mod testing;
 pub mod worker;
 
 #[cfg(target_arch = "wasm32")]

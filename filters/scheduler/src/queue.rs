@@ -124,3 +124,173 @@ pub fn tick(w: &mut Worker) {
         pump(w, None);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use attache_policies::flow::{Refusal, Shed, DROPPED_REASON_HEADER};
+    use attache_policies::plan::DESTINATION_HEADER;
+    use attache_proto::v1;
+    use proxy_wasm::types::Action;
+
+    use crate::testing::harness::{publish, snapshot, Filter, Request, MODEL};
+    use crate::testing::{advance_ms, metric, now_ms, with};
+
+    /// A scheduler with flow control on, and `flow` settings beyond `enabled`.
+    fn flow_filter(flow: &str) -> Filter {
+        let sep = if flow.is_empty() { "" } else { "," };
+        Filter::configure(&format!(r#"{{"flow":{{"enabled":true{sep}{flow}}}}}"#))
+    }
+
+    /// Two endpoints at `saturation`, each dispatch adding `cost`, observed now.
+    fn pool_at(version: u64, saturation: f64, cost: f64) -> v1::Snapshot {
+        v1::Snapshot {
+            version,
+            saturation: Some(saturation),
+            dispatch_cost: cost,
+            observed_unix_ms: now_ms(),
+            ..snapshot(2)
+        }
+    }
+
+    /// A completion with `priority` in its body.
+    fn request(priority: i64) -> Request {
+        let body = serde_json::json!({ "model": MODEL, "prompt": "hello", "priority": priority });
+        Request::completion(&body.to_string())
+    }
+
+    fn queued(f: &Filter) -> usize {
+        f.worker().borrow().flow.queue.len()
+    }
+
+    #[test]
+    fn flow_control_ticks_at_its_own_period() {
+        let _f = flow_filter(r#""tick_ms":5"#);
+        assert_eq!(with(|h| h.tick_period_ms), Some(5));
+    }
+
+    #[test]
+    fn a_sheddable_request_on_a_saturated_pool_is_429_with_retry_after() {
+        publish(&pool_at(1, 1.2, 0.0));
+        let f = flow_filter("");
+        let ex = f.send(request(-1));
+        let r = ex.refused();
+        assert_eq!((r.status, ex.on_body), (429, Some(Action::Pause)));
+        assert_eq!((r.header("retry-after"), r.header(DROPPED_REASON_HEADER)), (Some("1"), Some("sheddable")));
+        assert_eq!(metric("attache.flow.shed.sheddable"), Some(1));
+        assert_eq!(queued(&f), 0);
+        let ex = f.send(request(0));
+        assert!(ex.local_response().is_none(), "priority 0 is not sheddable: it waits");
+        assert_eq!(queued(&f), 1);
+    }
+
+    #[test]
+    fn an_unknown_objective_is_400() {
+        publish(&pool_at(1, 0.0, 0.0));
+        let f = flow_filter("");
+        let ex = f.send(request(0).header("x-llm-d-inference-objective", "nope"));
+        let r = ex.refused();
+        assert_eq!((r.status, r.header(DROPPED_REASON_HEADER)), (400, Some("unknown_objective")));
+    }
+
+    #[test]
+    fn a_request_with_room_is_routed_in_place() {
+        publish(&pool_at(1, 0.2, 0.1));
+        let f = flow_filter("");
+        let ex = f.send(request(0));
+        assert_eq!(ex.on_body, Some(Action::Continue));
+        assert!(ex.primary().is_some() && ex.resumed() == 0, "routed by its own callback, not resumed");
+        assert_eq!((queued(&f), metric("attache.flow.dispatched")), (0, Some(1)));
+        let endpoint = ex.primary().unwrap_or_default();
+        ex.finish();
+        assert_eq!(f.inflight(&endpoint), 0);
+    }
+
+    #[test]
+    fn a_queued_request_is_dispatched_by_the_tick_once_the_pool_has_room() {
+        publish(&pool_at(1, 1.0, 0.1));
+        let mut f = flow_filter("");
+        let ex = f.send(request(0));
+        assert_eq!(ex.on_body, Some(Action::Pause), "waits, paused");
+        assert!(ex.local_response().is_none() && ex.request_header(DESTINATION_HEADER).is_none());
+        assert_eq!((queued(&f), metric("attache.flow.enqueued"), metric("attache.flow.queued")), (1, Some(1), Some(1)));
+        advance_ms(10);
+        f.tick();
+        assert_eq!((queued(&f), ex.resumed()), (1, 0), "still saturated");
+
+        publish(&pool_at(2, 0.5, 0.1));
+        advance_ms(10);
+        f.tick();
+        assert_eq!((queued(&f), ex.resumed()), (0, 1), "routed, then resumed");
+        assert!(ex.primary().is_some(), "routed on its own stream");
+        assert_eq!((metric("attache.flow.dispatched"), metric("attache.flow.queued")), (Some(1), Some(0)));
+        let waited = with(|h| h.metrics.iter().find(|m| m.name == "attache.flow.wait_ms").map(|m| m.samples.clone()));
+        assert_eq!(waited, Some(vec![20]));
+    }
+
+    #[test]
+    fn an_arriving_request_lets_the_older_waiting_one_go_first() {
+        publish(&pool_at(1, 1.0, 0.1));
+        let f = flow_filter("");
+        let older = f.send(request(0));
+        publish(&pool_at(2, 0.2, 0.1));
+        advance_ms(1);
+        // No tick yet: the next arrival dispatches both, the older one by resuming it.
+        let newer = f.send(request(0));
+        assert_eq!((older.resumed(), newer.resumed(), newer.on_body), (1, 0, Some(Action::Continue)));
+        assert!(older.primary().is_some() && newer.primary().is_some(), "each routed on its own stream");
+        assert_eq!(with(|h| h.current), newer.id, "the arrival's stream is the effective context again");
+    }
+
+    #[test]
+    fn the_tick_dispatches_the_higher_priority_first() {
+        publish(&pool_at(1, 1.0, 0.3));
+        let mut f = flow_filter(r#""objectives":{"urgent":5}"#);
+        let low = f.send(request(0));
+        let high = f.send(request(0).header("x-llm-d-inference-objective", "urgent"));
+        assert_eq!(queued(&f), 2);
+        // Room for one: 0.8 now, 1.1 after one dispatch.
+        publish(&pool_at(2, 0.8, 0.3));
+        advance_ms(1);
+        f.tick();
+        assert_eq!((high.resumed(), low.resumed()), (1, 0));
+        // A request ends: the pool has room for the next.
+        high.finish();
+        assert_eq!(low.resumed(), 1);
+        assert_eq!(queued(&f), 0);
+    }
+
+    #[test]
+    fn a_request_that_waits_past_its_ttl_is_shed() {
+        publish(&pool_at(1, 1.0, 0.1));
+        let mut f = flow_filter(r#""ttl_ms":100"#);
+        let ex = f.send(request(0));
+        advance_ms(150);
+        f.tick();
+        let (want, reason) = (Refusal::expired(true, 100), Shed::Expired.reason());
+        let r = ex.refused();
+        assert_eq!((r.status, r.header(DROPPED_REASON_HEADER)), (u32::from(want.response.status), Some(reason)));
+        assert_eq!((queued(&f), metric(&format!("attache.flow.shed.{reason}"))), (0, Some(1)));
+
+        // Endpoints gone while it waited: 503.
+        let ex = f.send(request(0));
+        let mut gone = pool_at(2, 1.0, 0.1);
+        gone.endpoints.iter_mut().for_each(|e| e.ready = false);
+        publish(&gone);
+        advance_ms(150);
+        f.tick();
+        assert_eq!(ex.refused().status, u32::from(Shed::NoEndpoints.status()));
+    }
+
+    #[test]
+    fn a_client_that_leaves_while_queued_is_dropped_from_the_queue() {
+        publish(&pool_at(1, 1.0, 0.1));
+        let f = flow_filter("");
+        let ex = f.send(request(0));
+        assert_eq!(queued(&f), 1);
+        ex.finish();
+        assert_eq!(
+            (queued(&f), metric("attache.flow.disconnected"), metric("attache.flow.queued")),
+            (0, Some(1), Some(0))
+        );
+    }
+}

@@ -31,6 +31,12 @@ impl AttacheRoot {
         Self { context_id, role: Role::Scheduler, worker: None, picker: None, subscriber: None }
     }
 
+    /// The worker's state (a scheduler's or an agent's), for tests.
+    #[cfg(test)]
+    pub(crate) fn worker(&self) -> Option<Rc<RefCell<Worker>>> {
+        self.worker.clone()
+    }
+
     fn node(&self) -> String {
         let name = proxy_wasm::hostcalls::get_property(vec!["plugin_name"])
             .ok()
@@ -176,5 +182,175 @@ impl RootContext for AttacheRoot {
             Role::Scheduler | Role::Picker | Role::Passthrough => Some(ContextType::HttpContext),
             Role::Agent => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use attache_policies::plan::DESTINATION_HEADER;
+    use attache_policies::scoring;
+    use prost::Message;
+    use proxy_wasm::traits::{Context, RootContext};
+    use proxy_wasm::types::{Action, ContextType, LogLevel};
+
+    use super::*;
+    use crate::testing::harness::{address, prompt, snapshot, Filter, Request, ROOT_ID};
+    use crate::testing::{advance_ms, metric, with};
+
+    #[test]
+    fn a_scheduler_configuration_is_accepted_and_sets_up_the_worker() {
+        let f = Filter::configure(r#"{"scheduler":{"max_body_bytes":1000}}"#);
+        assert_eq!((f.root.role, f.root.get_type()), (Role::Scheduler, Some(ContextType::HttpContext)));
+        assert_eq!(f.worker().borrow().config.scheduler.max_body_bytes, 1000);
+        assert!(f.root.subscriber.is_none(), "no snapshot stream of its own");
+        let period = with(|h| h.tick_period_ms);
+        assert_eq!(period, Some(20), "the affinity table's flush period, below housekeeping's 100 ms");
+        assert_eq!(metric("attache.requests.scheduled"), Some(0), "metrics defined");
+        let (_, ok) = Filter::try_configure_as(2, r#"{"scheduler":{"prefix":{"shared_slots":0}}}"#);
+        assert!(ok);
+        assert_eq!(with(|h| h.tick_period_ms), Some(HOUSEKEEPING_TICK_MS as u32), "housekeeping alone");
+    }
+
+    #[test]
+    fn invalid_configurations_are_refused_and_logged_at_critical() {
+        let cases = [
+            ("{", "EOF"),
+            (r#"{"rol":"agent"}"#, "unknown field `rol`"),
+            (r#"{"scheduler":{"profiles":{"decode":{"plugins":[{"type":"no-such-scorer"}]}}}}"#, "no-such-scorer"),
+            (r#"{"scheduler":{"prefix":{"index_capacity":10000000000}}}"#, "index_capacity 10000000000 exceeds"),
+            (r#"{"scheduler":{"prefix":{"shared_slots":99999999}}}"#, "shared_slots 99999999 exceeds"),
+        ];
+        for (config, why) in cases {
+            let (f, ok) = Filter::try_configure_as(ROOT_ID, config);
+            assert!(!ok, "{config} accepted");
+            let last = with(|h| h.logs.last().cloned()).expect("logged");
+            assert_eq!(last.0, LogLevel::Critical, "{config}");
+            assert!(last.1.contains("invalid plugin configuration") && last.1.contains(why), "{config}: {}", last.1);
+            assert!(f.root.create_http_context(7).is_none(), "no worker, no request contexts");
+        }
+    }
+
+    #[test]
+    fn a_picker_makes_picker_contexts() {
+        let f = Filter::configure(r#"{"role":"picker"}"#);
+        assert_eq!((f.root.role, f.root.get_type()), (Role::Picker, Some(ContextType::HttpContext)));
+        assert!(f.root.worker.is_none() && with(|h| h.tick_period_ms).is_none(), "no worker, no tick");
+        // Without scorer output the picker changes nothing, not even a client's header.
+        let ex = f.send(Request::completion(&prompt("hi")).header(DESTINATION_HEADER, "10.0.0.9:1"));
+        assert_eq!(
+            (ex.on_headers, ex.request_header(DESTINATION_HEADER)),
+            (Action::Continue, Some("10.0.0.9:1".into()))
+        );
+        // With undecodable scorer output it keeps the scheduler's pick and counts the error.
+        with(|h| {
+            h.properties.insert(vec![scoring::SCORES_PROPERTY.into()], b"garbage".to_vec());
+            h.properties.insert(vec![scoring::CONTEXT_PROPERTY.into()], b"garbage".to_vec());
+        });
+        let ex = f.send(Request::completion(&prompt("hi")));
+        assert_eq!(ex.on_headers, Action::Continue);
+        assert!(with(|h| h.logged(LogLevel::Warn, "undecodable scoring state")));
+        assert_eq!(metric("attache.picker.decode_errors"), Some(1));
+    }
+
+    #[test]
+    fn a_passthrough_does_nothing() {
+        let f = Filter::configure(r#"{"role":"passthrough"}"#);
+        assert_eq!(f.root.get_type(), Some(ContextType::HttpContext));
+        let ex = f.send(Request::completion("{not json").header(DESTINATION_HEADER, "10.0.0.9:1"));
+        assert_eq!((ex.on_headers, ex.on_body), (Action::Continue, Some(Action::Continue)));
+        assert!(ex.local_response().is_none());
+        assert_eq!(ex.request_header(DESTINATION_HEADER).as_deref(), Some("10.0.0.9:1"));
+    }
+
+    /// The agent's one open stream.
+    fn open_stream() -> crate::testing::GrpcStream {
+        let open: Vec<_> = with(|h| h.grpc_streams.iter().filter(|s| !s.closed).cloned().collect());
+        assert_eq!(open.len(), 1, "{open:?}");
+        open.into_iter().next().expect("one")
+    }
+
+    /// The host sends `update` on the agent's stream.
+    fn deliver(f: &mut Filter, update: v1::update::Kind) {
+        let bytes = v1::Update { kind: Some(update), sent_unix_ns: 0 }.encode_to_vec();
+        let token = open_stream().token;
+        with(|h| {
+            h.grpc_receive = bytes.clone();
+            h.current = f.id;
+        });
+        f.root.on_grpc_stream_message(token, bytes.len());
+    }
+
+    #[test]
+    fn an_agent_subscribes_and_publishes_snapshots_for_the_schedulers() {
+        with(|h| {
+            h.properties.insert(vec!["plugin_name".into()], b"attache-agent".to_vec());
+        });
+        let mut agent = Filter::configure(r#"{"role":"agent"}"#);
+        assert_eq!((agent.root.role, agent.root.get_type()), (Role::Agent, None));
+        let s = open_stream();
+        assert_eq!(
+            (s.cluster.as_str(), s.service.as_str(), s.method.as_str()),
+            ("attache_host", "attache.v1.SnapshotService", "Subscribe")
+        );
+        let (msg, end) = s.sent.first().cloned().expect("a subscribe request");
+        assert!(end, "the client half-closes");
+        assert_eq!(
+            v1::SubscribeRequest::decode(msg.as_slice()).map(|r| r.node),
+            Ok(format!("attache-agent/{ROOT_ID}"))
+        );
+        assert_eq!(with(|h| h.tick_period_ms), Some(500));
+
+        deliver(&mut agent, v1::update::Kind::Full(snapshot(2)));
+        assert!(with(|h| h.shared.contains_key(snapshot::SNAPSHOT_KEY)));
+        assert_eq!(snapshot::heard_ms(), Some(crate::testing::now_ms()), "the host was heard");
+        // A scheduler of the same Envoy routes on it.
+        let (scheduler, ok) = Filter::try_configure_as(2, "");
+        assert!(ok);
+        let ex = scheduler.send(Request::completion(&prompt("hi")));
+        assert!([address(0), address(1)].contains(&ex.primary().expect("routed")));
+    }
+
+    #[test]
+    fn an_agent_reopens_a_stream_that_failed_closed_or_went_silent() {
+        with(|h| h.grpc_unavailable = true);
+        let mut agent = Filter::configure(r#"{"role":"agent","subscribe":{"cluster":"h","idle_timeout_ms":1000}}"#);
+        assert!(with(|h| h.grpc_streams.is_empty() && h.logged(LogLevel::Warn, "open_grpc_stream(h) failed")));
+        with(|h| h.grpc_unavailable = false);
+        agent.tick();
+        let first = open_stream();
+        // Closed by the host: reopened at the next tick.
+        with(|h| {
+            h.grpc_status = (14, Some("unavailable".into()));
+            h.grpc_streams.iter_mut().for_each(|s| s.closed = true);
+        });
+        agent.root.on_grpc_stream_close(first.token, 14);
+        assert!(with(|h| h.logged(LogLevel::Info, "snapshot stream closed (grpc 14: unavailable)")));
+        agent.tick();
+        let second = open_stream();
+        assert_ne!(second.token, first.token);
+        // Heartbeats keep it open; silence past the idle timeout reopens it.
+        advance_ms(800);
+        deliver(&mut agent, v1::update::Kind::Heartbeat(v1::Heartbeat { version: 1 }));
+        advance_ms(800);
+        agent.tick();
+        assert_eq!(open_stream().token, second.token, "heard 800 ms ago");
+        advance_ms(300);
+        agent.tick();
+        assert!(with(|h| h.grpc_streams.iter().any(|s| s.token == second.token && s.closed)));
+        assert_ne!(open_stream().token, second.token);
+    }
+
+    #[test]
+    fn a_scheduler_in_per_worker_mode_subscribes_itself() {
+        let mut f = Filter::configure(r#"{"subscribe":{}}"#);
+        assert_eq!(f.root.get_type(), Some(ContextType::HttpContext));
+        assert_eq!(open_stream().cluster, "attache_host");
+        assert_eq!(with(|h| h.tick_period_ms), Some(20), "its own tick is shorter than the stream's");
+        let mut s = snapshot(3);
+        s.version = 9;
+        deliver(&mut f, v1::update::Kind::Full(s));
+        assert_eq!(metric("attache.snapshot.version"), Some(9));
+        let ex = f.send(Request::completion(&prompt("hi")));
+        assert!(ex.primary().is_some());
     }
 }

@@ -147,3 +147,48 @@ fn load_tokenizer(config: &FilterConfig, metrics: &mut Metrics) -> Option<Prompt
     metrics.tokenizer_mismatch();
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::shared::snapshot::heard;
+    use crate::testing::harness::{prompt, publish, snapshot, Filter, Request};
+    use crate::testing::{advance_ms, metric, now_ms};
+
+    #[test]
+    fn a_silent_host_makes_decisions_load_only_until_it_is_heard_again() {
+        publish(&snapshot(2));
+        heard(now_ms());
+        let mut f = Filter::configure("");
+        f.send(Request::completion(&prompt("one")));
+        assert_eq!(metric("attache.host.load_only_decisions"), Some(0));
+        advance_ms(5_000);
+        f.send(Request::completion(&prompt("two")));
+        assert_eq!(metric("attache.host.load_only_decisions"), Some(1), "silent past host_stale_ms (3 s)");
+        f.tick();
+        assert_eq!(metric("attache.host.silent_ms"), Some(5_000));
+        // Heard since the last tick: the request reads the heartbeat again.
+        heard(now_ms());
+        f.send(Request::completion(&prompt("three")));
+        assert_eq!(metric("attache.host.load_only_decisions"), Some(1));
+    }
+
+    #[test]
+    fn a_worker_learns_where_the_other_workers_sent_a_prefix() {
+        publish(&snapshot(3));
+        let mut one = Filter::configure("");
+        let (mut two, ok) = Filter::try_configure_as(2, "");
+        assert!(ok);
+        let prompts: Vec<String> =
+            (0..6).map(|i| format!("{i} {}", "a long shared system prompt ".repeat(40))).collect();
+        let firsts: Vec<_> = prompts.iter().map(|p| one.send(Request::completion(&prompt(p))).primary()).collect();
+        assert!(firsts.iter().all(Option::is_some));
+        one.tick();
+        two.tick();
+        assert!(metric("attache.affinity.learned").unwrap_or(0) > 0, "worker two read worker one's log");
+        let seconds: Vec<_> = prompts.iter().map(|p| two.send(Request::completion(&prompt(p))).primary()).collect();
+        assert_eq!(seconds, firsts);
+        two.tick();
+        let matched = metric("attache.prefix.blocks_matched");
+        assert!(matched > Some(0), "{matched:?}: worker two's decisions found the prefixes worker one routed");
+    }
+}
