@@ -100,6 +100,10 @@ struct DemoArgs {
     /// Envoy worker threads.
     #[arg(long, default_value_t = 2)]
     envoy_concurrency: u32,
+    /// Also run Attaché with another build of the filter, `LABEL=PATH`, in the same run: e.g.
+    /// `--variant-wasm before=/tmp/old/attache_scheduler_filter.wasm` for a before/after check.
+    #[arg(long = "variant-wasm")]
+    variant_wasm: Vec<String>,
 }
 
 async fn demo(a: DemoArgs) -> anyhow::Result<()> {
@@ -131,8 +135,19 @@ async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         a.time_scale
     );
     let mut rows = Vec::new();
-    for (system, kind) in [("round-robin", EnvoyKind::RoundRobin), ("attache", EnvoyKind::Attache)] {
-        let mut stack = Stack::new(&format!("demo-{system}"))?;
+    let mut systems =
+        vec![("round-robin".to_owned(), EnvoyKind::RoundRobin, None), ("attache".to_owned(), EnvoyKind::Attache, None)];
+    for v in &a.variant_wasm {
+        let (label, path) = v.split_once('=').with_context(|| format!("--variant-wasm {v}: expected LABEL=PATH"))?;
+        anyhow::ensure!(std::path::Path::new(path).exists(), "--variant-wasm {label}: no filter at {path}");
+        systems.push((format!("attache/{label}"), EnvoyKind::Attache, Some(PathBuf::from(path))));
+    }
+    for (system, kind, wasm) in &systems {
+        let (system, kind) = (system.as_str(), *kind);
+        let mut stack = Stack::new(&format!("demo-{}", system.replace('/', "-")))?;
+        if let Some(w) = wasm {
+            stack.paths.wasm.clone_from(w);
+        }
         stack.start_sim(sim.clone())?;
         if kind != EnvoyKind::RoundRobin {
             stack.start_host()?;
