@@ -1,6 +1,6 @@
 //! Differential check (`bench/decisions-ab/run.sh <older commit>`): the scheduler at an older
-//! commit and at this checkout, fed the
-//! same seeded request stream and the same state, must make the same decisions.
+//! commit and at this checkout, fed the same seeded request stream and the same state, must
+//! make the same decisions.
 use hashbrown::HashMap;
 
 struct Rng(u64);
