@@ -2,7 +2,6 @@
 
 pub mod admin;
 pub mod admin_auth;
-pub mod bootstrap;
 pub mod config;
 pub mod discovery;
 pub mod eds;
