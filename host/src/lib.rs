@@ -11,7 +11,6 @@ pub mod host;
 pub mod kubernetes;
 pub mod kv_subscribe;
 pub mod policy;
-pub mod prom;
 pub mod push;
 pub mod scrape;
 pub mod state;
