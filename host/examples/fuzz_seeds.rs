@@ -30,7 +30,7 @@ fn snapshot(dir: &Path) -> anyhow::Result<()> {
     pool.set_endpoints(eps);
     let now = Instant::now();
     let m =
-        attache_host::prom::engine_metrics(&metrics, attache_kv::Engine::Vllm).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        attache_kv::prom::engine_metrics(&metrics, attache_kv::Engine::Vllm).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     pool.record_scrape("10.0.0.1:8000", Ok(m.clone()), now);
     pool.record_scrape("10.0.0.2:8000", Ok(m), now);
     pool.record_scrape("10.0.0.3:8000", Err("connection refused".into()), now);

@@ -20,9 +20,9 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+use attache_envoy::{BootstrapError, Params, Pool, Variant};
 use serde::Deserialize;
 
-use crate::bootstrap::{self, Pool};
 use crate::discovery::StaticEndpoints;
 use crate::HostConfig;
 
@@ -89,7 +89,7 @@ pub enum GatewayError {
     )]
     NoWasm { path: String, tried: String },
     #[error("rendering Envoy's bootstrap: {0}")]
-    Bootstrap(#[from] bootstrap::BootstrapError),
+    Bootstrap(#[from] BootstrapError),
 }
 
 /// A loaded, checked gateway: what to run.
@@ -194,7 +194,7 @@ impl Gateway {
 
     /// Envoy's bootstrap: `envoy/attache.yaml` with the pool from the host's EDS.
     pub fn bootstrap(&self) -> Result<String, GatewayError> {
-        let params = bootstrap::Params {
+        let params = Params {
             admin: self.config.envoy_admin,
             listen: self.config.listen,
             host_grpc: loopback_if_unspecified(self.host.grpc_listen),
@@ -202,9 +202,9 @@ impl Gateway {
             scheduler_config: &self.config.scheduler,
             pool: &Pool::Eds,
             scorer_slots: &[],
-            variant: bootstrap::Variant::AsWritten,
+            variant: Variant::AsWritten,
         };
-        Ok(bootstrap::render(bootstrap::ATTACHE_TEMPLATE, &params)?)
+        Ok(attache_envoy::render(attache_envoy::ATTACHE_TEMPLATE, &params)?)
     }
 }
 

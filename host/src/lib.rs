@@ -2,7 +2,6 @@
 
 pub mod admin;
 pub mod admin_auth;
-pub mod bootstrap;
 pub mod config;
 pub mod discovery;
 pub mod eds;
@@ -12,7 +11,6 @@ pub mod host;
 pub mod kubernetes;
 pub mod kv_subscribe;
 pub mod policy;
-pub mod prom;
 pub mod push;
 pub mod scrape;
 pub mod state;

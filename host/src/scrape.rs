@@ -4,12 +4,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use attache_kv::engine::Engine;
+use attache_kv::prom;
 use tokio::sync::RwLock;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn, Instrument};
 
 use crate::kv_subscribe::EngineGone;
-use crate::prom;
 use crate::state::PoolState;
 use crate::telemetry::ScrapeError;
 

@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use attache_kv::prom::EngineMetrics;
 use attache_proto::v1;
 
 use crate::endpoints::StaticEndpoint;
-use crate::prom::EngineMetrics;
 
 /// `flow:` in the host configuration.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]

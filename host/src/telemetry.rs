@@ -316,7 +316,7 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         // Every sample line parses with the host's own Prometheus parser.
-        assert_eq!(crate::prom::parse(&text).bad_lines, 0, "{text}");
+        assert_eq!(attache_kv::prom::parse(&text).bad_lines, 0, "{text}");
         // The endpoint leaves; a scraper or subscriber reporting late does not bring it back.
         m.track(["10.0.0.2:8000"]);
         m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()));

@@ -317,7 +317,7 @@ fn each_mode_renders_what_it_promises() {
 // Kubernetes form of it (Helm has to render it at install time), kept from drifting by this test.
 
 /// Where the chart's gateway bootstrap may differ from `envoy/attache.yaml` rendered as its
-/// ORIGINAL_DST variant (`attache_host::bootstrap::Variant::OriginalDst`), and why; the same
+/// ORIGINAL_DST variant (`attache_envoy::Variant::OriginalDst`), and why; the same
 /// list is in docs/architecture.md ("Envoy bootstraps"). Paths name list items by their `name`.
 /// Placeholders (addresses, ports, the module's path, the scheduler's configuration) are filled
 /// with the chart's values before comparing, so they are not differences.
@@ -401,8 +401,8 @@ fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
     let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
     let scheduler = &named(&hcm["http_filters"], "attache.scheduler")["config_discovery"]["default_config"]["config"];
     let wasm = scheduler["vm_config"]["code"]["local"]["filename"].as_str().expect("the module's path");
-    let pool = attache_host::bootstrap::Pool::Static(Vec::new());
-    let params = attache_host::bootstrap::Params {
+    let pool = attache_envoy::Pool::Static(Vec::new());
+    let params = attache_envoy::Params {
         admin: sockets(&chart["admin"]["address"]["socket_address"]),
         listen: sockets(&listener["address"]["socket_address"]),
         // The address is the Service's name (a listed difference); the port is compared.
@@ -412,10 +412,10 @@ fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
         scheduler_config: &scheduler["configuration"]["value"],
         pool: &pool,
         scorer_slots: &[],
-        variant: attache_host::bootstrap::Variant::OriginalDst,
+        variant: attache_envoy::Variant::OriginalDst,
     };
     let template = std::fs::read_to_string(t.root.join("envoy/attache.yaml")).expect("envoy/attache.yaml");
-    bootstrap_tree(&attache_host::bootstrap::render(&template, &params).expect("render envoy/attache.yaml"))
+    bootstrap_tree(&attache_envoy::render(&template, &params).expect("render envoy/attache.yaml"))
 }
 
 #[test]

@@ -239,7 +239,7 @@ async fn the_host_serves_its_metrics_with_what_the_engines_published() {
     assert!(get("attache_host_subscribers") >= 1.0, "Envoy's snapshot agent is subscribed");
     assert!(text.contains("# TYPE attache_host_policy_transitions_total counter"), "{text}");
     // The text parses as Prometheus exposition, every line of it.
-    assert_eq!(attache_host::prom::parse(&text).bad_lines, 0, "{text}");
+    assert_eq!(attache_kv::prom::parse(&text).bad_lines, 0, "{text}");
 }
 
 /// `cargo xtask up`'s launcher: it starts the stack, checks a request end to end, prints the

@@ -85,7 +85,7 @@ app.kubernetes.io/component: {{ .component }}
 The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the
 host. `oneEndpoint` lists a single endpoint in x-gateway-destination-endpoint, for an
 ORIGINAL_DST pool: Envoy reads that header as one ip:port, and a list would match no host
-(host/src/bootstrap.rs, Variant::OriginalDst, does the same).
+(envoy/src/lib.rs, Variant::OriginalDst, does the same).
 */}}
 {{- define "attache.schedulerConfig" -}}
 {{- $cfg := deepCopy .ctx.Values.scheduler.config }}

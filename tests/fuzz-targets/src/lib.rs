@@ -8,9 +8,9 @@
 use std::sync::{Mutex, OnceLock};
 
 use attache_host::policy::signing::{self, TrustStore};
-use attache_host::prom;
 use attache_kv::engine::Engine;
 use attache_kv::events as kv_events;
+use attache_kv::prom;
 use attache_policies::config::{PreciseConfig, PrefixConfig};
 use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api};

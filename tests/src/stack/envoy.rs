@@ -4,7 +4,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use attache_host::bootstrap::{self, Params, Pool, Variant};
+use attache_envoy::{Params, Pool, Variant};
 
 use super::Stack;
 use crate::admin_http::http_get_blocking;
@@ -58,7 +58,7 @@ impl Stack {
             scorer_slots: &self.scorer_slots,
             variant,
         };
-        bootstrap::render(&tpl, &params).with_context(|| format!("rendering {} as {variant:?}", path.display()))
+        attache_envoy::render(&tpl, &params).with_context(|| format!("rendering {} as {variant:?}", path.display()))
     }
 
     /// Start Envoy (or restart it) with `kind`, and wait until it is ready.

@@ -1,11 +1,12 @@
-//! Rendering Envoy's bootstrap from the templates in `envoy/`.
+//! Renders Envoy's bootstrap from the templates beside this crate (`envoy/`): its one job.
 //!
 //! One template, one renderer: `attache gateway` renders `envoy/attache.yaml` (built into the
 //! binary) with an EDS-fed pool, and the test and benchmark launcher renders the same file with
 //! a static pool, as written or as one of its [`Variant`]s. A variant is the template with a
 //! few structural edits made here (docs/architecture.md, "Envoy bootstraps"), so the variants
 //! cannot drift from it. Placeholders are `{{NAME}}`; a placeholder left unfilled is an error
-//! rather than a bootstrap Envoy would refuse with a less clear message.
+//! rather than a bootstrap Envoy would refuse with a less clear message. Its dependencies stay
+//! few (YAML, JSON), so the launcher renders a bootstrap without building the host.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -13,11 +14,11 @@ use std::path::Path;
 use serde_yaml::{Mapping, Value};
 
 /// `envoy/attache.yaml`: the recommended bootstrap (snapshot agent, scheduler, `override_host`).
-pub const ATTACHE_TEMPLATE: &str = include_str!("../../envoy/attache.yaml");
+pub const ATTACHE_TEMPLATE: &str = include_str!("../attache.yaml");
 /// `envoy/scorer-slot.yaml`: one custom-scorer slot filter.
-pub const SCORER_SLOT_TEMPLATE: &str = include_str!("../../envoy/scorer-slot.yaml");
+pub const SCORER_SLOT_TEMPLATE: &str = include_str!("../scorer-slot.yaml");
 /// `envoy/picker.yaml`: the picker after the last scorer slot.
-pub const PICKER_TEMPLATE: &str = include_str!("../../envoy/picker.yaml");
+pub const PICKER_TEMPLATE: &str = include_str!("../picker.yaml");
 
 /// The header the scheduler names its endpoints in, which the pool routes on.
 const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";

@@ -1,12 +1,12 @@
 //! A Prometheus text-format parser, and the extraction of the engine metrics a router needs
-//! from an exposition, under the names its engine's profile gives ([`attache_kv::engine`]).
+//! from an exposition, under the names its engine's profile gives ([`crate::engine`]).
 //!
 //! The parser accepts any label order, escaped label values, `# HELP`/`# TYPE` comments and
 //! optional timestamps; a malformed line is skipped and counted, never fatal.
 
 use std::collections::BTreeMap;
 
-use attache_kv::engine::Engine;
+use crate::engine::Engine;
 
 /// One sample line.
 #[derive(Debug, Clone, PartialEq)]
