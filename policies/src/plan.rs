@@ -186,7 +186,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         endpoint: best.address.clone(),
         uncached_tokens: input.prompt_tokens.saturating_sub(best.cached_tokens) as u64,
     };
-    let metrics = metrics(&decision, load_only, config.sessions.enabled);
+    let metrics = metrics(config.scheduler, &decision, load_only, config.sessions.enabled);
     let known = shared.as_ref().and_then(|m| m.get(&best.address)).copied().unwrap_or(0);
     let index = IndexUpdate {
         shared: if shared.is_some() { index::shared_entries(&hashes, &anchors, known) } else { Vec::new() },
@@ -221,11 +221,19 @@ fn precise_scores(
     ))
 }
 
-fn metrics(decision: &Decision, load_only: bool, sessions: bool) -> MetricsDelta {
+fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, sessions: bool) -> MetricsDelta {
     let best = decision.scores.first();
-    let scores = best
-        .map(|b| b.scores.iter().filter_map(|(n, v)| Some((crate::scorers::find(n)?.metric()?, *v))).collect())
-        .unwrap_or_default();
+    // The profile's scorers name their histograms; a scorer left out of the scores (nothing to
+    // go on) records none.
+    let scores = match best {
+        Some(b) => scheduler
+            .decode_profile()
+            .scorers
+            .iter()
+            .filter_map(|(s, _)| Some((s.metric()?, b.scores.iter().find(|(n, _)| *n == s.name())?.1)))
+            .collect(),
+        None => Vec::new(),
+    };
     MetricsDelta {
         load_only,
         scores,

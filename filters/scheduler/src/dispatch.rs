@@ -64,7 +64,9 @@ pub fn route(
     stages::mark(Stage::PromptTokens);
     let host_silent_ms = w.host_silent_ms(now_ms, w.config.scheduler.host_stale_ms);
     let config = std::rc::Rc::clone(&w.config);
-    let kv = kv_table::Reader::new(config.scheduler.precise.slots);
+    // The reader reads the index's epoch from shared data: only a request with engine token ids
+    // gets precise scores, so only such a request pays for that host call.
+    let kv = ids.as_ref().map(|_| kv_table::Reader::new(config.scheduler.precise.slots));
     let request = PlanRequest {
         id: st.id,
         req,
@@ -78,7 +80,7 @@ pub fn route(
         pool: &w.cache.pool,
         state: &w.state,
         affinity: Some(&w.affinity),
-        kv: config.scheduler.precise.enabled.then_some(&kv as &dyn plan::KvIndexView),
+        kv: kv.as_ref().map(|r| r as &dyn plan::KvIndexView),
         inflight: &w.inflight,
         inflight_tokens: &w.inflight_tokens,
         host_silent_ms,
