@@ -195,9 +195,10 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
     };
     let mut headers = vec![(DESTINATION_HEADER, decision.header_value())];
     headers.extend(decision.prefiller().map(|p| (PREFILLER_HEADER, p.to_owned())));
-    let (properties, handed_off) = match config.scoring.context {
-        true => handoff(request, &decision, view.pool, config.scheduler, seed),
-        false => (Vec::new(), None),
+    let (properties, handed_off) = if config.scoring.context {
+        handoff(request, &decision, view.pool, config.scheduler, seed)
+    } else {
+        (Vec::new(), None)
     };
     let (session, session_token) = bind_session(request, &decision, config.sessions);
     Ok(Plan { decision, headers, properties, handed_off, session, session_token, index, dispatch, metrics })

@@ -185,25 +185,28 @@ impl Scheduler {
     /// filter holds (the primary keeps the cache; the others remain fallbacks). Within each
     /// tier the score order stands.
     fn tiers(&self, all: &[ScoredEndpoint], input: &SchedulingInput<'_>) -> (Vec<u8>, bool) {
-        let queued = |a: &str| input.inflight_tokens.and_then(|m| m.get(a)).copied().unwrap_or(0);
-        let gate: Vec<(bool, u64)> = all
-            .iter()
-            .map(|s| {
-                (
-                    s.affine,
-                    queued(&s.address).saturating_add(input.prompt_tokens.saturating_sub(s.cached_tokens) as u64),
-                )
-            })
-            .collect();
-        let affinity_held = !input.load_only && prefix_affinity::holds(&self.config.prefix.affinity_filter, &gate);
+        let gate = &self.config.prefix.affinity_filter;
+        // The gate's TTFT estimates only when it can apply: some candidates affine, not all.
+        let some_affine = all.iter().any(|s| s.affine) && !all.iter().all(|s| s.affine);
+        let affinity_held = !input.load_only && gate.enabled && some_affine && {
+            let queued = |a: &str| input.inflight_tokens.and_then(|m| m.get(a)).copied().unwrap_or(0);
+            let own = |s: &ScoredEndpoint| input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
+            let candidates: Vec<(bool, u64)> =
+                all.iter().map(|s| (s.affine, queued(&s.address).saturating_add(own(s)))).collect();
+            prefix_affinity::holds(gate, &candidates)
+        };
         let sticky = input.sticky.and_then(|a| all.iter().position(|s| s.address == a));
         let tiers = all
             .iter()
             .enumerate()
-            .map(|(i, s)| match () {
-                _ if sticky == Some(i) => tier::STICKY,
-                _ if affinity_held && s.affine => tier::AFFINE,
-                _ => tier::NONE,
+            .map(|(i, s)| {
+                if sticky == Some(i) {
+                    tier::STICKY
+                } else if affinity_held && s.affine {
+                    tier::AFFINE
+                } else {
+                    tier::NONE
+                }
             })
             .collect();
         (tiers, sticky.is_some())
