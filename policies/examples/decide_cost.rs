@@ -113,6 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     prompt_tokens: r.prompt.approx_tokens(),
                     sticky: None,
                     load_only: false,
+                    subset: None,
                 };
                 let d = scheduler.schedule(&input, p, &state)?;
                 state.commit(&d, &h, &anchors);

@@ -31,6 +31,8 @@ pub enum ScheduleError {
     UnknownModel(String),
     #[error("no ready endpoint in the inference pool")]
     NoEndpoints,
+    #[error("no endpoint the gateway allows (x-gateway-destination-endpoint-subset) can serve the request")]
+    NoneInSubset,
 }
 
 /// What the filter sends back when it answers a request itself.
@@ -87,6 +89,9 @@ impl From<&ScheduleError> for ErrorResponse {
             }
             ScheduleError::NoEndpoints => {
                 ErrorResponse::new(503, "no_endpoints", "ServiceUnavailableError", None, &msg)
+            }
+            ScheduleError::NoneInSubset => {
+                ErrorResponse::new(503, "no_endpoint_in_subset", "ServiceUnavailableError", None, &msg)
             }
         }
     }

@@ -231,6 +231,24 @@ impl ApproxPrefixIndex {
         run.into_iter().filter_map(|(id, n)| self.names.get(usize::from(id)).map(|a| (a.clone(), n))).collect()
     }
 
+    /// Undo what [`Self::record`] taught about `address` for the blocks from position `from`
+    /// on (those it did not hold before): another endpoint turned out to serve them.
+    pub fn unrecord(&mut self, hashes: &[u64], anchors: &[usize], from: usize, address: &str) {
+        let Some(id) = self.ids.get(address).copied() else { return };
+        for h in sampled(hashes.len(), anchors).into_iter().filter(|&p| p >= from).map(|p| hashes[p]) {
+            let Some(i) = self.find(h) else { continue };
+            let slot = &mut self.slots[i];
+            let n = usize::from(slot.n);
+            if let Some(p) = slot.ids[..n].iter().position(|&x| x == id) {
+                slot.ids.copy_within(p + 1..n, p);
+                slot.n -= 1;
+                if slot.n == 0 {
+                    self.len -= 1;
+                }
+            }
+        }
+    }
+
     /// Forget an endpoint (it left the pool).
     pub fn forget(&mut self, address: &str) {
         let Some(id) = self.ids.get(address).copied() else { return };
@@ -250,6 +268,22 @@ impl ApproxPrefixIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unrecording_keeps_what_the_endpoint_held_before() {
+        let mut ix = ApproxPrefixIndex::new(1_000);
+        let a: Vec<u64> = (0..8).collect();
+        ix.record(&a[..4], &[], "e");
+        ix.record(&a, &[], "e");
+        ix.record(&a, &[], "f");
+        ix.unrecord(&a, &[], 4, "e");
+        let m = ix.match_lengths(&a, &[]);
+        assert_eq!((m["e"], m["f"]), (4, 8));
+        ix.unrecord(&a, &[], 0, "f");
+        ix.unrecord(&a, &[], 0, "e");
+        assert!(ix.match_lengths(&a, &[]).is_empty() && ix.is_empty());
+        ix.unrecord(&a, &[], 0, "never-seen");
+    }
 
     #[test]
     fn a_strided_match_is_bounded_by_the_next_sampled_block() {

@@ -19,6 +19,7 @@ pub mod error;
 pub mod filters;
 pub mod flow;
 pub mod index;
+pub mod intake;
 pub mod pickers;
 pub mod plan;
 pub mod plugin_config;

@@ -8,6 +8,7 @@ use hashbrown::HashMap;
 
 use crate::endpoint::PoolState;
 use crate::error::{ErrorResponse, ScheduleError};
+use crate::filters::subset::Subset;
 use crate::index::{self, AffinityTable};
 use crate::pickers::tier;
 use crate::plugin_config::ScoringConfig;
@@ -68,6 +69,8 @@ pub struct PlanRequest<'a> {
     pub session_key: Option<u64>,
     /// The value of the first configured rollout session header (custom scorers' bucket).
     pub rollout_session: Option<&'a str>,
+    /// The gateway's subset hint (the endpoint picker's; the filter passes `None`).
+    pub subset: Option<&'a Subset>,
 }
 
 /// A filter-state property: key and value.
@@ -179,6 +182,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         prompt_tokens: request.prompt_ids.map_or_else(|| req.prompt.approx_tokens(), <[u32]>::len),
         sticky: request.sticky,
         load_only,
+        subset: request.subset,
     };
     let decision = config.scheduler.schedule(&input, view.pool, view.state).map_err(|e| ErrorResponse::from(&e))?;
     let best = decision.scores.first().ok_or_else(|| ErrorResponse::from(&ScheduleError::NoEndpoints))?;
@@ -339,6 +343,50 @@ pub fn learn(
     publish
 }
 
+/// The plan as if `served` had been its primary: what the gateway reports actually served the
+/// request (a fallback, when the primary refused it). Learning it teaches the prefix index and
+/// the session the endpoint that holds the prompt now. `None` when the primary served it.
+pub fn served_by(plan: &Plan, served: &str) -> Option<Plan> {
+    if plan.decision.endpoints.first().is_some_and(|p| p == served) || served.is_empty() {
+        return None;
+    }
+    let mut p = plan.clone();
+    let d = &mut p.decision;
+    d.endpoints.retain(|e| e != served);
+    d.endpoints.insert(0, served.to_owned());
+    if let Some(i) = d.scores.iter().position(|s| s.address == served) {
+        let s = d.scores.remove(i);
+        d.scores.insert(0, s);
+    }
+    d.sticky = false;
+    p.dispatch.endpoint = served.to_owned();
+    if let Some(b) = p.session.as_mut() {
+        served.clone_into(&mut b.endpoint);
+    }
+    if p.session_token.is_some() {
+        p.session_token = Some(served.to_owned());
+    }
+    Some(p)
+}
+
+/// The gateway reports that `served` served a planned request: if that is not the primary,
+/// unlearn the blocks the primary was credited with by this decision alone, learn the plan as
+/// served instead ([`served_by`], [`learn`]) and return it (its session binding and dispatch
+/// name the endpoint that served).
+pub fn learn_served(
+    plan: &Plan,
+    served: &str,
+    state: &mut SchedulerState,
+    affinity: Option<&mut AffinityTable>,
+) -> Option<Plan> {
+    let corrected = served_by(plan, served)?;
+    if let Some(primary) = plan.decision.endpoints.first() {
+        state.index.unrecord(&plan.index.hashes, &plan.index.anchors, plan.metrics.matched_blocks, primary);
+    }
+    learn(&corrected, state, affinity, 0);
+    Some(corrected)
+}
+
 /// Bind a plan's session in a sticky store.
 pub fn bind(store: &mut dyn session::StickyStore, binding: &SessionBinding, now_ms: u64) {
     session::bind(store, binding.slots, binding.key, &binding.endpoint, now_ms, binding.ttl_ms);
@@ -424,6 +472,7 @@ mod tests {
             sticky: None,
             session_key: None,
             rollout_session: None,
+            subset: None,
         }
     }
 
@@ -449,6 +498,48 @@ mod tests {
         assert!(again.index.shared.is_empty(), "the table proves it already");
         assert_eq!(again.metrics.matched_blocks, again.metrics.total_blocks);
         assert!(again.log_line("m", 1).contains(&primary));
+    }
+
+    #[test]
+    fn the_served_endpoint_is_learned_in_place_of_a_failed_primary() {
+        let mut w = World::new(pool(4));
+        let r = request(&format!(r#"{{"model":"m","prompt":"{}"}}"#, "served elsewhere ".repeat(60)));
+        let first = w.plan(&PlanRequest { session_key: Some(7), ..req(&r) }, None).unwrap();
+        let primary = first.decision.endpoints[0].clone();
+        assert!(served_by(&first, &primary).is_none(), "the primary served it: nothing to correct");
+        let other = w.pool.endpoints.iter().map(|e| e.address.clone()).find(|a| *a != primary).unwrap();
+        let served = served_by(&first, &other).unwrap();
+        assert_eq!(served.decision.endpoints[0], other);
+        assert!(!served.decision.endpoints[1..].contains(&other), "listed once");
+        assert_eq!(served.dispatch.endpoint, other);
+        assert_eq!(served.session.as_ref().map(|b| b.endpoint.as_str()), Some(other.as_str()));
+        assert_eq!(served.session_token.as_deref(), Some(other.as_str()));
+        // As a host applies it: the decision is learned first, the served report later.
+        learn(&first, &mut w.state, Some(&mut w.affinity), usize::MAX);
+        let learned = learn_served(&first, &other, &mut w.state, Some(&mut w.affinity)).unwrap();
+        assert_eq!(learned, served);
+        // The next request with that prompt goes where it was served, not to the primary.
+        let next = w.plan(&req(&r), None).unwrap();
+        assert_eq!(next.dispatch.endpoint, other);
+        assert_eq!(next.metrics.matched_blocks, next.metrics.total_blocks);
+        assert!(learn_served(&next, &other, &mut w.state, None).is_none());
+    }
+
+    #[test]
+    fn a_subset_hint_restricts_the_choice_and_an_ineligible_one_is_503() {
+        let w = World::new(pool(4));
+        let r = request(r#"{"model":"m","prompt":"hello"}"#);
+        let only = Subset::new(["10.0.0.2:8000", "10.0.0.3"]);
+        for id in 0..20 {
+            let p = w.plan(&PlanRequest { id, subset: Some(&only), ..req(&r) }, None).unwrap();
+            assert!(p.decision.endpoints.iter().all(|e| only.allows(e)), "{:?}", p.decision.endpoints);
+        }
+        let none = Subset::new(["10.0.0.9:8000"]);
+        let e = w.plan(&PlanRequest { subset: Some(&none), ..req(&r) }, None).unwrap_err();
+        assert_eq!((e.status, e.reason), (503, "no_endpoint_in_subset"));
+        // An unknown model is still 404, whatever the hint.
+        let e = w.plan(&PlanRequest { subset: Some(&none), ..req(&request(r#"{"model":"x","prompt":"a"}"#)) }, None);
+        assert_eq!(e.unwrap_err().status, 404);
     }
 
     #[test]

@@ -142,7 +142,10 @@ impl Scheduler {
             saturation: &self.config.saturation,
             exclude,
         };
-        let candidates = self.decode.filter(&filter_ctx(None))?;
+        let mut candidates = self.decode.filter(&filter_ctx(None))?;
+        if let Some(subset) = input.subset {
+            subset.restrict(&pool.endpoints, &mut candidates)?;
+        }
         let matches = if input.block_hashes.is_empty() {
             HashMap::new()
         } else {
@@ -159,7 +162,11 @@ impl Scheduler {
         };
         let prefill = if pd::should_disaggregate(&self.config.pd, input.prompt_tokens, primary.cached_tokens) {
             let run = self.run(&self.prefill, pool, input, &matches, state);
-            self.prefill.filter(&filter_ctx(Some(&primary.address))).ok().and_then(|c| {
+            let allowed = |mut c: Vec<usize>| match input.subset {
+                Some(s) => s.restrict(&pool.endpoints, &mut c).map(|()| c),
+                None => Ok(c),
+            };
+            self.prefill.filter(&filter_ctx(Some(&primary.address))).and_then(allowed).ok().and_then(|c| {
                 let (ps, _) = run.score(&c);
                 let totals: Vec<f64> = ps.iter().map(|s| s.total).collect();
                 self.prefill.picker.pick(&totals, &[], input.seed).first().and_then(|&i| ps.get(i).cloned())
@@ -308,6 +315,7 @@ mod tests {
                 prompt_tokens: self.prompt_tokens,
                 sticky: self.sticky.as_deref(),
                 load_only: self.load_only,
+                subset: None,
             }
         }
         fn schedule(&self, s: &Scheduler, pool: &PoolState, st: &SchedulerState) -> Result<Decision, ScheduleError> {

@@ -5,4 +5,6 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/attache.v1.rs"));
 }
 
+pub mod pool;
+
 pub use prost::Message;

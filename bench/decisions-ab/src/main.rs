@@ -119,6 +119,7 @@ fn main() {
                 prompt_tokens,
                 sticky: sticky.as_deref(),
                 load_only,
+                subset: None,
             };
             let od = os.schedule(&oi, &opool, &mut ost);
             let nd = ns.schedule(&ni, &npool, &nst);

@@ -75,6 +75,7 @@ pub fn route(
         sticky: st.sticky.as_deref(),
         session_key: st.session_key,
         rollout_session: st.session.as_deref(),
+        subset: None,
     };
     let view = StateView {
         pool: &w.cache.pool,

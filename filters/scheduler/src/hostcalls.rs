@@ -161,8 +161,7 @@ pub fn plugin_configuration() -> Vec<u8> {
 
 /// Answer the request from the filter with a JSON body.
 pub fn send_json(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) {
-    let mut headers = vec![("content-type", "application/json"), ("x-attache-error", reason)];
-    headers.extend_from_slice(extra);
+    let headers = attache_policies::intake::answer_headers(reason, extra);
     if hostcalls::send_http_response(u32::from(status), headers, Some(body.as_bytes())).is_err() {
         log(LogLevel::Error, "send_http_response failed");
     }

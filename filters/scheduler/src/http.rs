@@ -2,11 +2,11 @@
 //! it now or let it wait in the flow-control queue; on the response, name the session's endpoint,
 //! learn Responses ids and grade the rollout arm that scored it.
 
-use std::borrow::Cow;
 use std::cell::RefCell;
 use std::rc::Rc;
 
 use attache_policies::flow::{self, Refusal};
+use attache_policies::intake;
 use attache_policies::plan::ROUTING_HEADERS;
 use attache_policies::request::{self, Api, InferenceRequest};
 use attache_policies::scoring::{self, ScoreSheet};
@@ -77,7 +77,7 @@ impl SchedulerHttp {
         let token = st.token_endpoint.take();
         st.sticky =
             session::resolve(sc, &mut SharedSticky, token, st.session_key, req.previous_response_id.as_deref(), now);
-        if sc.enabled && req.api == Api::Responses {
+        if intake::learns_response(&w.config, req.api) {
             st.learn_response = Some(String::new());
         }
         stages::mark(Stage::Sticky);
@@ -149,43 +149,29 @@ impl HttpContext for SchedulerHttp {
                 host::remove_request_header(name);
             }
         }
-        let method = headers.get(":method").unwrap_or_default();
-        let path = headers.get(":path").unwrap_or_default();
-        let api = if method == "POST" { Api::from_path(&path) } else { None };
-        if let (Ok(w), Ok(mut st)) = (self.worker.try_borrow(), self.st.try_borrow_mut()) {
-            st.api = api;
-            let sc = &w.config.sessions;
-            if sc.enabled && api.is_some() {
-                st.token_endpoint = headers.get(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
-                st.session_key = sc.headers.iter().find_map(|h| headers.get(h)).map(|v| session::session_key(&v));
-            }
-            let f = &w.config.flow;
-            if f.enabled {
-                for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
-                    if let Some(v) = headers.get(h) {
-                        st.flow_headers.push((h.clone(), v.into_owned()));
-                    }
-                }
-            }
-            if w.config.scoring.context {
-                st.started_us = host::now_us();
-                st.session = w.config.scoring.session_headers.iter().find_map(|h| headers.get(h)).map(Cow::into_owned);
-            }
-        }
-        let Some(_) = api else {
+        let cfg = self.worker.try_borrow().map(|w| std::rc::Rc::clone(&w.config));
+        let Ok(cfg) = cfg else {
+            return Action::Continue;
+        };
+        let head = match intake::head(&cfg, |n| headers.get(n), end_of_stream) {
+            Ok(h) => h,
+            Err(e) => return self.reject(e),
+        };
+        let Some(api) = head.api else {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.metrics.passthrough();
             }
             return Action::Continue;
         };
-        let limit = self.worker.try_borrow().map(|w| w.config.scheduler.max_body_bytes).unwrap_or(usize::MAX);
-        if let Some(len) = headers.get("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
-            if len > limit {
-                return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge { size: len, limit }));
+        if let Ok(mut st) = self.st.try_borrow_mut() {
+            st.api = Some(api);
+            st.token_endpoint = head.token_endpoint;
+            st.session_key = head.session_key;
+            st.flow_headers = head.flow_headers;
+            if cfg.scoring.context {
+                st.started_us = host::now_us();
+                st.session = head.rollout_session;
             }
-        }
-        if end_of_stream {
-            return self.reject(ErrorResponse::from(&RequestError::EmptyBody));
         }
         Action::Pause
     }
@@ -202,8 +188,8 @@ impl HttpContext for SchedulerHttp {
             return Action::Pause;
         }
         let limit = self.worker.try_borrow().map(|w| w.config.scheduler.max_body_bytes).unwrap_or(usize::MAX);
-        if body_size > limit {
-            return self.reject(ErrorResponse::from(&RequestError::BodyTooLarge { size: body_size, limit }));
+        if let Err(e) = intake::check_size(body_size, limit) {
+            return self.reject(e);
         }
         if !end_of_stream {
             return Action::Pause;

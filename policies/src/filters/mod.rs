@@ -12,6 +12,7 @@ pub mod model;
 pub mod prefill;
 pub mod prefix_affinity;
 pub mod saturation;
+pub mod subset;
 
 /// What a filter sees.
 pub struct FilterContext<'a> {

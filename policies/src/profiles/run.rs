@@ -40,6 +40,8 @@ pub struct SchedulingInput<'a> {
     /// The host has gone silent (see `host_stale_ms`): its metrics and KV index may be out of
     /// date, so scoring falls back to this scheduler's own in-flight load alone.
     pub load_only: bool,
+    /// The gateway's subset hint: only these endpoints may be chosen (`None`: the whole pool).
+    pub subset: Option<&'a crate::filters::subset::Subset>,
 }
 
 /// One scored candidate, for the picker, the decision log and metrics.

@@ -1,0 +1,172 @@
+//! What a request's headers say before its body arrives, and the checks a host runs on the
+//! headers and the body before it plans: which API the request calls, its session, the
+//! flow-control and rollout headers, and the size and emptiness checks. The Envoy filter and
+//! the endpoint picker both call these, in the same order, so a request is refused the same way
+//! whichever host sees it.
+
+use std::borrow::Cow;
+
+use crate::error::{ErrorResponse, RequestError};
+use crate::plugin_config::FilterConfig;
+use crate::request::Api;
+use crate::session;
+
+/// Header naming the reason of every answer the scheduler sends itself.
+pub const ERROR_HEADER: &str = "x-attache-error";
+
+/// What the request headers say.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Head {
+    /// The inference API a `POST` calls; `None` for anything else (passed through unscheduled).
+    pub api: Option<Api>,
+    /// The endpoint the request's session token names (llm-d's stateless session header).
+    pub token_endpoint: Option<String>,
+    /// The session header's table key.
+    pub session_key: Option<u64>,
+    /// The headers flow control classifies on (objective, tenant, API key), as sent.
+    pub flow_headers: Vec<(String, String)>,
+    /// The first configured rollout session header's value (custom scorers' bucket).
+    pub rollout_session: Option<String>,
+}
+
+impl Head {
+    /// The value of a flow-control header the request carried.
+    pub fn flow_header(&self, name: &str) -> Option<&str> {
+        self.flow_headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// Read the request headers through `get` (lower-case names, pseudo-headers included).
+/// `end_of_stream`: the headers are the whole request. An inference call with a declared
+/// length over the limit, or with no body, is refused here.
+pub fn head<'h>(
+    cfg: &FilterConfig,
+    get: impl Fn(&str) -> Option<Cow<'h, str>>,
+    end_of_stream: bool,
+) -> Result<Head, ErrorResponse> {
+    let api = match get(":method").as_deref() {
+        Some("POST") => get(":path").as_deref().and_then(Api::from_path),
+        _ => None,
+    };
+    let Some(api) = api else {
+        return Ok(Head::default());
+    };
+    let mut head = Head { api: Some(api), ..Head::default() };
+    let sc = &cfg.sessions;
+    if sc.enabled {
+        head.token_endpoint = get(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
+        head.session_key = sc.headers.iter().find_map(|h| get(h)).map(|v| session::session_key(&v));
+    }
+    let f = &cfg.flow;
+    if f.enabled {
+        for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
+            if let Some(v) = get(h) {
+                head.flow_headers.push((h.clone(), v.into_owned()));
+            }
+        }
+    }
+    if cfg.scoring.context {
+        head.rollout_session = cfg.scoring.session_headers.iter().find_map(|h| get(h)).map(Cow::into_owned);
+    }
+    if let Some(len) = get("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
+        check_size(len, cfg.scheduler.max_body_bytes)?;
+    }
+    if end_of_stream {
+        return Err(ErrorResponse::from(&RequestError::EmptyBody));
+    }
+    Ok(head)
+}
+
+/// A body of `size` bytes so far: 413 over `limit`.
+pub fn check_size(size: usize, limit: usize) -> Result<(), ErrorResponse> {
+    if size > limit {
+        return Err(ErrorResponse::from(&RequestError::BodyTooLarge { size, limit }));
+    }
+    Ok(())
+}
+
+/// The response to a Responses API call teaches its id → endpoint binding (when sessions are on).
+pub fn learns_response(cfg: &FilterConfig, api: Api) -> bool {
+    cfg.sessions.enabled && api == Api::Responses
+}
+
+/// The headers of an answer the scheduler sends itself: JSON, the reason, then `extra`
+/// (flow control's `Retry-After` and drop reason).
+pub fn answer_headers<'a>(reason: &'a str, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut headers = vec![("content-type", "application/json"), (ERROR_HEADER, reason)];
+    headers.extend_from_slice(extra);
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers<'a>(list: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<Cow<'a, str>> + 'a {
+        move |n| list.iter().find(|(k, _)| *k == n).map(|(_, v)| Cow::Borrowed(*v))
+    }
+
+    #[test]
+    fn only_posts_to_inference_paths_are_scheduled() {
+        let cfg = FilterConfig::default();
+        for (method, path, api) in [
+            ("POST", "/v1/chat/completions", Some(Api::ChatCompletions)),
+            ("GET", "/v1/chat/completions", None),
+            ("POST", "/health", None),
+            ("GET", "/v1/models", None),
+        ] {
+            let h = head(&cfg, headers(&[(":method", method), (":path", path)]), false).unwrap();
+            assert_eq!(h.api, api, "{method} {path}");
+        }
+        // A GET with no body is not refused as empty: it is not an inference call.
+        assert_eq!(head(&cfg, headers(&[(":method", "GET"), (":path", "/v1/models")]), true).unwrap().api, None);
+    }
+
+    #[test]
+    fn sessions_flow_and_rollout_headers_are_read() {
+        let mut cfg = FilterConfig::default();
+        cfg.flow.enabled = true;
+        cfg.scoring.context = true;
+        cfg.scoring.session_headers = vec!["x-user".into()];
+        let token = session::token_for("10.0.0.9:8000");
+        let list = [
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("x-session-token", token.as_str()),
+            ("x-session-id", "s1"),
+            ("x-user", "u7"),
+            (cfg.flow.tenant_header.as_str(), "team-a"),
+        ];
+        let h = head(&cfg, headers(&list), false).unwrap();
+        assert_eq!(h.token_endpoint.as_deref(), Some("10.0.0.9:8000"));
+        assert_eq!(h.session_key, Some(session::session_key("s1")));
+        assert_eq!(h.rollout_session.as_deref(), Some("u7"));
+        assert_eq!(h.flow_header(&cfg.flow.tenant_header), Some("team-a"));
+        cfg.sessions.enabled = false;
+        let h = head(&cfg, headers(&list), false).unwrap();
+        assert_eq!((h.token_endpoint, h.session_key), (None, None), "sessions off");
+    }
+
+    #[test]
+    fn oversized_and_empty_inference_calls_are_refused() {
+        let mut cfg = FilterConfig::default();
+        cfg.scheduler.max_body_bytes = 100;
+        let post = [(":method", "POST"), (":path", "/v1/completions"), ("content-length", "101")];
+        let e = head(&cfg, headers(&post), false).unwrap_err();
+        assert_eq!((e.status, e.reason), (413, "body_too_large"));
+        let e = head(&cfg, headers(&post[..2]), true).unwrap_err();
+        assert_eq!(e.status, 400, "{}", e.body);
+        assert!(check_size(100, 100).is_ok());
+        assert_eq!(check_size(101, 100).unwrap_err().status, 413);
+    }
+
+    #[test]
+    fn answers_carry_json_the_reason_and_extras() {
+        let h = answer_headers("shed", &[("retry-after", "1")]);
+        assert_eq!(h, vec![("content-type", "application/json"), (ERROR_HEADER, "shed"), ("retry-after", "1")]);
+        let mut cfg = FilterConfig::default();
+        assert!(learns_response(&cfg, Api::Responses) && !learns_response(&cfg, Api::Completions));
+        cfg.sessions.enabled = false;
+        assert!(!learns_response(&cfg, Api::Responses));
+    }
+}
