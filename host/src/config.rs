@@ -46,6 +46,8 @@ pub struct HostConfig {
     pub kubernetes: Option<crate::kubernetes::KubernetesConfig>,
     /// Policy modules: store, trust store, admin token, rollout controller. Off when absent.
     pub policy: Option<crate::policy::service::PolicyConfig>,
+    /// The endpoint picker for Gateway API Inference Extension gateways. Off when absent.
+    pub epp: Option<crate::epp::EppConfig>,
 }
 
 impl Default for HostConfig {
@@ -63,6 +65,7 @@ impl Default for HostConfig {
             kv_events_bind: None,
             kv_index_capacity: 1_000_000,
             policy: None,
+            epp: None,
             kubernetes: None,
             flow: crate::state::FlowInputs::default(),
         }

@@ -6,6 +6,7 @@ pub mod config;
 pub mod discovery;
 pub mod eds;
 pub mod endpoints;
+pub mod epp;
 pub mod gateway;
 pub mod host;
 pub mod kubernetes;
