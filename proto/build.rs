@@ -6,6 +6,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_server(server)
         .build_client(server)
-        .compile_protos(&["proto/attache/v1/snapshot.proto"], &["proto"])?;
+        .compile_protos(&["proto/attache/v1/snapshot.proto", "proto/grpc/health/v1/health.proto"], &["proto"])?;
     Ok(())
 }

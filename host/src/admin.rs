@@ -21,6 +21,8 @@ pub struct AdminState {
     pub snapshots: watch::Receiver<Arc<v1::Snapshot>>,
     pub kv_index: Arc<Mutex<KvIndex>>,
     pub kv_counters: Arc<KvCounters>,
+    /// The endpoint picker, when it is on: its families join the exposition.
+    pub picker: Option<Arc<crate::epp::Picker>>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -44,7 +46,11 @@ async fn prometheus(State(st): State<AdminState>) -> impl axum::response::IntoRe
         kv_index_blocks: blocks,
         kv: Some(&st.kv_counters),
     };
-    let text = crate::telemetry::render(crate::telemetry::metrics(), &gauges);
+    let mut text = crate::telemetry::render(crate::telemetry::metrics(), &gauges);
+    if let Some(p) = &st.picker {
+        let (inflight, waiting) = p.load();
+        p.metrics.render(&mut text, &inflight, waiting);
+    }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
 }
 

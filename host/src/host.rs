@@ -21,7 +21,7 @@ use crate::policy::ecds::{self, Published};
 use crate::policy::service::PolicyService;
 use crate::scrape::Scrapers;
 use crate::state::PoolState;
-use crate::{admin, admin_auth, eds, kubernetes, policy, push, HostConfig};
+use crate::{admin, admin_auth, eds, epp, kubernetes, policy, push, HostConfig};
 
 type Serve = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
 
@@ -82,18 +82,33 @@ impl Host {
         }
         let kv_counters = kv.counters.clone();
         start_discovery(&cfg, source, client, state, kv, members.clone()).await;
+        let (picker, epp) = match &cfg.epp {
+            Some(e) => {
+                let metrics = Arc::new(epp::metrics::EppMetrics::default());
+                let p = Arc::new(epp::Picker::new(e.config.clone(), rx.clone(), kv_index.clone(), metrics)?);
+                (Some(p.clone()), Some(epp::service::serve(e, p).await?))
+            }
+            None => (None, None),
+        };
 
-        let admin_router =
-            admin_router(admin::AdminState { snapshots: rx, kv_index, kv_counters }, admin_token, policy);
+        let admin_state = admin::AdminState { snapshots: rx, kv_index, kv_counters, picker };
+        let admin_router = admin_router(admin_state, admin_token, policy);
         let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));
         let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
         let serve = async move {
             // Alive as long as the servers: ECDS streams end when their sender is gone, and
             // EDS streams when the membership's is.
             let _keep = (no_policy_tx, members);
+            let epp = async move {
+                match epp {
+                    Some(f) => f.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 r = grpc => { if let Err(e) = r { error!(error = %e, "grpc server stopped"); } }
                 r = admin => { if let Err(e) = r { error!(error = %e, "admin server stopped"); } }
+                r = epp => { if let Err(e) = r { error!(error = %e, "endpoint picker stopped"); } }
             }
             Ok(())
         };

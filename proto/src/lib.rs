@@ -5,6 +5,12 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/attache.v1.rs"));
 }
 
+/// The gRPC health checking protocol (vendored), for the endpoint picker's health service.
+#[allow(clippy::all, clippy::pedantic)]
+pub mod health {
+    include!(concat!(env!("OUT_DIR"), "/grpc.health.v1.rs"));
+}
+
 pub mod pool;
 
 pub use prost::Message;
