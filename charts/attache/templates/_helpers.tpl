@@ -100,3 +100,14 @@ ORIGINAL_DST pool: Envoy reads that header as one ip:port, and a list would matc
 {{- end }}
 {{- toJson $cfg }}
 {{- end }}
+
+{{/*
+Whether the chart's own Envoy gateway is rendered ("true" or ""): `gateway.enabled` when set;
+unset (null, the default), on except in Gateway API mode, where the user's Gateway takes the
+traffic and Attaché's endpoint picker makes the pick.
+*/}}
+{{- define "attache.gatewayEnabled" -}}
+{{- if kindIs "invalid" .Values.gateway.enabled }}
+{{- if not .Values.gatewayApi.enabled }}true{{ end }}
+{{- else if .Values.gateway.enabled }}true{{ end }}
+{{- end }}
