@@ -5,7 +5,8 @@
 //! kinds against the Kubernetes 1.29 and 1.35 schemas (strict), InferencePool against the CRDs
 //! in `tests/fixtures/crds/`, HTTPRoute and WasmPlugin against schemas generated from the
 //! Gateway API and Istio CRDs. The rendered host and Envoy configurations are checked by the
-//! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`.
+//! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`; the
+//! endpoint picker's generated TLS certificate by `openssl`.
 //! No cluster runs here, so nothing is installed.
 
 // A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
@@ -452,15 +453,260 @@ fn the_gateway_bootstrap_differs_from_envoy_attache_yaml_only_as_documented() {
 #[test]
 fn misconfigurations_fail_with_clear_messages() {
     let t = tools();
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["istio.enabled=true"], "istio.scheduler.sha256 is required"),
         (&["policy.enabled=true", "policy.trustedKeysConfigMap=b"], "policy.enabled needs host.replicas=1"),
         (&["pool.create=true"], "pool.selector is required"),
+        (&["epp.failureMode=FailSometimes"], "epp.failureMode must be FailClose or FailOpen"),
+        (
+            &["gatewayApi.enabled=true", "host.ports.eppHealth=9002"],
+            "host.ports.epp and host.ports.eppHealth must differ",
+        ),
     ];
     for (sets, message) in cases {
         let err = t.render(None, sets).expect_err("helm template must refuse");
         assert!(err.contains(message), "{sets:?}: {err}");
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gateway API mode: the host serves the endpoint picker (GIE's ext_proc protocol) that the
+// InferencePool names, and the user's Gateway, not the chart's own Envoy, takes the traffic.
+
+/// `openssl` with `input` on its standard input; its standard output.
+fn openssl(args: &[&str], input: &[u8]) -> String {
+    use std::io::Write;
+    let mut child = Command::new("openssl")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running openssl");
+    child.stdin.take().expect("stdin").write_all(input).expect("writing to openssl");
+    let out = child.wait_with_output().expect("openssl");
+    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The host's objects and configuration in one rendering.
+struct HostRender {
+    docs: Vec<Value>,
+    /// `host.yaml` as YAML, and as the host's own parser reads it.
+    raw: Value,
+    cfg: attache_host::HostConfig,
+}
+
+impl HostRender {
+    fn new(t: &Tools, values: Option<&Path>, sets: &[&str]) -> Self {
+        let docs = docs(&t.render(values, sets).expect("render"));
+        let yaml = of_kind(&docs, "ConfigMap")
+            .into_iter()
+            .find_map(|c| c["data"]["host.yaml"].as_str())
+            .expect("the host ConfigMap")
+            .to_string();
+        let raw: Value = serde_yaml::from_str(&yaml).expect("host.yaml is YAML");
+        let cfg = attache_host::HostConfig::from_yaml(&yaml).expect("the host parses the chart's host.yaml");
+        HostRender { docs, raw, cfg }
+    }
+
+    fn named<'a>(&'a self, kind: &str, name: &str) -> Option<&'a Value> {
+        of_kind(&self.docs, kind).into_iter().find(|d| d["metadata"]["name"] == name)
+    }
+
+    fn host_container(&self) -> &Value {
+        &self.host_deployment()["spec"]["template"]["spec"]["containers"][0]
+    }
+
+    fn host_deployment(&self) -> &Value {
+        of_kind(&self.docs, "Deployment")
+            .into_iter()
+            .find(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "host")
+            .expect("the host Deployment")
+    }
+
+    fn host_service(&self) -> &Value {
+        let name = &self.host_deployment()["metadata"]["name"];
+        of_kind(&self.docs, "Service").into_iter().find(|s| s["metadata"]["name"] == *name).expect("the host Service")
+    }
+
+    /// The host Service's port that reaches container port `port`, through the port's name.
+    fn service_port_to(&self, port: u16) -> Option<&Value> {
+        let c = self.host_container();
+        let name = c["ports"].as_array()?.iter().find(|p| p["containerPort"] == port)?["name"].clone();
+        self.host_service()["spec"]["ports"].as_array()?.iter().find(|p| p["targetPort"] == name)
+    }
+
+    /// The Secret mounted at `dir` in the host container, by its volume.
+    fn secret_mounted_at(&self, dir: &Path) -> Option<String> {
+        let c = self.host_container();
+        let mount =
+            c["volumeMounts"].as_array()?.iter().find(|m| m["mountPath"].as_str().map(Path::new) == Some(dir))?;
+        let volumes = &self.host_deployment()["spec"]["template"]["spec"]["volumes"];
+        let volume = volumes.as_array()?.iter().find(|v| v["name"] == mount["name"])?;
+        volume["secret"]["secretName"].as_str().map(str::to_owned)
+    }
+
+    fn pool_ref(&self) -> &Value {
+        &of_kind(&self.docs, "InferencePool").first().expect("the InferencePool")["spec"]["endpointPickerRef"]
+    }
+
+    fn has_own_gateway(&self) -> bool {
+        self.docs.iter().any(|d| d["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway")
+    }
+}
+
+#[test]
+fn gateway_api_mode_serves_the_endpoint_picker_and_no_gateway_of_its_own() {
+    let t = tools();
+    let values = t.chart().join("ci/gateway-api-values.yaml");
+    let r = HostRender::new(&t, Some(&values), &[]);
+
+    // host.yaml's `epp:` section (host/src/epp/config.rs), as YAML and as the host parses it
+    // (`deny_unknown_fields` throughout, so a misspelt key fails here).
+    for key in ["listen", "health_listen", "tls", "config"] {
+        assert!(!r.raw["epp"][key].is_null(), "host.yaml epp.{key}: {}", r.raw["epp"]);
+    }
+    let epp = r.cfg.epp.as_ref().expect("the host configuration has epp");
+    let health = epp.health_listen.expect("a plaintext health listener for the probes");
+    assert!(epp.listen.ip().is_unspecified() && health.ip().is_unspecified(), "listens on the pod network");
+    assert_ne!(epp.listen.port(), health.port());
+    assert_eq!(epp.config.scheduler.max_endpoints, 1, "one endpoint for ORIGINAL_DST gateways");
+    let tls = epp.tls.as_ref().expect("TLS by default");
+
+    // The Service's port to the picker: gRPC over HTTP/2, as GIE's conformance EPP Service.
+    let port = r.service_port_to(epp.listen.port()).expect("the host Service exposes the picker's port");
+    assert_eq!(port["appProtocol"], "http2", "{port}");
+    assert_eq!(port["protocol"], "TCP");
+    assert!(r.service_port_to(health.port()).is_none(), "the health listener stays off the Service");
+
+    // The pool names that Service and port, failing closed by default (GIE's default).
+    let svc = r.host_service();
+    let pool_ref = r.pool_ref();
+    assert_eq!(pool_ref["kind"], "Service");
+    assert_eq!(pool_ref["name"], svc["metadata"]["name"]);
+    assert_eq!(pool_ref["port"]["number"], port["port"]);
+    assert_eq!(pool_ref["failureMode"], "FailClose");
+
+    // Probes: gRPC health on the plaintext listener, `readiness` and `liveness` services.
+    let c = r.host_container();
+    for (probe, service) in [("readinessProbe", "readiness"), ("livenessProbe", "liveness")] {
+        let grpc = &c[probe]["grpc"];
+        assert_eq!(grpc["port"], health.port(), "{probe}: {}", c[probe]);
+        assert_eq!(grpc["service"], service, "{probe}");
+        assert!(c[probe]["httpGet"].is_null(), "{probe}: one handler");
+    }
+
+    // The certificate: a kubernetes.io/tls Secret the chart generated, mounted where host.yaml
+    // reads it; self-signed for the host Service's DNS names, its key the certificate's.
+    let dir = tls.cert_file.parent().expect("a directory");
+    assert_eq!(tls.key_file.parent(), Some(dir));
+    let secret_name = r.secret_mounted_at(dir).expect("a Secret is mounted where host.yaml reads the certificate");
+    let secret = r.named("Secret", &secret_name).expect("the chart renders the TLS Secret");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    assert_eq!(secret["metadata"]["labels"]["app.kubernetes.io/managed-by"], "Helm");
+    let file = |p: &Path| p.file_name().and_then(|f| f.to_str()).expect("a file name").to_owned();
+    let pem = |key: &str| openssl(&["base64", "-d", "-A"], secret["data"][key].as_str().expect(key).as_bytes());
+    let (crt, key) = (pem(&file(&tls.cert_file)), pem(&file(&tls.key_file)));
+    assert!(crt.starts_with("-----BEGIN CERTIFICATE-----"), "{crt}");
+    let text = openssl(&["x509", "-noout", "-subject", "-ext", "subjectAltName"], crt.as_bytes());
+    let name = svc["metadata"]["name"].as_str().unwrap_or_default();
+    let ns = svc["metadata"]["namespace"].as_str().unwrap_or_default();
+    assert!(text.contains(&format!("CN = {name}")), "{text}");
+    let sans: Vec<&str> = text.split([',', '\n']).filter_map(|w| w.trim().strip_prefix("DNS:")).collect();
+    for dns in
+        [name.to_string(), format!("{name}.{ns}"), format!("{name}.{ns}.svc"), format!("{name}.{ns}.svc.cluster.local")]
+    {
+        assert!(sans.contains(&dns.as_str()), "no SAN {dns} in {sans:?}:\n{text}");
+    }
+    openssl(&["x509", "-noout", "-checkend", "31536000"], crt.as_bytes()); // valid for a year and more
+    assert_eq!(
+        openssl(&["x509", "-noout", "-pubkey"], crt.as_bytes()),
+        openssl(&["pkey", "-pubout"], key.as_bytes()),
+        "tls.key is the certificate's key"
+    );
+
+    // No Envoy of the chart's own: the Gateway takes the traffic; unless asked for.
+    assert!(!r.has_own_gateway(), "a gateway object rendered in Gateway API mode");
+    assert!(of_kind(&r.docs, "ConfigMap").iter().all(|c| c["data"]["envoy.yaml"].is_null()));
+    let forced = HostRender::new(&t, Some(&values), &["gateway.enabled=true"]);
+    assert!(forced.has_own_gateway() && forced.named("Deployment", "llama-attache-gateway").is_some());
+    assert!(forced.cfg.epp.is_some(), "the picker stays on next to a forced gateway");
+
+    // FailOpen when asked for.
+    let r = HostRender::new(&t, Some(&values), &["epp.failureMode=FailOpen"]);
+    assert_eq!(r.pool_ref()["failureMode"], "FailOpen");
+}
+
+#[test]
+fn the_endpoint_picker_values_change_what_is_rendered() {
+    let t = tools();
+    let values = t.chart().join("ci/gateway-api-values.yaml");
+    let generated = |r: &HostRender| of_kind(&r.docs, "Secret").into_iter().any(|s| s["type"] == "kubernetes.io/tls");
+
+    // Plaintext (h2c): no tls in host.yaml, no certificate, nothing mounted.
+    let r = HostRender::new(&t, Some(&values), &["epp.tls.enabled=false"]);
+    let epp = r.cfg.epp.as_ref().expect("epp");
+    assert!(epp.tls.is_none() && r.raw["epp"]["tls"].is_null());
+    assert!(!generated(&r));
+    let c = r.host_container();
+    assert!(
+        c["volumeMounts"].as_array().into_iter().flatten().all(|m| m["name"] != "epp-tls"),
+        "{}",
+        c["volumeMounts"]
+    );
+
+    // The user's Secret: mounted, none generated.
+    let r = HostRender::new(&t, Some(&values), &["epp.tls.secretName=picker-cert"]);
+    let tls = r.cfg.epp.as_ref().and_then(|e| e.tls.clone()).expect("TLS");
+    let dir = tls.cert_file.parent().expect("a directory");
+    assert_eq!(r.secret_mounted_at(dir).as_deref(), Some("picker-cert"));
+    assert!(!generated(&r));
+
+    // The scheduler: epp.config laid over scheduler.config, epp.config winning; Istio-style
+    // fallbacks with more endpoints.
+    let r = HostRender::new(
+        &t,
+        Some(&values),
+        &["scheduler.config.scheduler.max_body_bytes=1000", "scheduler.config.scheduler.max_endpoints=5"],
+    );
+    let s = &r.cfg.epp.as_ref().expect("epp").config.scheduler;
+    assert_eq!((s.max_body_bytes, s.max_endpoints), (1000, 1));
+    let r = HostRender::new(&t, Some(&values), &["epp.config.scheduler.max_endpoints=3"]);
+    assert_eq!(r.cfg.epp.as_ref().expect("epp").config.scheduler.max_endpoints, 3);
+
+    // Ports.
+    let r = HostRender::new(&t, Some(&values), &["host.ports.epp=9443", "host.ports.eppHealth=9444"]);
+    let epp = r.cfg.epp.as_ref().expect("epp");
+    assert_eq!((epp.listen.port(), epp.health_listen.map(|h| h.port())), (9443, Some(9444)));
+    assert_eq!(r.pool_ref()["port"]["number"], 9443);
+    assert_eq!(r.service_port_to(9443).expect("the Service port")["port"], 9443);
+    assert_eq!(r.host_container()["readinessProbe"]["grpc"]["port"], 9444);
+
+    // The pool's reference as given, or left out.
+    let r = HostRender::new(
+        &t,
+        Some(&values),
+        &["pool.endpointPickerRef.name=other-epp", "pool.endpointPickerRef.port.number=9002"],
+    );
+    assert_eq!(r.pool_ref(), &serde_json::json!({"name": "other-epp", "port": {"number": 9002}}));
+    let r = HostRender::new(&t, Some(&values), &["pool.omitEndpointPickerRef=true"]);
+    assert!(r.pool_ref().is_null());
+
+    // Without Gateway API mode the picker is off (unless epp.enabled): the pool names the
+    // snapshot port, failing open, and the probes are the admin API's /healthz.
+    let r = HostRender::new(&t, Some(&t.chart().join("ci/vllm-values.yaml")), &[]);
+    assert!(r.cfg.epp.is_none() && !generated(&r) && r.has_own_gateway());
+    let grpc = r.cfg.grpc_listen.port();
+    assert_eq!(r.pool_ref()["port"]["number"], r.service_port_to(grpc).expect("grpc")["port"]);
+    assert_eq!(r.pool_ref()["failureMode"], "FailOpen");
+    assert_eq!(r.host_container()["readinessProbe"]["httpGet"]["path"], "/healthz");
+    assert!(r.host_service()["spec"]["ports"].as_array().into_iter().flatten().all(|p| p["appProtocol"] != "http2"));
+    let r = HostRender::new(&t, Some(&t.chart().join("ci/vllm-values.yaml")), &["epp.enabled=true"]);
+    assert!(r.cfg.epp.is_some() && generated(&r) && r.has_own_gateway());
+    assert_eq!(r.pool_ref()["port"]["number"], r.cfg.epp.as_ref().map_or(0, |e| e.listen.port()));
+    let r = HostRender::new(&t, Some(&values), &["epp.enabled=false"]);
+    assert!(r.cfg.epp.is_none() && !generated(&r) && !r.has_own_gateway());
 }
 
 // ---------------------------------------------------------------------------------------------

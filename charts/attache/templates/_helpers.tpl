@@ -100,3 +100,41 @@ ORIGINAL_DST pool: Envoy reads that header as one ip:port, and a list would matc
 {{- end }}
 {{- toJson $cfg }}
 {{- end }}
+
+{{/*
+Whether the chart's own Envoy gateway is rendered ("true" or ""): `gateway.enabled` when set;
+unset (null, the default), on except in Gateway API mode, where the user's Gateway takes the
+traffic and Attaché's endpoint picker makes the pick.
+*/}}
+{{- define "attache.gatewayEnabled" -}}
+{{- if kindIs "invalid" .Values.gateway.enabled }}
+{{- if not .Values.gatewayApi.enabled }}true{{ end }}
+{{- else if .Values.gateway.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+Whether the host serves the endpoint picker ("true" or ""): `epp.enabled` when set; unset
+(null, the default), in Gateway API mode.
+*/}}
+{{- define "attache.eppEnabled" -}}
+{{- if kindIs "invalid" .Values.epp.enabled }}
+{{- if .Values.gatewayApi.enabled }}true{{ end }}
+{{- else if .Values.epp.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The Secret holding the picker's TLS certificate (tls.crt, tls.key). */}}
+{{- define "attache.eppTlsSecretName" -}}
+{{- default (printf "%s-epp-tls" (include "attache.hostName" .)) .Values.epp.tls.secretName }}
+{{- end }}
+
+{{/*
+The endpoint picker's scheduler configuration: `epp.config` laid over `scheduler.config` (the
+same document as the filter's; keys in `epp.config` win), without the filter-only `role` and
+`subscribe`.
+*/}}
+{{- define "attache.eppConfig" -}}
+{{- $cfg := mergeOverwrite (deepCopy (default (dict) .Values.scheduler.config)) (deepCopy (default (dict) .Values.epp.config)) }}
+{{- $_ := unset $cfg "role" }}
+{{- $_ := unset $cfg "subscribe" }}
+{{- toYaml $cfg }}
+{{- end }}
