@@ -52,6 +52,10 @@ pub struct Stack {
     /// The host's `kubernetes:` configuration (JSON): discovery from an API server instead of
     /// the endpoints file.
     pub host_kubernetes: Option<serde_json::Value>,
+    /// The host's `epp:` configuration (JSON): the endpoint picker, listening on
+    /// [`Stack::host_epp_port`] unless it names its own `listen`.
+    pub host_epp: Option<serde_json::Value>,
+    pub host_epp_port: u16,
     /// Pod labels per engine (by index in `engine_addrs`), written to the endpoints file.
     pub endpoint_labels: Vec<Vec<(String, String)>>,
     /// `llm-d.ai/role` per engine (`prefill`, `decode`, `both`); engines not listed are `both`.
@@ -89,6 +93,8 @@ impl Stack {
             host_policy: None,
             host_flow: None,
             host_kubernetes: None,
+            host_epp: None,
+            host_epp_port: free_port(),
             endpoint_labels: Vec::new(),
             endpoint_roles: Vec::new(),
             envoy_template: None,

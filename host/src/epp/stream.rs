@@ -43,6 +43,8 @@ struct Planned {
     learn_response: bool,
     /// The endpoint that served, once the gateway said (else the primary).
     served: Option<String>,
+    /// Its in-flight count was released.
+    released: bool,
 }
 
 /// One stream's state.
@@ -102,12 +104,24 @@ impl Stream {
                 }
                 out
             }
-            Some(R::ResponseHeaders(h)) => vec![self.on_response_headers(&wire::headers_of(h.headers.as_ref()), md)],
+            Some(R::ResponseHeaders(h)) => {
+                let out = self.on_response_headers(&wire::headers_of(h.headers.as_ref()), md);
+                if h.end_of_stream {
+                    self.release();
+                }
+                vec![out]
+            }
             Some(R::ResponseBody(b)) => {
                 self.learn_response_id(&b.body);
+                if b.end_of_stream {
+                    self.release();
+                }
                 vec![wire::body(false, self.response_duplex, b.body, b.end_of_stream)]
             }
-            Some(R::ResponseTrailers(_)) => vec![wire::trailers(false)],
+            Some(R::ResponseTrailers(_)) => {
+                self.release();
+                vec![wire::trailers(false)]
+            }
             None => {
                 self.picker.metrics.protocol_error("empty_request");
                 Vec::new()
@@ -229,7 +243,7 @@ impl Stream {
         let out = self.route(&plan);
         self.picker.metrics.decision(started.elapsed().as_secs_f64() * 1e6);
         let learn_response = intake::learns_response(self.picker.config(), api);
-        self.planned = Some(Planned { plan, learn_response, served: None });
+        self.planned = Some(Planned { plan, learn_response, served: None, released: false });
         self.outcome = Some(Outcome::Scheduled);
         out
     }
@@ -284,13 +298,22 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// The response ended (its last body chunk or its trailers passed), or the stream did:
+    /// release the request's in-flight count, once.
+    fn release(&mut self) {
+        if let Some(p) = self.planned.as_mut().filter(|p| !p.released) {
+            p.released = true;
+            self.picker.release(&p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens);
+        }
+    }
+}
+
 impl Drop for Stream {
     /// The stream ended (the request completed, or the gateway or client went away): release
     /// its in-flight count, drop it from the flow-control queue, count its outcome.
     fn drop(&mut self) {
-        if let Some(p) = &self.planned {
-            self.picker.release(&p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens);
-        }
+        self.release();
         if self.phase == Phase::Buffering {
             self.picker.abandon(self.id);
             self.outcome = Some(Outcome::Abandoned);
@@ -568,7 +591,17 @@ mod tests {
             "the token names who served"
         );
         assert_eq!(p.load().0, [(other.clone(), 1)].into(), "in flight moved to the endpoint that served");
+        let last = HttpBody { body: b"data: [DONE]\n\n".to_vec(), end_of_stream: true, ..Default::default() };
+        let out = s
+            .on_message(ProcessingRequest {
+                request: Some(processing_request::Request::ResponseBody(last)),
+                ..Default::default()
+            })
+            .await;
+        assert!(matches!(&out[0].response, Some(processing_response::Response::ResponseBody(_))));
+        assert!(p.load().0.is_empty(), "released when the response ends, before the stream closes");
         drop(s);
+        assert!(p.load().0.is_empty(), "released once");
         let next = route(&p, &chat(&prompt)).await.header.unwrap();
         assert_eq!(next.split(',').next(), Some(other.as_str()), "the next request follows the cache, not the primary");
     }

@@ -18,7 +18,11 @@ impl Stack {
         let mut cmd = Command::new(&self.paths.host_bin);
         // The tests choose the admin token; one in the caller's environment would change them.
         cmd.arg("host").env_remove("ATTACHE_ADMIN_TOKEN");
-        if self.host_policy.is_some() || self.host_flow.is_some() || self.host_kubernetes.is_some() {
+        if self.host_policy.is_some()
+            || self.host_flow.is_some()
+            || self.host_kubernetes.is_some()
+            || self.host_epp.is_some()
+        {
             let mut config = serde_json::json!({});
             if let Some(policy) = &self.host_policy {
                 config["policy"] = policy.clone();
@@ -28,6 +32,13 @@ impl Stack {
             }
             if let Some(k) = &self.host_kubernetes {
                 config["kubernetes"] = k.clone();
+            }
+            if let Some(e) = &self.host_epp {
+                let mut e = e.clone();
+                if e.get("listen").is_none() {
+                    e["listen"] = serde_json::json!(format!("127.0.0.1:{}", self.host_epp_port));
+                }
+                config["epp"] = e;
             }
             let path = self.workdir.join("host.yaml");
             // YAML is a superset of JSON.
@@ -47,7 +58,8 @@ impl Stack {
         )?;
         self.host = Some(p);
         let port = self.host_grpc_port;
-        if !wait_until(Duration::from_secs(20), || port_open(port)) {
+        let epp = self.host_epp.as_ref().map(|_| self.host_epp_port);
+        if !wait_until(Duration::from_secs(20), || port_open(port) && epp.is_none_or(port_open)) {
             bail!("host did not listen; see {}", self.workdir.join("host.log").display());
         }
         Ok(())
