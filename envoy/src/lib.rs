@@ -7,11 +7,22 @@
 //! cannot drift from it. Placeholders are `{{NAME}}`; a placeholder left unfilled is an error
 //! rather than a bootstrap Envoy would refuse with a less clear message. Its dependencies stay
 //! few (YAML, JSON), so the launcher renders a bootstrap without building the host.
+//!
+//! Beside them, two bootstraps that are not Attaché's gateway: Envoy configured the way GIE
+//! gateways configure it for an endpoint picker, in their two shapes ([`EppShape`]:
+//! `epp-gie.yaml`, `epp-istio.yaml`, rendered by [`render_epp`]), so the host's picker is tested
+//! behind the real Envoy as those gateways run it.
 
 use std::net::SocketAddr;
 use std::path::Path;
 
 use serde_yaml::{Mapping, Value};
+
+mod epp;
+pub use epp::{
+    render_epp, render_epp_template, EppParams, EppShape, EPP_ORIGINAL_DST_TEMPLATE, EPP_OVERRIDE_HOST_TEMPLATE,
+    SUBSET_HINT_HEADER,
+};
 
 /// `envoy/attache.yaml`: the recommended bootstrap (snapshot agent, scheduler, `override_host`).
 pub const ATTACHE_TEMPLATE: &str = include_str!("../attache.yaml");
@@ -85,6 +96,8 @@ pub enum BootstrapError {
     Yaml(#[from] serde_yaml::Error),
     #[error("the {variant:?} variant needs {missing} in the template")]
     NotAttache { variant: Variant, missing: &'static str },
+    #[error("the {0:?} endpoint-picker bootstrap lists the pool's members, and none were given")]
+    NoPoolEndpoints(EppShape),
 }
 
 /// The static `lb_endpoints` entries, one line each.
@@ -161,15 +174,15 @@ const PLACEHOLDERS: &[&str] = &[
     "SCHEDULER_CONFIG",
 ];
 
-/// The first `{{NAME}}` in `template` (upper case and `_`) that is not a known placeholder.
-/// Checked on the template, before any value goes in: a value may hold braces of its own (a
-/// Jinja chat template in the scheduler configuration does).
-fn unknown_placeholder(template: &str) -> Option<String> {
+/// The first `{{NAME}}` in `template` (upper case and `_`) that is not in `known`. Checked on
+/// the template, before any value goes in: a value may hold braces of its own (a Jinja chat
+/// template in the scheduler configuration does).
+fn unknown_placeholder(template: &str, known: &[&str]) -> Option<String> {
     let mut rest = template;
     while let Some(i) = rest.find("{{") {
         rest = &rest[i + 2..];
         let name: String = rest.chars().take_while(|c| c.is_ascii_uppercase() || *c == '_').collect();
-        if !name.is_empty() && rest[name.len()..].starts_with("}}") && !PLACEHOLDERS.contains(&name.as_str()) {
+        if !name.is_empty() && rest[name.len()..].starts_with("}}") && !known.contains(&name.as_str()) {
             return Some(format!("{{{{{name}}}}}"));
         }
     }
@@ -197,7 +210,7 @@ fn scheduler_config(p: &Params<'_>) -> Result<serde_json::Value, BootstrapError>
 /// Fill `template`'s placeholders, then make the variant's edits. The scheduler configuration
 /// goes in last, so nothing in it is taken for a placeholder.
 pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> {
-    if let Some(name) = unknown_placeholder(template) {
+    if let Some(name) = unknown_placeholder(template, PLACEHOLDERS) {
         return Err(BootstrapError::Unknown(name));
     }
     let scheduler = scheduler_config(p)?;

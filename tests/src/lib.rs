@@ -24,4 +24,4 @@ pub mod stack;
 pub mod stats;
 
 pub use paths::Paths;
-pub use stack::{EnvoyKind, SimOpts, Stack};
+pub use stack::{EnvoyKind, EppEnvoy, EppEnvoyOpts, SimOpts, Stack};

@@ -1,7 +1,8 @@
 //! A deployment of Attaché on loopback: the simulated engines, the host and Envoy, each a real
 //! process on fresh ports, started and stopped by one [`Stack`]. Each part's methods live in
 //! its own module: [`engines`] (the simulator, extra and external engines, the endpoints file),
-//! [`host`] and [`envoy`] (bootstrap, start, stats).
+//! [`host`] and [`envoy`] (bootstrap, start, stats). [`epp_envoy`] starts a second Envoy beside
+//! them, configured as gateways configure it for an endpoint picker.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -14,10 +15,12 @@ use crate::process::Proc;
 
 mod engines;
 mod envoy;
+mod epp_envoy;
 mod host;
 
 pub use engines::{ExternalEngine, SimOpts};
 pub use envoy::EnvoyKind;
+pub use epp_envoy::{validate_bootstrap, EppEnvoy, EppEnvoyOpts};
 
 /// A running deployment: simulator, host and Envoy, on fresh ports.
 pub struct Stack {
