@@ -74,6 +74,12 @@ pub struct EppParams {
     /// filter before `ext_proc` that Envoy skips for every other request. The override-host
     /// shape then forwards `envoy.lb.subset_hint` too, which Istio does not.
     pub subset_hint: Option<Vec<String>>,
+    /// Test only: stand in for Kubernetes taking a picker that fails its readiness probe out of
+    /// its Service's endpoints (which is how Istio's EDS, and so the gateway, learns it): the
+    /// picker cluster checks the picker's gRPC `readiness` every 200 ms and, with no healthy
+    /// member, selects none (`healthy_panic_threshold` 0). A picker stream then fails when it
+    /// opens, before any body is sent, so `FailOpen` can let the request through.
+    pub picker_readiness: bool,
 }
 
 /// Every placeholder an EPP template may hold.
@@ -85,6 +91,7 @@ const EPP_PLACEHOLDERS: &[&str] = &[
     "EPP_ADDRESS",
     "EPP_PORT",
     "EPP_TLS",
+    "EPP_READINESS",
     "FAILURE_MODE_ALLOW",
     "SUBSET_HINT",
     "FORWARDING_NAMESPACES",
@@ -100,6 +107,25 @@ const EPP_TLS_SOCKET: &str = "    # TLS that accepts any certificate (an empty v
       typed_config:
         \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
         common_tls_context: {validation_context: {}}
+";
+
+/// The picker's readiness as Kubernetes applies it (`{{EPP_READINESS}}`, see
+/// [`EppParams::picker_readiness`]).
+const EPP_READINESS_CHECK: &str =
+    "    # Test only: the picker's readiness as Kubernetes applies it. A pod that fails its gRPC
+    # readiness probe leaves the Service's endpoints, and the gateway's cluster with them.
+    health_checks:
+    - timeout: 0.2s
+      interval: 0.2s
+      # A cluster only ext_proc streams use counts as one without traffic: without these,
+      # Envoy checks it once a minute.
+      no_traffic_interval: 0.2s
+      no_traffic_healthy_interval: 0.2s
+      unhealthy_threshold: 1
+      healthy_threshold: 1
+      grpc_health_check: {service_name: readiness}
+      tls_options: {alpn_protocols: [\"h2\"]}
+    common_lb_config: {healthy_panic_threshold: {value: 0}}
 ";
 
 /// The test-only subset-hint filter (`{{SUBSET_HINT}}`); `{{LIST}}` is the hint, a YAML flow
@@ -157,10 +183,12 @@ pub fn render_epp_template(template: &str, shape: EppShape, p: &EppParams) -> Re
         out = out.replace("{{POOL_ENDPOINTS}}\n", &lb_endpoints(&p.pool)?);
     }
     let tls = if p.epp_tls { EPP_TLS_SOCKET } else { "" };
+    let readiness = if p.picker_readiness { EPP_READINESS_CHECK } else { "" };
     let forwarding =
         if p.subset_hint.is_some() { r#"["envoy.lb", "envoy.lb.subset_hint"]"# } else { r#"["envoy.lb"]"# };
     let out = out
         .replace("{{EPP_TLS}}\n", tls)
+        .replace("{{EPP_READINESS}}\n", readiness)
         .replace("{{FORWARDING_NAMESPACES}}", forwarding)
         .replace("{{FAILURE_MODE_ALLOW}}", if p.failure_mode_allow { "true" } else { "false" })
         .replace("{{ADMIN_ADDRESS}}", &p.admin.ip().to_string())
@@ -193,6 +221,7 @@ mod tests {
             failure_mode_allow: fail_open,
             pool: vec!["10.0.0.7:8000".into(), "[fd00::1]:8000".into()],
             subset_hint: hint,
+            picker_readiness: false,
         }
     }
 

@@ -58,6 +58,8 @@ pub struct Stack {
     /// The host's `epp:` configuration (JSON): the endpoint picker, listening on
     /// [`Stack::host_epp_port`] unless it names its own `listen`.
     pub host_epp: Option<serde_json::Value>,
+    /// Other top-level host settings (JSON object), e.g. `scrape_interval_ms`.
+    pub host_extra: Option<serde_json::Value>,
     pub host_epp_port: u16,
     /// Pod labels per engine (by index in `engine_addrs`), written to the endpoints file.
     pub endpoint_labels: Vec<Vec<(String, String)>>,
@@ -97,6 +99,7 @@ impl Stack {
             host_flow: None,
             host_kubernetes: None,
             host_epp: None,
+            host_extra: None,
             host_epp_port: free_port(),
             endpoint_labels: Vec::new(),
             endpoint_roles: Vec::new(),

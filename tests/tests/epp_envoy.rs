@@ -41,6 +41,17 @@ fn every_rendering_of_both_shapes_passes_envoy_validate() {
             validate_bootstrap(&s.paths.envoy, &file).unwrap_or_else(|e| panic!("{e:#}"));
         }
     }
+    // The picker's readiness as Kubernetes applies it (the failure-mode tests' stand-in).
+    let opts = EppEnvoyOpts {
+        picker_readiness: true,
+        pool: Some(vec!["127.0.0.1:18091".into()]),
+        ..EppEnvoyOpts::new(EppShape::OverrideHost, epp)
+    };
+    let file = s.workdir.join("readiness.yaml");
+    let rendered = s.render_epp_envoy(&opts, 18081, 19901).expect("render");
+    assert!(rendered.contains("service_name: readiness") && rendered.contains("healthy_panic_threshold"));
+    std::fs::write(&file, rendered).unwrap();
+    validate_bootstrap(&s.paths.envoy, &file).unwrap_or_else(|e| panic!("{e:#}"));
 }
 
 /// An HTTP/1.1 server on loopback that answers every request `200 ok` and closes.

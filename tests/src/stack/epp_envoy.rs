@@ -30,6 +30,9 @@ pub struct EppEnvoyOpts {
     /// Test only: the subset hint for requests with `x-test-subset: on`
     /// ([`attache_envoy::SUBSET_HINT_HEADER`]).
     pub subset_hint: Option<Vec<String>>,
+    /// Test only: the picker cluster follows the picker's gRPC readiness, as Kubernetes
+    /// endpoints would ([`attache_envoy::EppParams::picker_readiness`]).
+    pub picker_readiness: bool,
     /// The pool's members for [`EppShape::OverrideHost`]; `None`: the stack's engines.
     pub pool: Option<Vec<String>>,
     /// Envoy's `--concurrency` (worker threads).
@@ -40,7 +43,16 @@ impl EppEnvoyOpts {
     /// `shape` calling the picker at `epp` over plaintext HTTP/2, `FailClose` (GIE's default),
     /// no subset hint, the stack's engines, one worker.
     pub fn new(shape: EppShape, epp: SocketAddr) -> Self {
-        Self { shape, epp, tls: false, failure_mode_allow: false, subset_hint: None, pool: None, concurrency: 1 }
+        Self {
+            shape,
+            epp,
+            tls: false,
+            failure_mode_allow: false,
+            subset_hint: None,
+            picker_readiness: false,
+            pool: None,
+            concurrency: 1,
+        }
     }
 }
 
@@ -130,6 +142,7 @@ impl Stack {
             failure_mode_allow: opts.failure_mode_allow,
             pool: opts.pool.clone().unwrap_or_else(|| self.engine_addrs()),
             subset_hint: opts.subset_hint.clone(),
+            picker_readiness: opts.picker_readiness,
         };
         attache_envoy::render_epp_template(&tpl, opts.shape, &params)
             .with_context(|| format!("rendering {}", path.display()))

@@ -22,8 +22,9 @@ impl Stack {
             || self.host_flow.is_some()
             || self.host_kubernetes.is_some()
             || self.host_epp.is_some()
+            || self.host_extra.is_some()
         {
-            let mut config = serde_json::json!({});
+            let mut config = self.host_extra.clone().unwrap_or_else(|| serde_json::json!({}));
             if let Some(policy) = &self.host_policy {
                 config["policy"] = policy.clone();
             }
