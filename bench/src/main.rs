@@ -5,6 +5,7 @@
 
 mod agents;
 mod compare;
+mod epp;
 mod flow_control;
 mod kv_ingest;
 mod load;
@@ -56,6 +57,8 @@ enum Cmd {
     Agents(agents::Args),
     /// The cost of deciding in Envoy: added latency and Envoy CPU per request vs plain Envoy.
     Overhead(overhead::Args),
+    /// In-Envoy filter vs endpoint picker (ext_proc): added latency and CPU per request.
+    Epp(epp::Args),
     /// Side by side with the peer routers on file-described scenarios (`bench/scenarios/`).
     Peers(compare::Args),
     /// Sustained load: 2,000 concurrent streaming clients for 60 s; errors, latency, memory, CPU.
@@ -203,6 +206,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::FlowControl(a) => flow_control::run(a).await,
         Cmd::Pd(a) => pd::run(a).await,
         Cmd::Overhead(a) => overhead::run(a).await,
+        Cmd::Epp(a) => epp::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
         Cmd::Load(a) => load::run(a).await,
         Cmd::Peers(a) => compare::run(a).await,

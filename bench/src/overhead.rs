@@ -79,7 +79,7 @@ vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"tinyllama\"} 0.0\n\
 vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"2048\"} 1.0\n";
 
 /// The fast endpoint: reads the whole request, answers a fixed one-token completion.
-async fn fast_endpoint() -> anyhow::Result<SocketAddr> {
+pub(crate) async fn fast_endpoint() -> anyhow::Result<SocketAddr> {
     let answer = json!({
         "id": "chatcmpl-fast", "object": "chat.completion", "created": 0, "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
@@ -117,7 +117,7 @@ async fn fast_endpoint() -> anyhow::Result<SocketAddr> {
 }
 
 /// A chat body of about `bytes` bytes; `i` makes each request's prompt distinct.
-fn body(i: usize, bytes: usize) -> Vec<u8> {
+pub(crate) fn body(i: usize, bytes: usize) -> Vec<u8> {
     const WORDS: [&str; 8] = ["parse", "route", "score", "cache", "block", "token", "queue", "shard"];
     let mut text = format!("Request {i}. ");
     let mut k = i as u64;
