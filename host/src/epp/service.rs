@@ -155,9 +155,8 @@ pub async fn serve(
         TcpListener::bind(cfg.listen).await.with_context(|| format!("binding the picker on {}", cfg.listen))?;
     let health = HealthServer::new(HealthService { picker: picker.clone() });
     // Windows wide enough for a 400 KB body in flight without waiting on WINDOW_UPDATEs.
-    let mut server = Server::builder()
-        .initial_stream_window_size(Some(1 << 20))
-        .initial_connection_window_size(Some(16 << 20));
+    let mut server =
+        Server::builder().initial_stream_window_size(Some(1 << 20)).initial_connection_window_size(Some(16 << 20));
     if let Some(tls) = &cfg.tls {
         let cert = std::fs::read(&tls.cert_file).with_context(|| format!("reading {}", tls.cert_file.display()))?;
         let key = std::fs::read(&tls.key_file).with_context(|| format!("reading {}", tls.key_file.display()))?;
