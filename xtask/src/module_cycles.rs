@@ -460,7 +460,9 @@ mod tests {
     use super::*;
 
     fn fixture(name: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/module-cycles").join(name).join("src/lib.rs")
+        // The checkout found at run time, not the one this binary was compiled in (a shared
+        // target directory reuses a test binary built from another clone).
+        crate::root().join("xtask/fixtures/module-cycles").join(name).join("src/lib.rs")
     }
 
     #[test]
