@@ -75,6 +75,15 @@ impl Slot {
         self.ids[..usize::from(self.n)].contains(&id)
     }
 
+    /// Drop `id` from the block; true when that empties the slot.
+    fn remove(&mut self, id: u16) -> bool {
+        let n = usize::from(self.n);
+        let Some(p) = self.ids[..n].iter().position(|&x| x == id) else { return false };
+        self.ids.copy_within(p + 1..n, p);
+        self.n -= 1;
+        self.n == 0
+    }
+
     fn add(&mut self, id: u16) {
         if self.holds(id) {
             return;
@@ -236,13 +245,8 @@ impl ApproxPrefixIndex {
     pub fn unrecord(&mut self, hashes: &[u64], anchors: &[usize], from: usize, address: &str) {
         let Some(id) = self.ids.get(address).copied() else { return };
         for h in sampled(hashes.len(), anchors).into_iter().filter(|&p| p >= from).map(|p| hashes[p]) {
-            let Some(i) = self.find(h) else { continue };
-            let slot = &mut self.slots[i];
-            let n = usize::from(slot.n);
-            if let Some(p) = slot.ids[..n].iter().position(|&x| x == id) {
-                slot.ids.copy_within(p + 1..n, p);
-                slot.n -= 1;
-                if slot.n == 0 {
+            if let Some(i) = self.find(h) {
+                if self.slots[i].remove(id) {
                     self.len -= 1;
                 }
             }
@@ -253,13 +257,8 @@ impl ApproxPrefixIndex {
     pub fn forget(&mut self, address: &str) {
         let Some(id) = self.ids.get(address).copied() else { return };
         for slot in &mut self.slots {
-            let n = usize::from(slot.n);
-            if let Some(p) = slot.ids[..n].iter().position(|&x| x == id) {
-                slot.ids.copy_within(p + 1..n, p);
-                slot.n -= 1;
-                if slot.n == 0 {
-                    self.len -= 1;
-                }
+            if slot.remove(id) {
+                self.len -= 1;
             }
         }
     }

@@ -64,6 +64,20 @@ impl PromptTokenizer {
         Ok((me, failed))
     }
 
+    /// The tokenizer precise routing uses, if it is configured: `Ok(None)` when precise routing
+    /// or the tokenizer is off; `Err(why)` when it cannot load or gives other ids than the
+    /// engine on a configured check (the host logs and counts it, and routes without it).
+    pub fn for_routing(cfg: &PreciseConfig) -> Result<Option<Self>, String> {
+        if !cfg.enabled || cfg.tokenizer_json.is_none() {
+            return Ok(None);
+        }
+        match Self::load_checked(cfg) {
+            Ok((t, 0)) => Ok(Some(t)),
+            Ok((_, failed)) => Err(format!("tokenizer gives other ids than the engine on {failed} check(s)")),
+            Err(e) => Err(format!("tokenizer not usable ({e})")),
+        }
+    }
+
     fn check(&mut self, c: &TokenizerCheck) -> bool {
         let got = match &c.messages {
             Some(ms) => self.conversation(ms, true, 0).ok(),
@@ -137,6 +151,20 @@ mod tests {
 
     fn reference(file: &str) -> String {
         attache_fixtures::read_vllm(file).unwrap()
+    }
+
+    #[test]
+    fn the_routing_tokenizer_is_off_loaded_or_refused_with_a_reason() {
+        assert!(PromptTokenizer::for_routing(&PreciseConfig::default()).unwrap().is_none(), "precise off");
+        let cfg = PreciseConfig { enabled: true, ..PreciseConfig::default() };
+        assert!(PromptTokenizer::for_routing(&cfg).unwrap().is_none(), "no tokenizer configured");
+        let broken = PreciseConfig { tokenizer_json: Some("{".into()), ..cfg.clone() };
+        assert!(PromptTokenizer::for_routing(&broken).unwrap_err().contains("not usable"));
+        let mut wrong = reference_config();
+        wrong.tokenizer_check =
+            vec![TokenizerCheck { text: "Hello".into(), messages: None, add_special_tokens: true, ids: vec![1] }];
+        assert!(PromptTokenizer::for_routing(&wrong).unwrap_err().contains("1 check(s)"));
+        assert!(PromptTokenizer::for_routing(&reference_config()).unwrap().is_some());
     }
 
     fn reference_config() -> PreciseConfig {

@@ -134,18 +134,11 @@ impl Worker {
 /// The model's tokenizer and chat template for precise routing, if configured and if they give
 /// the engine's ids on the configured checks; otherwise none, logged and counted.
 fn load_tokenizer(config: &FilterConfig, metrics: &mut Metrics) -> Option<PromptTokenizer> {
-    let pc = &config.scheduler.precise;
-    if !pc.enabled || pc.tokenizer_json.is_none() {
-        return None;
-    }
-    let why = match PromptTokenizer::load_checked(pc) {
-        Ok((t, 0)) => return Some(t),
-        Ok((_, failed)) => format!("tokenizer gives other ids than the engine on {failed} check(s)"),
-        Err(e) => format!("tokenizer not usable ({e})"),
-    };
-    host::log(LogLevel::Error, &format!("attache: {why}; text and chat prompts will not be routed precisely"));
-    metrics.tokenizer_mismatch();
-    None
+    PromptTokenizer::for_routing(&config.scheduler.precise).unwrap_or_else(|why| {
+        host::log(LogLevel::Error, &format!("attache: {why}; text and chat prompts will not be routed precisely"));
+        metrics.tokenizer_mismatch();
+        None
+    })
 }
 
 #[cfg(test)]

@@ -390,16 +390,9 @@ fn estimate(st: &mut State) -> Option<f64> {
 /// The tokenizer for precise routing, if configured and if it gives the engine's ids on the
 /// configured checks; otherwise none, logged and counted.
 fn load_tokenizer(config: &FilterConfig, metrics: &EppMetrics) -> Option<PromptTokenizer> {
-    let pc = &config.scheduler.precise;
-    if !pc.enabled || pc.tokenizer_json.is_none() {
-        return None;
-    }
-    let why = match PromptTokenizer::load_checked(pc) {
-        Ok((t, 0)) => return Some(t),
-        Ok((_, failed)) => format!("tokenizer gives other ids than the engine on {failed} check(s)"),
-        Err(e) => format!("tokenizer not usable ({e})"),
-    };
-    warn!("endpoint picker: {why}; text and chat prompts will not be routed precisely");
-    metrics.tokenizer_refused();
-    None
+    PromptTokenizer::for_routing(&config.scheduler.precise).unwrap_or_else(|why| {
+        warn!("endpoint picker: {why}; text and chat prompts will not be routed precisely");
+        metrics.tokenizer_refused();
+        None
+    })
 }
