@@ -241,6 +241,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         }
     }
     let steal_pct = steal.percent().map(|p| (p * 10.0).round() / 10.0);
+    let decision = decision_times(&systems).await;
+    println!("  decision time over every size and load (µs): {decision}");
     let doc = json!({
         "scenario": "epp",
         "command": "cargo xtask bench epp",
@@ -252,6 +254,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "cpu": "cpu_us_per_req: on-CPU µs per request of every process involved: Envoy for envoy; Envoy plus the host for in-envoy and picker",
         "config": {"body_bytes": a.body_bytes, "requests": a.requests, "concurrency": a.concurrency, "rounds": a.rounds, "envoy_concurrency": 2, "scheduler": scheduler()},
         "steal_pct": steal_pct,
+        "decision_us": decision,
         "runs": runs,
         "ratios": ratio_rows,
     });
@@ -260,6 +263,66 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     std::fs::write(a.out.with_extension("svg"), svg(&doc))?;
     println!("wrote {} and {}", a.out.with_extension("md").display(), a.out.with_extension("svg").display());
     Ok(())
+}
+
+/// Each mode's own decision time over the whole run, p50 and p99 (µs): the filter's
+/// `attache.decision_us` from Envoy (merged at its 5 s stats flush), the picker's
+/// `attache_epp_decision_us` from the host, both interpolated within the same buckets.
+async fn decision_times(systems: &[System]) -> Value {
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let mut out = serde_json::Map::new();
+    for sys in systems {
+        let (p50, p99) = match sys.name {
+            "in-envoy" => {
+                let stats = sys._stack.envoy_stats();
+                let q = |p: &str| attache_e2e::stats::histogram_quantile(&stats, "wasmcustom.attache.decision_us", p);
+                (q("P50"), q("P99"))
+            }
+            "picker" => {
+                let page = attache_e2e::admin_http::http_get_blocking(sys._stack.host_admin_port, "/metrics");
+                let buckets = prometheus_buckets(&page.unwrap_or_default(), "attache_epp_decision_us");
+                (bucket_quantile(&buckets, 0.5), bucket_quantile(&buckets, 0.99))
+            }
+            _ => continue,
+        };
+        out.insert(sys.name.to_owned(), json!({"p50_us": p50.map(f64::round), "p99_us": p99.map(f64::round)}));
+    }
+    Value::Object(out)
+}
+
+/// A Prometheus histogram's cumulative buckets, `(upper bound, count)`, `+Inf` last.
+fn prometheus_buckets(page: &str, name: &str) -> Vec<(f64, f64)> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    page.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// The `q` quantile of cumulative buckets, interpolated linearly within its bucket (as Envoy
+/// computes its own quantiles); `None` for an empty histogram or one past the last bound.
+fn bucket_quantile(buckets: &[(f64, f64)], q: f64) -> Option<f64> {
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let target = q * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, cum) in buckets {
+        if cum >= target {
+            if !le.is_finite() {
+                return None;
+            }
+            let span = (cum - prev.1).max(1e-9);
+            return Some(prev.0 + (le - prev.0) * (target - prev.1) / span);
+        }
+        prev = (le, cum);
+    }
+    None
 }
 
 /// A figure as a table shows it: whole numbers without a decimal point.
@@ -376,6 +439,18 @@ mod tests {
 
     fn samples(lat: &[f64], cpu_ns: u64, rounds: &[f64]) -> Samples {
         Samples { lat_us: lat.to_vec(), cpu_ns, round_p50_us: rounds.to_vec() }
+    }
+
+    #[test]
+    fn quantiles_come_from_cumulative_buckets() {
+        let page = "attache_epp_decision_us_bucket{le=\"10\"} 0\nattache_epp_decision_us_bucket{le=\"25\"} 50\n\
+                    attache_epp_decision_us_bucket{le=\"50\"} 100\nattache_epp_decision_us_bucket{le=\"+Inf\"} 100\n";
+        let b = prometheus_buckets(page, "attache_epp_decision_us");
+        assert_eq!(b.len(), 4);
+        assert_eq!(bucket_quantile(&b, 0.5), Some(25.0));
+        assert_eq!(bucket_quantile(&b, 0.25).map(f64::round), Some(18.0));
+        assert_eq!(bucket_quantile(&b, 0.99).map(f64::round), Some(50.0));
+        assert_eq!(bucket_quantile(&[], 0.5), None);
     }
 
     #[test]

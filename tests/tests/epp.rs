@@ -209,35 +209,41 @@ async fn shedding_is_429_and_an_empty_pool_503_through_the_picker() {
     s.host_epp = Some(epp_config(json!({"max_endpoints": 3}), json!({"flow": {"enabled": true, "ttl_ms": 1500}})));
     s.start_host().expect("host");
     wait_host_ready(&s, 4);
-    let e =
-        s.start_epp_envoy("envoy-shed", &EppEnvoyOpts::new(EppShape::OverrideHost, picker_addr(&s))).expect("envoy");
+    let gie = s.start_epp_envoy("envoy-shed-gie", &EppEnvoyOpts::new(EppShape::OriginalDst, picker_addr(&s))).unwrap();
+    let istio =
+        s.start_epp_envoy("envoy-shed-istio", &EppEnvoyOpts::new(EppShape::OverrideHost, picker_addr(&s))).unwrap();
     let http = fresh_client();
-    for i in 0..3 {
-        let o =
-            post(&e, &http, chat(&format!("sheddable {i}"), "u", 2), &[("x-llm-d-inference-objective", "batch")]).await;
-        assert_eq!(o.status, 429, "{}", o.body);
-        assert_eq!(o.header("retry-after"), Some("1"));
-        assert_eq!(o.header("x-attache-dropped-reason"), Some("sheddable"));
-        assert_eq!(json_error(&o).0, 429);
+    for e in [&gie, &istio] {
+        let tag = format!("{:?}", e.shape);
+        for i in 0..3 {
+            let batch = [("x-llm-d-inference-objective", "batch")];
+            let o = post(e, &http, chat(&format!("{tag} sheddable {i}"), "u", 2), &batch).await;
+            assert_eq!(o.status, 429, "{tag}: {}", o.body);
+            assert_eq!(o.header("retry-after"), Some("1"));
+            assert_eq!(o.header("x-attache-dropped-reason"), Some("sheddable"));
+            assert_eq!(json_error(&o).0, 429);
+        }
+        // A request that may wait does, until its TTL, then 429 (expired): nothing is lost.
+        let o = post(e, &http, chat(&format!("{tag} waits"), "u", 2), &[("x-llm-d-inference-objective", "chat")]).await;
+        assert_eq!((o.status, o.header("x-attache-dropped-reason")), (429, Some("ttl_expired")), "{tag}: {}", o.body);
     }
-    // A request that may wait does, until its TTL, then 429 (expired): nothing is lost.
-    let o = post(&e, &http, chat("waits", "u", 2), &[("x-llm-d-inference-objective", "chat")]).await;
-    assert_eq!((o.status, o.header("x-attache-dropped-reason")), (429, Some("ttl_expired")), "{}", o.body);
-    assert_eq!(host_metric(&s, "attache_epp_flow_shed_total", "reason=\"sheddable\""), 3.0);
-    assert_eq!(host_metric(&s, "attache_epp_flow_shed_total", "reason=\"ttl_expired\""), 1.0);
+    assert_eq!(host_metric(&s, "attache_epp_flow_shed_total", "reason=\"sheddable\""), 6.0);
+    assert_eq!(host_metric(&s, "attache_epp_flow_shed_total", "reason=\"ttl_expired\""), 2.0);
 
-    // An empty pool: 503 with Retry-After, for inference calls and for anything else.
+    // An empty pool: 503 for inference calls (flow control adds Retry-After) and for anything else.
     s.write_endpoints(&[]).expect("no engines");
     let deadline = Instant::now() + Duration::from_secs(10);
     while http_get_blocking(s.host_admin_port, "/v1/snapshot").is_some_and(|b| b.contains("127.0.0.1")) {
         assert!(Instant::now() < deadline, "the host kept its engines");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let o = post(&e, &http, chat("nobody home", "u", 2), &[]).await;
-    assert_eq!(o.status, 503, "{}", o.body);
-    assert_eq!(json_error(&o).0, 503);
-    let models = http.get(e.url("/v1/models")).send().await.expect("models");
-    assert_eq!(models.status().as_u16(), 503);
+    for e in [&gie, &istio] {
+        let o = post(e, &http, chat("nobody home", "u", 2), &[]).await;
+        assert_eq!((o.status, json_error(&o).0), (503, 503), "{:?}: {}", e.shape, o.body);
+        assert_eq!(o.header("retry-after"), Some("1"));
+        let models = http.get(e.url("/v1/models")).send().await.expect("models");
+        assert_eq!(models.status().as_u16(), 503, "{:?}", e.shape);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -193,3 +193,37 @@ pub async fn serve(
         Ok(())
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use attache_kv::KvIndex;
+    use attache_policies::plugin_config::FilterConfig;
+    use attache_proto::v1;
+    use tokio::sync::watch;
+
+    use super::*;
+    use crate::epp::metrics::EppMetrics;
+
+    #[tokio::test]
+    async fn readiness_waits_for_a_snapshot_and_unknown_services_are_not_found() {
+        let (tx, rx) = watch::channel(Arc::new(v1::Snapshot::default()));
+        let kv = Arc::new(std::sync::Mutex::new(KvIndex::new(16)));
+        let picker = Arc::new(Picker::new(FilterConfig::default(), rx, kv, Arc::new(EppMetrics::default())).unwrap());
+        let h = HealthService { picker };
+        let check = |service: &str| {
+            let h = h.clone();
+            let req = Request::new(HealthCheckRequest { service: service.into() });
+            async move { h.check(req).await.map(|r| r.into_inner().status) }
+        };
+        assert_eq!(check("liveness").await.unwrap(), ServingStatus::Serving as i32);
+        assert_eq!(check("").await.unwrap(), ServingStatus::Serving as i32);
+        assert_eq!(check("readiness").await.unwrap(), ServingStatus::NotServing as i32);
+        assert_eq!(check(EXT_PROC_SERVICE).await.unwrap(), ServingStatus::NotServing as i32);
+        assert_eq!(check("nope").await.unwrap_err().code(), tonic::Code::NotFound);
+        tx.send_replace(Arc::new(v1::Snapshot { version: 1, ..Default::default() }));
+        assert_eq!(check("readiness").await.unwrap(), ServingStatus::Serving as i32);
+        let all = h.list(Request::new(HealthListRequest {})).await.unwrap().into_inner().statuses;
+        assert_eq!(all.len(), 4);
+        assert!(all.values().all(|s| s.status == ServingStatus::Serving as i32));
+    }
+}
