@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use attache_kv::engine::Engine;
-use attache_kv::events::{self, EventBatch};
+use attache_kv::events::{self, EventBatch, KvEvent, Medium};
 use attache_kv::KvIndex;
 
 use crate::telemetry::KvCounters;
@@ -156,7 +156,9 @@ impl KvSubscribers {
     pub fn bind_collector(&self, endpoint: &str) -> anyhow::Result<()> {
         let sock = self.ctx.socket(zmq::SUB)?;
         sock.set_rcvhwm(100_000)?;
-        sock.set_subscribe(b"kv@")?;
+        // Every topic: a topic that names no known engine (vLLM's default `""`, the chart's
+        // `kv-events`) is counted, not dropped unseen by ZMQ's prefix filter.
+        sock.set_subscribe(b"")?;
         sock.bind(endpoint)?;
         let worker = self.worker();
         info!(%endpoint, "kv events: collector bound");
@@ -198,7 +200,9 @@ impl Worker {
     fn follow_publisher(&self, publisher: &str, src: &EngineSource, stop: &AtomicBool) -> anyhow::Result<()> {
         let sock = self.ctx.socket(zmq::SUB)?;
         sock.set_rcvhwm(100_000)?;
-        sock.set_subscribe(b"kv@")?;
+        // This socket is the engine's own publisher: every topic is its, whatever it is named
+        // (vLLM's default is `""`).
+        sock.set_subscribe(b"")?;
         // Every reconnection is followed by a resync from the replay socket: a SUB socket
         // silently drops what was published while it was disconnected, and a restarted engine
         // publishes its first batches before the SUB has reconnected. (The first connection
@@ -346,6 +350,8 @@ impl Worker {
         self.counters.events.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
         crate::telemetry::metrics().kv_ingested(&src.address, batch.events.len() as u64);
         self.counters.skipped_events.fetch_add(batch.skipped as u64, Ordering::Relaxed);
+        let other = batch.events.iter().filter(|e| event_medium(e) == Some(Medium::Other)).count();
+        self.counters.unknown_media.fetch_add(other as u64, Ordering::Relaxed);
         let mut ix = self.index.lock().unwrap_or_else(|p| p.into_inner());
         for e in &batch.events {
             ix.apply(src.endpoint_id, &src.model, e);
@@ -413,4 +419,12 @@ impl Worker {
 
 fn kv_events_end() -> &'static [u8] {
     &[0xff; 8]
+}
+
+/// The tier an event names, if it names one.
+fn event_medium(e: &KvEvent) -> Option<Medium> {
+    match e {
+        KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => Some(*medium),
+        KvEvent::AllBlocksCleared => None,
+    }
 }

@@ -231,6 +231,13 @@ fn render_pool_and_kv(out: &mut String, m: &HostMetrics, g: &Gauges<'_>) {
         ] {
             let _ = writeln!(out, "attache_host_kv_events_dropped_total{{reason=\"{reason}\"}} {n}");
         }
+        family(
+            out,
+            "attache_host_kv_events_unknown_medium_total",
+            "counter",
+            "KV events naming a tier the host does not know (indexed, weighted as the cheapest tier).",
+        );
+        let _ = writeln!(out, "attache_host_kv_events_unknown_medium_total {}", c(&kv.unknown_media));
         family(out, "attache_host_kv_sequence_gaps_total", "counter", "KV-event sequence gaps (refilled from replay).");
         let _ = writeln!(out, "attache_host_kv_sequence_gaps_total {}", c(&kv.gaps));
         family(out, "attache_host_kv_engine_restarts_total", "counter", "Engine restarts seen on the KV-event stream.");
@@ -264,6 +271,8 @@ pub struct KvCounters {
     pub events: AtomicU64,
     pub decode_errors: AtomicU64,
     pub skipped_events: AtomicU64,
+    /// Events naming a tier the host does not know (indexed at the lowest tier weight).
+    pub unknown_media: AtomicU64,
     pub gaps: AtomicU64,
     pub replayed_batches: AtomicU64,
     pub restarts: AtomicU64,
@@ -275,7 +284,7 @@ impl KvCounters {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         serde_json::json!({
             "messages": g(&self.messages), "events": g(&self.events), "decode_errors": g(&self.decode_errors),
-            "skipped_events": g(&self.skipped_events), "gaps": g(&self.gaps), "replayed_batches": g(&self.replayed_batches),
+            "skipped_events": g(&self.skipped_events), "unknown_media": g(&self.unknown_media), "gaps": g(&self.gaps), "replayed_batches": g(&self.replayed_batches),
             "restarts": g(&self.restarts), "unknown_topics": g(&self.unknown_topics),
         })
     }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use attache_host::kv_subscribe::{EngineSource, KvSubscribers};
 use attache_kv::block_key;
 use attache_kv::engine::Engine;
-use attache_kv::index::{KvIndex, GPU};
+use attache_kv::index::{KvIndex, CPU, DISK, GPU, OTHER};
 
 fn python() -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
@@ -110,6 +110,64 @@ fn collector_mode_engines_connect_and_topics_name_them() {
     assert_eq!(ix.tiers(k[0], 7), GPU);
     assert_eq!(ix.tiers(k[1], 7), GPU);
     assert_eq!(subs.counters.unknown_topics.load(Ordering::Relaxed), 1, "the message from an unknown engine");
+}
+
+/// vLLM as shipped publishes on topic `""`; the chart's engines said `kv-events`; Attaché's
+/// own form is `kv@ip:port@model`. A subscriber connected to an engine's own socket indexes
+/// every event whatever the topic, and a tier it does not know is counted and kept lowest.
+#[test]
+fn an_engines_own_socket_is_followed_whatever_its_topic() {
+    for (i, topic) in ["", "kv-events", "kv@127.0.0.1:1@tinyllama"].into_iter().enumerate() {
+        let pub_port = port();
+        let index = Arc::new(Mutex::new(KvIndex::new(1000)));
+        let mut subs = KvSubscribers::new(index.clone(), Default::default());
+        subs.apply(vec![EngineSource {
+            endpoint_id: 4,
+            address: format!("127.0.0.1:{}", 1 + i),
+            model: "tinyllama".into(),
+            engine: Engine::Vllm,
+            publisher: Some(format!("tcp://127.0.0.1:{pub_port}")),
+            replay: None,
+        }]);
+        let out = publisher(&["topic", &pub_port.to_string(), topic]);
+        let c = &subs.counters;
+        assert_eq!(c.events.load(Ordering::Relaxed), out["events"].as_u64().unwrap(), "topic {topic:?}: every event");
+        assert_eq!(c.unknown_media.load(Ordering::Relaxed), 1, "topic {topic:?}: the NVME block is counted");
+        assert_eq!(c.decode_errors.load(Ordering::Relaxed), 0);
+        let k = keys(0..64);
+        let mut ix = index.lock().unwrap();
+        assert_eq!([ix.tiers(k[0], 4), ix.tiers(k[1], 4)], [GPU, GPU], "topic {topic:?}");
+        assert_eq!(ix.tiers(k[2], 4), OTHER, "topic {topic:?}: NVME is its own, unknown tier");
+        assert_eq!(ix.tiers(k[3], 4), CPU);
+        let w = attache_policies::precise::TierWeights::default();
+        assert!(w.best(OTHER) <= w.best(DISK).min(w.best(CPU)), "and it weighs least");
+    }
+}
+
+/// In collector mode the topic is all that names the engine: messages whose topic names none
+/// (vLLM's default `""`, `kv-events`, a foreign engine) are counted, not applied to anyone.
+#[test]
+fn collector_mode_counts_topics_that_name_no_engine() {
+    for topic in ["", "kv-events"] {
+        let p = port();
+        let index = Arc::new(Mutex::new(KvIndex::new(1000)));
+        let subs = KvSubscribers::new(index.clone(), Default::default());
+        let endpoint = format!("tcp://127.0.0.1:{p}");
+        subs.bind_collector(&endpoint).unwrap();
+        publisher(&["collector", &endpoint, topic]);
+        assert_eq!(subs.counters.unknown_topics.load(Ordering::Relaxed), 2, "topic {topic:?} and the foreign one");
+        assert_eq!(subs.counters.events.load(Ordering::Relaxed), 0);
+        let text = attache_host::telemetry::render(
+            &attache_host::telemetry::HostMetrics::default(),
+            &attache_host::telemetry::Gauges {
+                ready_endpoints: 0,
+                unready_endpoints: 0,
+                kv_index_blocks: 0,
+                kv: Some(&subs.counters),
+            },
+        );
+        assert!(text.contains("attache_host_kv_events_dropped_total{reason=\"unknown_topic\"} 2\n"), "{text}");
+    }
 }
 
 #[test]

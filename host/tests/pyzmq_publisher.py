@@ -1,6 +1,7 @@
 """An independent vLLM-format KV-event publisher (pyzmq + msgpack), for the host's wire tests.
 
 usage: pyzmq_publisher.py bind ENCODING PUB_PORT REPLAY_PORT
+       pyzmq_publisher.py topic PUB_PORT TOPIC
        pyzmq_publisher.py collector ENDPOINT TOPIC
        pyzmq_publisher.py restart PUB_PORT
 Prints one JSON line describing what it published, then exits.
@@ -105,6 +106,24 @@ def collector(endpoint, topic):
     print(json.dumps({"published": 2}))
 
 
+def topic_run(pub_port, topic):
+    """vLLM as shipped: a bound PUB whose topic is whatever the engine was given ("" by default)."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    time.sleep(0.8)
+    msgs = [
+        batch([stored([21, 22], None, list(range(0, 32)), "map")]),
+        batch([stored([23], 22, list(range(32, 48)), "map", medium="NVME")]),
+        batch([stored([24], 23, list(range(48, 64)), "map", medium="CPU")]),
+    ]
+    for seq, payload in enumerate(msgs):
+        pub.send_multipart(frames(topic.encode(), seq, payload))
+        time.sleep(0.05)
+    time.sleep(0.3)
+    print(json.dumps({"published": len(msgs), "events": known_events(msgs), "unknown_media": 1}))
+
+
 def restart(pub_port):
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
@@ -125,5 +144,7 @@ if __name__ == "__main__":
         restart(int(sys.argv[2]))
     elif sys.argv[1] == "bind":
         bind(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "topic":
+        topic_run(int(sys.argv[2]), sys.argv[3])
     else:
         collector(sys.argv[2], sys.argv[3])

@@ -18,7 +18,7 @@ use crate::block_key;
 use crate::events::KvEvent;
 use crate::open_table::{Entry, OpenTable};
 
-pub use crate::tier::{CPU, DISK, GPU};
+pub use crate::tier::{CPU, DISK, GPU, OTHER};
 
 /// A change for the filters: after it, `endpoint` holds `key` in the tiers of `tiers`
 /// (0 = not at all).

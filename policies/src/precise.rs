@@ -5,7 +5,7 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 // Tier bits, as the host's index stores them.
-pub use attache_kv::tier::{CPU, DISK, GPU};
+pub use attache_kv::tier::{CPU, DISK, GPU, OTHER};
 
 /// How much a block is worth by where it is: reloading from CPU or disk is cheaper than
 /// recomputing, but not free.
@@ -32,6 +32,9 @@ impl TierWeights {
             self.cpu
         } else if mask & DISK != 0 {
             self.disk
+        } else if mask & OTHER != 0 {
+            // A tier the host does not know: worth no more than the cheapest known one.
+            self.gpu.min(self.cpu).min(self.disk)
         } else {
             0.0
         }
@@ -131,5 +134,14 @@ mod tests {
         assert!(!m.contains_key(&2), "endpoint 2 lacks block 1");
         assert!((score(m.get(&1), 4) - 0.65).abs() < 1e-9);
         assert_eq!(score(None, 4), 0.0);
+    }
+
+    #[test]
+    fn an_unknown_tier_weighs_least() {
+        let w = TierWeights::default();
+        assert_eq!(w.best(OTHER), w.disk, "below every known tier by default");
+        let odd = TierWeights { gpu: 1.0, cpu: 0.3, disk: 0.6 };
+        assert_eq!(odd.best(OTHER), 0.3, "the least of the configured weights");
+        assert_eq!(w.best(OTHER | CPU), w.cpu, "a known tier wins");
     }
 }
