@@ -59,7 +59,7 @@ impl FlowState {
     /// Estimated pool saturation now: the host's figure plus this worker's dispatches it has
     /// not seen yet. `None` when the pool has no endpoints.
     pub fn estimate(&mut self, pool: &PoolState) -> Option<f64> {
-        pool.saturation.map(|s| self.gate.estimate(s, pool.observed_ms, pool.dispatch_cost))
+        self.gate.estimate_pool(pool)
     }
 
     pub fn usage(board: &Board, pending: &BTreeMap<String, f64>, tenant: &str) -> f64 {

@@ -44,9 +44,7 @@ pub fn pump(w: &mut Worker, current: Option<u32>) -> Pumped {
         let f = &mut w.flow;
         let (board, pending) = (&f.board, &f.pending);
         let usage = |t: &str| FlowState::usage(board, pending, t);
-        let Some(p) =
-            f.queue.pop(usage, &rivals, cfg.quantum_tokens as f64, |prio| saturation < cfg.band(prio).ceiling)
-        else {
+        let Some(p) = f.queue.dispatch(cfg, saturation, usage, &rivals) else {
             break;
         };
         w.metrics.flow_left(p.priority, &p.tenant);

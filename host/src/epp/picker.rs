@@ -208,18 +208,19 @@ impl Picker {
             return Ok(false);
         }
         let rx = {
-            let mut st = lock(&self.state);
-            self.refresh(&mut st);
+            let mut guard = lock(&self.state);
+            let st = &mut *guard;
+            self.refresh(st);
             let class = flow::classify(cfg, Some(&st.pool.objectives), |n| head.flow_header(n), req.priority);
             let continuing = self.config.sessions.turn_priority && continuing;
-            let saturation = estimate(&mut st);
+            let saturation = st.gate.estimate_pool(&st.pool);
             let class = flow::admit(class, continuing, &st.pool, &req.model, saturation).map_err(|r| self.shed(r))?;
             let tokens = cfg.cost((body_len / 4) as u64, req.max_tokens);
             let (tx, rx) = oneshot::channel();
             if let Err(shed) = st.queue.enqueue(cfg, u64::from(id), &class, body_len, tokens, now_ms(), tx) {
                 return Err(self.shed(Refusal::not_queued(shed, class.priority)));
             }
-            self.pump(&mut st);
+            self.pump(st);
             rx
         };
         match rx.await {
@@ -250,12 +251,9 @@ impl Picker {
             return; // they wait for endpoints until their TTL
         }
         for _ in 0..cfg.dispatch_per_tick.max(1) {
-            let Some(saturation) = estimate(st) else { break };
-            let usage = |_: &str| 0.0;
-            let open = |prio: i32| saturation < cfg.band(prio).ceiling;
-            let Some(p) = st.queue.pop(usage, &Rivals::default(), cfg.quantum_tokens as f64, open) else {
-                break;
-            };
+            let Some(saturation) = st.gate.estimate_pool(&st.pool) else { break };
+            // One picker: no other instance's usage or rivals to weigh.
+            let Some(p) = st.queue.dispatch(cfg, saturation, |_| 0.0, &Rivals::default()) else { break };
             if p.value.send(Ok(())).is_ok() {
                 st.gate.dispatched(now_ms());
             }
@@ -379,12 +377,6 @@ fn release(st: &mut State, endpoint: &str, tokens: u64) {
     if let Some(t) = st.inflight_tokens.get_mut(endpoint) {
         *t = t.saturating_sub(tokens);
     }
-}
-
-/// Pool saturation now: the host's figure plus this picker's dispatches since.
-fn estimate(st: &mut State) -> Option<f64> {
-    let (observed, cost) = (st.pool.observed_ms, st.pool.dispatch_cost);
-    st.pool.saturation.map(|s| st.gate.estimate(s, observed, cost))
 }
 
 /// The tokenizer for precise routing, if configured and if it gives the engine's ids on the

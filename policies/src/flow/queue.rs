@@ -253,6 +253,19 @@ impl<T> FlowQueue<T> {
         self.take(priority, &tenant, 0)
     }
 
+    /// The next request flow control lets go at `saturation`: [`Self::pop`] with the
+    /// configured quantum as the fairness slack, and a band open while the saturation is under
+    /// its ceiling.
+    pub fn dispatch(
+        &mut self,
+        cfg: &FlowConfig,
+        saturation: f64,
+        usage: impl Fn(&str) -> f64,
+        rivals: &Rivals,
+    ) -> Option<Popped<T>> {
+        self.pop(usage, rivals, cfg.quantum_tokens as f64, |prio| saturation < cfg.band(prio).ceiling)
+    }
+
     /// Remove a request (its client went away).
     pub fn remove(&mut self, id: u64) -> Option<Popped<T>> {
         let (priority, tenant) = self.index.get(&id).cloned()?;
@@ -305,6 +318,16 @@ mod tests {
             out.push(p);
         }
         out
+    }
+
+    #[test]
+    fn a_band_goes_only_while_the_saturation_is_under_its_ceiling() {
+        let cfg = FlowConfig::default();
+        let mut q = FlowQueue::default();
+        q.enqueue(&cfg, 1, &class(0, "a"), 10, 100, 0, 1u64).unwrap();
+        let ceiling = cfg.band(0).ceiling;
+        assert!(q.dispatch(&cfg, ceiling, |_| 0.0, &Rivals::default()).is_none(), "at the ceiling it waits");
+        assert_eq!(q.dispatch(&cfg, ceiling - 0.01, |_| 0.0, &Rivals::default()).map(|p| p.value), Some(1));
     }
 
     #[test]

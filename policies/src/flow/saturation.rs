@@ -94,12 +94,33 @@ impl Gate {
         let net: i64 = self.events.iter().map(|(_, d)| i64::from(*d)).sum();
         (host + cost * net as f64).max(0.0)
     }
+
+    /// [`Self::estimate`] on a pool's snapshot; `None` when the pool has no endpoints.
+    pub fn estimate_pool(&mut self, pool: &crate::endpoint::PoolState) -> Option<f64> {
+        pool.saturation.map(|s| self.estimate(s, pool.observed_ms, pool.dispatch_cost))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::endpoint::EndpointMetrics;
+
+    #[test]
+    fn the_pool_estimate_follows_the_snapshot_and_is_none_without_endpoints() {
+        let mut g = Gate::default();
+        assert_eq!(g.estimate_pool(&crate::endpoint::PoolState::default()), None);
+        g.dispatched(10);
+        g.dispatched(11);
+        let pool = crate::endpoint::PoolState {
+            saturation: Some(0.5),
+            observed_ms: 5,
+            dispatch_cost: 0.1,
+            ..Default::default()
+        };
+        assert_eq!(g.estimate_pool(&pool), Some(g.estimate(0.5, 5, 0.1)));
+        assert!((g.estimate_pool(&pool).unwrap() - 0.7).abs() < 1e-9, "two dispatches since the scrape");
+    }
 
     #[test]
     fn saturation_is_the_mean_of_per_endpoint_pressure_and_stale_counts_as_full() {
