@@ -146,8 +146,8 @@ fn grpc_services(
     // when no policy service is configured (the sender lives as long as the host).
     let (no_policy_tx, no_policy_rx) = watch::channel(Arc::new(Published::default()));
     let ecds = match policy {
-        Some(p) => ecds::EcdsServer::new(p.subscribe(), p.acks.clone()),
-        None => ecds::EcdsServer::new(no_policy_rx, Arc::new(ecds::Acks::default())),
+        Some(p) => ecds::EcdsServer::new(p.subscribe(), p.acks.clone(), p.envoys.clone()),
+        None => ecds::EcdsServer::new(no_policy_rx, Arc::new(ecds::Acks::default()), Arc::default()),
     };
     let index_feed = push::IndexFeed::spawn(
         kv_index.clone(),

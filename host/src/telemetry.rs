@@ -64,6 +64,8 @@ pub struct HostMetrics {
     snapshot_bytes: AtomicU64,
     subscribers: AtomicI64,
     policy_transitions: Mutex<BTreeMap<String, u64>>,
+    /// The rollout controller's reads of Envoy stats, by outcome (`ok`, `error`).
+    policy_stats_reads: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -138,6 +140,11 @@ impl HostMetrics {
     /// A policy slot changed state (`rollout`, `promote`, `rollback`, …).
     pub fn policy_transition(&self, action: &str) {
         *lock(&self.policy_transitions).entry(action.to_owned()).or_default() += 1;
+    }
+
+    /// The rollout controller read one Envoy's stats (`ok`) or could not (`error`).
+    pub fn policy_stats_read(&self, outcome: &'static str) {
+        *lock(&self.policy_stats_reads).entry(outcome).or_default() += 1;
     }
 }
 
@@ -261,6 +268,15 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     family(out, "attache_host_policy_transitions_total", "counter", "Policy slot transitions, by action.");
     for (action, n) in lock(&m.policy_transitions).iter() {
         let _ = writeln!(out, "attache_host_policy_transitions_total{{action=\"{}\"}} {n}", esc(action));
+    }
+    family(
+        out,
+        "attache_host_policy_stats_reads_total",
+        "counter",
+        "The rollout controller's reads of Envoy stats, by outcome (ok, error).",
+    );
+    for (outcome, n) in lock(&m.policy_stats_reads).iter() {
+        let _ = writeln!(out, "attache_host_policy_stats_reads_total{{outcome=\"{outcome}\"}} {n}");
     }
 }
 

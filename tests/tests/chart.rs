@@ -317,15 +317,19 @@ fn each_mode_renders_what_it_promises() {
 // The gateway's bootstrap against `envoy/attache.yaml`: one template, and the chart's hand-written
 // Kubernetes form of it (Helm has to render it at install time), kept from drifting by this test.
 
-/// Where the chart's gateway bootstrap may differ from `envoy/attache.yaml` rendered as its
-/// ORIGINAL_DST variant (`attache_envoy::Variant::OriginalDst`), and why; the same
-/// list is in docs/architecture.md ("Envoy bootstraps"). Paths name list items by their `name`.
+/// Where the chart's gateway bootstrap may differ from `envoy/attache.yaml` as written with an
+/// EDS pool (what `attache gateway` runs) and the chart's scorer slots, and why; the same list is
+/// in docs/architecture.md ("Envoy bootstraps"). Paths name list items by their `name`.
 /// Placeholders (addresses, ports, the module's path, the scheduler's configuration) are filled
 /// with the chart's values before comparing, so they are not differences.
 const GATEWAY_DIFFERENCES: &[(&str, &str)] = &[
     ("node.cluster", "the release's gateway name, so two releases' gateways are told apart"),
+    ("node.metadata", "the stats port the host's rollout controller reads, found through the ECDS stream"),
     ("static_resources.listeners[health]", "Kubernetes readiness: 200 while serving, 503 once draining"),
-    ("static_resources.listeners[metrics]", "/stats/prometheus for scrapes, without exposing the admin interface"),
+    (
+        "static_resources.listeners[metrics]",
+        "read-only /stats and /stats/prometheus for the controller and scrapes, without the rest of the admin",
+    ),
     ("static_resources.clusters[admin]", "the metrics listener's route to the admin interface"),
     ("static_resources.clusters[attache_host].type", "STRICT_DNS: the host is a Service, found by its DNS name"),
     (
@@ -386,8 +390,9 @@ fn differences(a: &Value, b: &Value, path: &str, out: &mut Vec<String>) {
     }
 }
 
-/// `envoy/attache.yaml` as the ORIGINAL_DST variant, its placeholders filled with what the
-/// chart's bootstrap `chart` has in their places.
+/// `envoy/attache.yaml` as written with an EDS pool, its placeholders filled with what the
+/// chart's bootstrap `chart` has in their places, and its scorer slots those the chart's filter
+/// chain has.
 fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
     let sockets = |a: &Value| -> std::net::SocketAddr {
         format!("{}:{}", a["address"].as_str().unwrap_or_default(), a["port_value"]).parse().expect("ip:port")
@@ -402,7 +407,15 @@ fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
     let hcm = &listener["filter_chains"][0]["filters"][0]["typed_config"];
     let scheduler = &named(&hcm["http_filters"], "attache.scheduler")["config_discovery"]["default_config"]["config"];
     let wasm = scheduler["vm_config"]["code"]["local"]["filename"].as_str().expect("the module's path");
-    let pool = attache_envoy::Pool::Static(Vec::new());
+    let pool = attache_envoy::Pool::Eds;
+    let slots: Vec<String> = hcm["http_filters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f["name"].as_str()?.strip_prefix("attache.scorer."))
+        .filter(|n| !n.ends_with(".canary"))
+        .map(str::to_owned)
+        .collect();
     let params = attache_envoy::Params {
         admin: sockets(&chart["admin"]["address"]["socket_address"]),
         listen: sockets(&listener["address"]["socket_address"]),
@@ -412,8 +425,8 @@ fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
         // The chart's configuration goes in: the variant must then make it what the chart has.
         scheduler_config: &scheduler["configuration"]["value"],
         pool: &pool,
-        scorer_slots: &[],
-        variant: attache_envoy::Variant::OriginalDst,
+        scorer_slots: &slots,
+        variant: attache_envoy::Variant::AsWritten,
     };
     let template = std::fs::read_to_string(t.root.join("envoy/attache.yaml")).expect("envoy/attache.yaml");
     bootstrap_tree(&attache_envoy::render(&template, &params).expect("render envoy/attache.yaml"))
@@ -438,7 +451,7 @@ fn the_gateway_bootstrap_differs_from_envoy_attache_yaml_only_as_documented() {
         let unexplained: Vec<&String> = found.iter().filter(|p| !allowed.contains(&p.as_str())).collect();
         assert!(
             unexplained.is_empty(),
-            "{name}: the chart's gateway bootstrap differs from envoy/attache.yaml (ORIGINAL_DST variant) at \
+            "{name}: the chart's gateway bootstrap differs from envoy/attache.yaml (EDS pool) at \
              {unexplained:#?}\nMake them agree, or list the difference and its reason in GATEWAY_DIFFERENCES and \
              docs/architecture.md"
         );

@@ -83,9 +83,10 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the
-host. `oneEndpoint` lists a single endpoint in x-gateway-destination-endpoint, for an
-ORIGINAL_DST pool: Envoy reads that header as one ip:port, and a list would match no host
-(envoy/src/lib.rs, Variant::OriginalDst, does the same).
+host (each worker subscribes itself: no bootstrap singleton). `oneEndpoint` lists a single
+endpoint in x-gateway-destination-endpoint, for an ORIGINAL_DST pool: Envoy reads that header as
+one ip:port, and a list would match no host (envoy/src/lib.rs, Variant::OriginalDst, does the
+same). `scoringContext` turns on the context custom scorers read (when scorer slots exist).
 */}}
 {{- define "attache.schedulerConfig" -}}
 {{- $cfg := deepCopy .ctx.Values.scheduler.config }}
@@ -94,6 +95,11 @@ ORIGINAL_DST pool: Envoy reads that header as one ip:port, and a list would matc
 {{- $scheduler := default (dict) (get $cfg "scheduler") }}
 {{- $_ := set $scheduler "max_endpoints" 1 }}
 {{- $_ := set $cfg "scheduler" $scheduler }}
+{{- end }}
+{{- if .scoringContext }}
+{{- $scoring := default (dict) (get $cfg "scoring") }}
+{{- $_ := set $scoring "context" true }}
+{{- $_ := set $cfg "scoring" $scoring }}
 {{- end }}
 {{- if .subscribeCluster }}
 {{- $_ := set $cfg "subscribe" (dict "cluster" .subscribeCluster "idle_timeout_ms" 5000 "tick_ms" 500) }}

@@ -33,6 +33,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{info, warn};
 
+use super::envoys::Envoys;
 use super::rollout::FilterSpec;
 use super::signing::sha256_hex;
 
@@ -127,11 +128,12 @@ impl Acks {
 pub struct EcdsServer {
     published: watch::Receiver<Arc<Published>>,
     pub acks: Arc<Acks>,
+    pub envoys: Arc<Envoys>,
 }
 
 impl EcdsServer {
-    pub fn new(published: watch::Receiver<Arc<Published>>, acks: Arc<Acks>) -> Self {
-        Self { published, acks }
+    pub fn new(published: watch::Receiver<Arc<Published>>, acks: Arc<Acks>, envoys: Arc<Envoys>) -> Self {
+        Self { published, acks, envoys }
     }
 
     pub fn into_server(self) -> ExtensionConfigDiscoveryServiceServer<Self> {
@@ -166,16 +168,25 @@ impl ExtensionConfigDiscoveryService for EcdsServer {
         &self,
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<DeltaStream>, Status> {
+        let peer = request.remote_addr();
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let mut published = self.published.clone();
         let mut session = DeltaSession::new(self.acks.clone());
+        let envoys = self.envoys.clone();
+        let mut subscribed_as: Option<String> = None;
         tokio::spawn(async move {
             loop {
                 tokio::select! {
                     msg = inbound.message() => {
                         match msg {
-                            Ok(Some(r)) => session.on_request(r),
+                            Ok(Some(r)) => {
+                                if let (None, Some(node)) = (&subscribed_as, r.node.as_ref().filter(|n| !n.id.is_empty())) {
+                                    envoys.connect(node, peer);
+                                    subscribed_as = Some(node.id.clone());
+                                }
+                                session.on_request(r);
+                            }
                             Ok(None) => break,
                             Err(e) => { warn!(error = %e, node = session.node, "ECDS stream error"); break; }
                         }
@@ -189,6 +200,9 @@ impl ExtensionConfigDiscoveryService for EcdsServer {
                 if tx.send(Ok(resp)).await.is_err() {
                     break;
                 }
+            }
+            if let Some(node) = subscribed_as {
+                envoys.disconnect(&node);
             }
         });
         Ok(Response::new(ReceiverStream::new(rx)))

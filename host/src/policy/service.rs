@@ -16,6 +16,7 @@ use attache_policies::canary::{ArmCounters, AutoPolicy, Verdict};
 use super::admission::{self, AdmissionConfig};
 use super::controller::{Controller, Counters};
 use super::ecds::{self, Acks, Published};
+use super::envoys::Envoys;
 use super::rollout::{self, Deployed, RolloutError, RolloutFiles, RolloutState, Transition};
 use super::signing::TrustStore;
 use super::store::{ModuleRecord, ModuleStore, UploadError};
@@ -31,7 +32,9 @@ pub struct PolicyConfig {
     /// File holding the admin API bearer token (else `ATTACHE_ADMIN_TOKEN`).
     #[serde(default)]
     pub admin_token_file: Option<PathBuf>,
-    /// Envoy admin base URLs whose stats the controller reads (`http://127.0.0.1:9901`).
+    /// Envoy base URLs whose `/stats` the controller reads (`http://127.0.0.1:9901`). Empty:
+    /// every Envoy subscribed to this host's ECDS that advertises `attache.stats_port` in its
+    /// node metadata (`policy::envoys`), so gateway pods need not be listed.
     #[serde(default)]
     pub envoy_admin: Vec<String>,
     #[serde(default)]
@@ -137,6 +140,9 @@ pub struct PolicyService {
     state: Mutex<RolloutState>,
     published: watch::Sender<Arc<Published>>,
     pub acks: Arc<Acks>,
+    /// The Envoys subscribed to ECDS (where the controller finds them when `envoy_admin` is
+    /// empty).
+    pub envoys: Arc<Envoys>,
     token: crate::admin_auth::BearerToken,
     /// Each canary's starting counters and the last verdicts.
     controller: Mutex<Controller>,
@@ -163,6 +169,7 @@ impl PolicyService {
             state: Mutex::new(state),
             published,
             acks: Arc::new(Acks::default()),
+            envoys: Arc::default(),
             token,
             controller: Mutex::new(Controller::default()),
             http: reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?,
@@ -286,21 +293,36 @@ impl PolicyService {
         Ok(t)
     }
 
-    /// Sum the rollout counters of every configured Envoy; None if none answered.
+    /// The Envoys whose stats the controller reads: `envoy_admin` when it lists any, else
+    /// every subscribed Envoy that advertised a stats port. `(name, base URL)`.
+    pub fn stats_targets(&self) -> Vec<(String, String)> {
+        if self.cfg.envoy_admin.is_empty() {
+            self.envoys.stats_urls()
+        } else {
+            self.cfg.envoy_admin.iter().map(|u| (u.clone(), u.clone())).collect()
+        }
+    }
+
+    /// Sum the rollout counters of every Envoy read; None if none answered.
     pub async fn read_counters(&self) -> Option<Counters> {
         let mut out = Counters::new();
         let mut any = false;
-        for base in &self.cfg.envoy_admin {
+        for (envoy, base) in self.stats_targets() {
             let url = format!("{}/stats?filter=%5Ewasmcustom%5C.attache%5C.rollout%5C.", base.trim_end_matches('/'));
-            match self.http.get(&url).send().await.and_then(|r| r.error_for_status()) {
-                Ok(r) => match r.text().await {
-                    Ok(t) => {
-                        parse_rollout_stats(&t, &mut out);
-                        any = true;
-                    }
-                    Err(e) => warn!(envoy = %base, error = %e, "reading Envoy stats"),
-                },
-                Err(e) => warn!(envoy = %base, error = %e, "reading Envoy stats"),
+            let text = match self.http.get(&url).send().await.and_then(|r| r.error_for_status()) {
+                Ok(r) => r.text().await,
+                Err(e) => Err(e),
+            };
+            match text {
+                Ok(t) => {
+                    parse_rollout_stats(&t, &mut out);
+                    any = true;
+                    crate::telemetry::metrics().policy_stats_read("ok");
+                }
+                Err(e) => {
+                    warn!(envoy, url = %base, error = %e, "reading Envoy stats");
+                    crate::telemetry::metrics().policy_stats_read("error");
+                }
             }
         }
         any.then_some(out)
@@ -329,9 +351,12 @@ impl PolicyService {
 
     /// Run the controller until the process ends.
     pub fn spawn_controller(self: &Arc<Self>) {
-        if !self.cfg.auto.enabled || self.cfg.envoy_admin.is_empty() {
-            info!("rollout controller off (auto.enabled false or no envoy_admin)");
+        if !self.cfg.auto.enabled {
+            info!("rollout controller off (auto.enabled false)");
             return;
+        }
+        if self.cfg.envoy_admin.is_empty() {
+            info!("rollout controller reads the stats of the Envoys subscribed to ECDS (no envoy_admin listed)");
         }
         let svc = self.clone();
         tokio::spawn(async move {
@@ -368,6 +393,8 @@ impl PolicyService {
             "revision": state.revision,
             "slots": slots,
             "envoy": self.acks.snapshot(),
+            "envoys": self.envoys.snapshot(),
+            "stats_from": self.stats_targets().into_iter().map(|(_, url)| url).collect::<Vec<_>>(),
             "transitions": self.files.transitions(50),
             "auto": {"enabled": self.cfg.auto.enabled, "promote": self.cfg.auto.promote},
         })
