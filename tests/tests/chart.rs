@@ -16,6 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use attache_e2e::helm::{documents as docs, of_kind};
 use attache_e2e::Paths;
 use serde_json::Value;
 
@@ -62,20 +63,7 @@ impl Tools {
 
     /// `helm template` with a values file and `--set`s; Ok(rendered) or Err(stderr).
     fn render(&self, values: Option<&Path>, sets: &[&str]) -> Result<String, String> {
-        let mut cmd = Command::new(&self.helm);
-        cmd.args(["template", "llama", "--namespace", "ml"]).arg(self.chart());
-        if let Some(v) = values {
-            cmd.arg("--values").arg(v);
-        }
-        for s in sets {
-            cmd.args(["--set", s]);
-        }
-        let out = cmd.output().expect("running helm");
-        if out.status.success() {
-            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-        } else {
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
-        }
+        attache_e2e::helm::Helm::new(&self.root).template("llama", "ml", values, sets)
     }
 
     /// Run the validator on manifests; (passed, output).
@@ -100,17 +88,6 @@ impl Tools {
         std::fs::write(&p, text).expect("write manifest");
         p
     }
-}
-
-fn docs(rendered: &str) -> Vec<Value> {
-    serde_yaml::Deserializer::from_str(rendered)
-        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
-        .filter(|v: &Value| !v.is_null())
-        .collect()
-}
-
-fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    docs.iter().filter(|d| d["kind"] == kind).collect()
 }
 
 fn to_yaml(docs: &[Value]) -> String {
