@@ -1,4 +1,4 @@
-// Validates rendered HTTPRoute and WasmPlugin manifests against schemas generated from the
+// Validates rendered HTTPRoute and Istio (WasmPlugin, EnvoyFilter, DestinationRule) manifests against schemas generated from the
 // upstream CRDs (npm @kubernetes-models/gateway-api and @kubernetes-models/istio, which ship
 // ajv validators built from Gateway API's and Istio's CRD OpenAPI schemas).
 //
@@ -16,6 +16,8 @@ const model = (pkg, file, name) => async () =>
 const models = {
   "gateway.networking.k8s.io/v1/HTTPRoute": model("@kubernetes-models/gateway-api", "gateway.networking.k8s.io/v1/HTTPRoute.js", "HTTPRoute"),
   "extensions.istio.io/v1alpha1/WasmPlugin": model("@kubernetes-models/istio", "extensions.istio.io/v1alpha1/WasmPlugin.js", "WasmPlugin"),
+  "networking.istio.io/v1alpha3/EnvoyFilter": model("@kubernetes-models/istio", "networking.istio.io/v1alpha3/EnvoyFilter.js", "EnvoyFilter"),
+  "networking.istio.io/v1/DestinationRule": model("@kubernetes-models/istio", "networking.istio.io/v1/DestinationRule.js", "DestinationRule"),
 };
 
 let failed = 0;

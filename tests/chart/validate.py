@@ -2,13 +2,13 @@
 
 - Kubernetes built-in kinds: the Kubernetes OpenAPI JSON schemas bundled in PyPI's
   `kubernetes-validate`, in strict mode (unknown fields are errors), for each --kube-version.
-- InferencePool / InferenceObjective: the CRDs in --crds (the project's reference copies),
+- InferencePool / InferenceObjective and Envoy Gateway's policies: the CRDs in --crds (the project's reference copies),
   their openAPIV3Schema made strict (no unknown fields where the CRD does not preserve them),
   checked with PyPI's `check-jsonschema`. Every CRD file defining the object's
   group/version/kind is checked, so a pool must fit GIE v1.0.0 and the newer CRD alike.
   CEL rules (x-kubernetes-validations) are not evaluated.
-- HTTPRoute and WasmPlugin: validate-crds.mjs (npm @kubernetes-models validators, generated
-  from the Gateway API and Istio CRDs).
+- HTTPRoute, WasmPlugin, EnvoyFilter and DestinationRule: validate-crds.mjs (npm
+  @kubernetes-models validators, generated from the Gateway API and Istio CRDs).
 
 Any object of a kind with no schema fails. Usage:
   python validate.py --crds DIR --node-modules DIR [--kube-version 1.29.0 ...] manifest.yaml...
@@ -26,7 +26,12 @@ import tempfile
 import kubernetes_validate
 import yaml
 
-NODE_KINDS = {"gateway.networking.k8s.io/v1/HTTPRoute", "extensions.istio.io/v1alpha1/WasmPlugin"}
+NODE_KINDS = {
+    "gateway.networking.k8s.io/v1/HTTPRoute",
+    "extensions.istio.io/v1alpha1/WasmPlugin",
+    "networking.istio.io/v1alpha3/EnvoyFilter",
+    "networking.istio.io/v1/DestinationRule",
+}
 
 
 def strict(schema):

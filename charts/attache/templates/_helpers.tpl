@@ -120,11 +120,12 @@ traffic and Attaché's endpoint picker makes the pick.
 
 {{/*
 Whether the host serves the endpoint picker ("true" or ""): `epp.enabled` when set; unset
-(null, the default), in Gateway API mode.
+(null, the default), in Gateway API mode unless the scheduler runs in the gateway's own Envoy
+(Istio or Envoy Gateway mode).
 */}}
 {{- define "attache.eppEnabled" -}}
 {{- if kindIs "invalid" .Values.epp.enabled }}
-{{- if .Values.gatewayApi.enabled }}true{{ end }}
+{{- if and .Values.gatewayApi.enabled (not .Values.istio.enabled) (not .Values.envoyGateway.enabled) }}true{{ end }}
 {{- else if .Values.epp.enabled }}true{{ end }}
 {{- end }}
 
@@ -143,4 +144,15 @@ same document as the filter's; keys in `epp.config` win), without the filter-onl
 {{- $_ := unset $cfg "role" }}
 {{- $_ := unset $cfg "subscribe" }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/* An Envoy Gateway Wasm code source from {url, sha256}: an OCI image for oci://, else HTTP. */}}
+{{- define "attache.egCode" -}}
+{{- if hasPrefix "oci://" .url -}}
+type: Image
+image: {url: {{ .url | quote }}, sha256: {{ .sha256 | quote }}}
+{{- else -}}
+type: HTTP
+http: {url: {{ .url | quote }}, sha256: {{ .sha256 | quote }}}
+{{- end }}
 {{- end }}

@@ -1,0 +1,225 @@
+//! The chart's Istio and Envoy Gateway modes on the real Envoy 1.40. Neither istiod nor Envoy
+//! Gateway can be installed here, so each test renders the chart with `helm template`, derives
+//! the Envoy configuration that controller would send for the rendered objects by following its
+//! translation source (`attache_e2e::controllers`, which names the files, at
+//! istio/istio@86c9f01fd735fb01d8192f5bcaf0d424afb7f14c and
+//! envoyproxy/gateway@d32f28294245e454d20f81d323d626a90e660c1e), runs it on Envoy against
+//! simulated engines and the host, and carries traffic through it:
+//! - shared prefixes stick to one engine, and a saturated engine is avoided;
+//! - the endpoint the scheduler named is the one that served (the access log);
+//! - nothing hangs: every request answers within its timeout, and `/v1/models` is served;
+//! - the module Envoy runs is the one whose sha256 the objects pin (the derivation refuses
+//!   another, as istio-agent and Envoy Gateway's cache do).
+
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::too_many_lines)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use attache_e2e::admin_http::http_get_blocking;
+use attache_e2e::controllers::{envoy_gateway, istio, Local};
+use attache_e2e::helm::{documents, Helm};
+use attache_e2e::ports::free_port;
+use attache_e2e::process::wait_until;
+use attache_e2e::stats::stat_value;
+use attache_e2e::{client, SimOpts, Stack};
+use common::*;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+const NS: &str = "ml";
+const HOST_FQDN: &str = "llama-attache-host.ml.svc.cluster.local";
+const MODULE_URL: &str = "https://releases.example.com/attache/attache_scheduler.wasm";
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Istio,
+    EnvoyGateway,
+}
+
+/// Render the chart for `mode`, derive its Envoy configuration, start Envoy on it.
+fn start_mode(s: &mut Stack, mode: Mode, pin: &str) -> Result<(u16, u16, std::path::PathBuf), String> {
+    let ports: Vec<u16> = s.engine_addrs().iter().filter_map(|a| a.rsplit(':').next()?.parse().ok()).collect();
+    let mut sets = vec![
+        "gatewayApi.enabled=true".to_owned(),
+        "gatewayApi.parentRef.name=inference-gateway".to_owned(),
+        "gatewayApi.pathPrefix=/v1".to_owned(),
+        "pool.create=true".to_owned(),
+        "pool.selector.app=vllm".to_owned(),
+        format!("pool.targetPorts={{{}}}", ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")),
+    ];
+    let key = match mode {
+        Mode::Istio => "istio",
+        Mode::EnvoyGateway => "envoyGateway",
+    };
+    sets.extend([
+        format!("{key}.enabled=true"),
+        format!("{key}.scheduler.url={MODULE_URL}"),
+        format!("{key}.scheduler.sha256={pin}"),
+    ]);
+    let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+    let docs = documents(&Helm::new(&s.paths.root).template("llama", NS, None, &sets).expect("helm template"));
+    let (listen, admin) = (free_port(), free_port());
+    let endpoints: Vec<SocketAddr> = s.engine_addrs().iter().map(|a| a.parse().unwrap()).collect();
+    let local = Local {
+        listen: SocketAddr::from(([127, 0, 0, 1], listen)),
+        admin: SocketAddr::from(([127, 0, 0, 1], admin)),
+        // What the controllers' EDS would list: each engine a pod of the InferencePool (Istio)
+        // or of the Service (Envoy Gateway). Here they share one IP and differ by port.
+        endpoints,
+        host_grpc: SocketAddr::from(([127, 0, 0, 1], s.host_grpc_port)),
+        modules: BTreeMap::from([(MODULE_URL.to_owned(), s.paths.wasm.clone())]),
+        access_log: s.workdir.join(format!("{key}-access.log")),
+    };
+    let yaml = match mode {
+        Mode::Istio => istio::bootstrap(&docs, &local, HOST_FQDN),
+        Mode::EnvoyGateway => envoy_gateway::bootstrap(&docs, &local, HOST_FQDN),
+    }
+    .map_err(|e| e.to_string())?;
+    let file = s.workdir.join(format!("{key}.yaml"));
+    std::fs::write(&file, yaml).expect("bootstrap");
+    let p = s
+        .spawn(
+            &format!("envoy-{key}"),
+            Command::new(&s.paths.envoy)
+                .arg("-c")
+                .arg(&file)
+                .args(["--concurrency", "2", "--log-level", "warn", "--component-log-level", "wasm:info", "--base-id"])
+                .arg(admin.to_string()),
+        )
+        .expect("envoy");
+    s.extra_procs.push(p);
+    let ready =
+        wait_until(Duration::from_secs(30), || http_get_blocking(admin, "/ready").is_some_and(|b| b.contains("LIVE")));
+    assert!(ready, "Envoy did not start on the derived {key} configuration; see {}", s.workdir.display());
+    Ok((listen, admin, local.access_log))
+}
+
+/// Requests through the mode's gateway: stickiness, saturation, picked == served, no hang.
+async fn carries_traffic(mode: Mode) {
+    let mut s = Stack::new(&format!("{mode:?}").to_lowercase()).expect("stack");
+    s.start_sim(SimOpts { engines: 3, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() }).expect("sim");
+    s.start_host().expect("host");
+    let pin = format!("{:x}", Sha256::digest(std::fs::read(&s.paths.wasm).expect("the scheduler module")));
+
+    // The fetcher refuses a module whose sha256 is not the pinned one.
+    let wrong = format!("{:x}", Sha256::digest(b"another module"));
+    let refused = start_mode(&mut s, mode, &wrong).expect_err("a module with another sha256 is refused");
+    assert!(refused.contains("sha256"), "{refused}");
+
+    let (listen, admin, log) = start_mode(&mut s, mode, &pin).expect("derived configuration");
+    // Every worker's scheduler holds the host's snapshot (no bootstrap singleton).
+    let host_version = || {
+        let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
+        serde_json::from_str::<Value>(&b).ok().and_then(|v| v["version"].as_u64()).unwrap_or(u64::MAX)
+    };
+    let seen = wait_until(Duration::from_secs(20), || {
+        let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
+        stat_value(&stats, "wasmcustom.attache.snapshot.version") >= host_version()
+    });
+    let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
+    let relevant: Vec<&str> = stats.lines().filter(|l| l.contains("attache") && !l.ends_with(": 0")).collect();
+    assert!(seen, "the filter never received the host's snapshot (host at version {}): {relevant:#?}", host_version());
+
+    let url = format!("http://127.0.0.1:{listen}/v1/chat/completions");
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).timeout(Duration::from_secs(20)).build().unwrap();
+    let mut sent = 0;
+
+    // Shared prefixes stick.
+    let mut homes = Vec::new();
+    for g in 0..2 {
+        let prefix = long_prefix(&format!("{mode:?}-tenant-{g}"));
+        let mut ports = BTreeMap::<u16, usize>::new();
+        for q in 0..6 {
+            let o = client::post(&http, &url, chat(&prefix, &format!("q{q}"), 2), &[]).await;
+            sent += 1;
+            assert_eq!(o.status, 200, "{mode:?}: {} {:?}", o.body, o.error);
+            *ports.entry(o.engine_port.unwrap()).or_default() += 1;
+        }
+        assert_eq!(ports.len(), 1, "{mode:?}: prefix {g} should stick to one engine: {ports:?}");
+        homes.push(*ports.keys().next().unwrap());
+    }
+
+    // A saturated engine is avoided, even by the prefix it holds.
+    let hot = homes[0];
+    let flood = load_engine(&http, hot, 10, 3000);
+    let waiting = wait_for_queue(&s, hot, 5.0).await;
+    assert!(waiting >= 5.0, "the flood did not build a queue (waiting {waiting})");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let prefix = long_prefix(&format!("{mode:?}-tenant-0"));
+    for q in 0..5 {
+        let o = client::post(&http, &url, chat(&prefix, &format!("busy {q}"), 2), &[]).await;
+        sent += 1;
+        assert_eq!(o.status, 200, "{mode:?}: {}", o.body);
+        assert_ne!(o.engine_port, Some(hot), "{mode:?}: request {q} went to the saturated engine");
+    }
+    for f in flood {
+        f.abort();
+    }
+
+    // /v1/models is not scheduled: the pool's fallback serves it.
+    let models = http.get(format!("http://127.0.0.1:{listen}/v1/models")).send().await.expect("GET /v1/models");
+    assert_eq!(models.status(), 200);
+    sent += 1;
+
+    // Concurrent requests: every one answers within its timeout (nothing hangs in the filter).
+    let started = Instant::now();
+    let batch: Vec<_> = (0..24)
+        .map(|i| {
+            let (http, url) = (http.clone(), url.clone());
+            tokio::spawn(async move { client::post(&http, &url, chat(&format!("burst {i}"), "hi", 2), &[]).await })
+        })
+        .collect();
+    for b in batch {
+        let o = b.await.unwrap();
+        sent += 1;
+        assert!(o.ok(), "{mode:?}: {} {:?}", o.status, o.error);
+    }
+    let burst = started.elapsed();
+
+    // The endpoint the scheduler named is the one that served (Istio: also what the pool read
+    // from envoy.lb).
+    let lines = wait_lines(&log, sent);
+    let mut scheduled = 0;
+    for l in &lines {
+        let v: Value = serde_json::from_str(l).expect("access log JSON");
+        let picked = v["picked"].as_str().unwrap_or("-");
+        if picked == "-" {
+            continue; // GET /v1/models
+        }
+        scheduled += 1;
+        let first = picked.split(',').next().unwrap();
+        assert_eq!(v["served"], first, "{mode:?}: named {picked}, served {}", v["served"]);
+        if matches!(mode, Mode::Istio) {
+            assert_eq!(v["metadata"], picked, "{mode:?}: the pool reads the pick from envoy.lb");
+        }
+    }
+    assert_eq!(scheduled, sent - 1, "{mode:?}: every POST was scheduled: {lines:#?}");
+    println!("{mode:?}: {sent} requests answered, {scheduled} scheduled, each served where named; 24 concurrent in {burst:?}");
+}
+
+/// The access log's lines once it has `n` (Envoy flushes it every second), or what it has after 10 s.
+fn wait_lines(path: &std::path::Path, n: usize) -> Vec<String> {
+    let read = || std::fs::read_to_string(path).unwrap_or_default().lines().map(str::to_owned).collect::<Vec<_>>();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read().len() < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    read()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_mode_schedules_through_the_configuration_istiod_would_send() {
+    carries_traffic(Mode::Istio).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateway_mode_schedules_through_the_configuration_envoy_gateway_would_send() {
+    carries_traffic(Mode::EnvoyGateway).await;
+}
