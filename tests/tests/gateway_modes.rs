@@ -1,4 +1,6 @@
-//! The chart's Istio and Envoy Gateway modes on the real Envoy 1.40. Neither istiod nor Envoy
+//! The chart's Istio modes (the scheduler filter in the gateway; Istio's own InferencePool support
+//! calling the host's endpoint picker) and its Envoy Gateway mode, on the real Envoy 1.40.
+//! Neither istiod nor Envoy
 //! Gateway can be installed here, so each test renders the chart with `helm template`, derives
 //! the Envoy configuration that controller would send for the rendered objects by following its
 //! translation source (`attache_e2e::controllers`, which names the files, at
@@ -9,7 +11,10 @@
 //! - the endpoint the scheduler named is the one that served (the access log);
 //! - nothing hangs: every request answers within its timeout, and `/v1/models` is served;
 //! - the module Envoy runs is the one whose sha256 the objects pin (the derivation refuses
-//!   another, as istio-agent and Envoy Gateway's cache do).
+//!   another, as istio-agent and Envoy Gateway's cache do);
+//! - with Istio's picker mode, the chart's EnvoyFilter is what makes it work: without it, Envoy
+//!   sends Istio's cluster name (`outbound|9002||…`) as the gRPC authority and the picker's
+//!   HTTP/2 server refuses the stream.
 
 // A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
 // #[test] functions and #[cfg(test)] modules, not the helpers beside them.
@@ -37,14 +42,18 @@ const NS: &str = "ml";
 const HOST_FQDN: &str = "llama-attache-host.ml.svc.cluster.local";
 const MODULE_URL: &str = "https://releases.example.com/attache/attache_scheduler.wasm";
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
+    /// The scheduler filter in an Istio gateway (EnvoyFilter).
     Istio,
+    /// Istio's own InferencePool support calling the host's endpoint picker.
+    IstioPicker,
+    /// The scheduler filter in Envoy Gateway (EnvoyExtensionPolicy + EnvoyPatchPolicy).
     EnvoyGateway,
 }
 
-/// Render the chart for `mode`, derive its Envoy configuration, start Envoy on it.
-fn start_mode(s: &mut Stack, mode: Mode, pin: &str) -> Result<(u16, u16, std::path::PathBuf), String> {
+/// The chart rendered for `mode`, its module pinned to `pin`.
+fn render(s: &Stack, mode: Mode, pin: &str) -> Vec<Value> {
     let ports: Vec<u16> = s.engine_addrs().iter().filter_map(|a| a.rsplit(':').next()?.parse().ok()).collect();
     let mut sets = vec![
         "gatewayApi.enabled=true".to_owned(),
@@ -54,39 +63,89 @@ fn start_mode(s: &mut Stack, mode: Mode, pin: &str) -> Result<(u16, u16, std::pa
         "pool.selector.app=vllm".to_owned(),
         format!("pool.targetPorts={{{}}}", ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",")),
     ];
-    let key = match mode {
-        Mode::Istio => "istio",
-        Mode::EnvoyGateway => "envoyGateway",
-    };
-    sets.extend([
-        format!("{key}.enabled=true"),
-        format!("{key}.scheduler.url={MODULE_URL}"),
-        format!("{key}.scheduler.sha256={pin}"),
-    ]);
+    match mode {
+        Mode::Istio | Mode::EnvoyGateway => {
+            let key = if mode == Mode::Istio { "istio" } else { "envoyGateway" };
+            sets.extend([
+                format!("{key}.enabled=true"),
+                format!("{key}.scheduler.url={MODULE_URL}"),
+                format!("{key}.scheduler.sha256={pin}"),
+            ]);
+        }
+        Mode::IstioPicker => sets.extend(["istio.enabled=true".to_owned(), "istio.mode=picker".to_owned()]),
+    }
     let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
-    let docs = documents(&Helm::new(&s.paths.root).template("llama", NS, None, &sets).expect("helm template"));
+    documents(&Helm::new(&s.paths.root).template("llama", NS, None, &sets).expect("helm template"))
+}
+
+/// The host, with the endpoint picker of the rendered host.yaml when it has one (its
+/// certificate files replaced by a self-signed pair, its listeners by free ports).
+fn start_host(s: &mut Stack, docs: &[Value]) {
+    let host_yaml = docs.iter().find_map(|d| d["data"]["host.yaml"].as_str()).expect("host.yaml");
+    let host: Value = serde_yaml::from_str(host_yaml).expect("host.yaml");
+    if let Some(epp) = host.get("epp") {
+        let mut epp = epp.clone();
+        epp.as_object_mut().unwrap().remove("listen");
+        epp["health_listen"] = serde_json::json!(format!("127.0.0.1:{}", free_port()));
+        if epp.get("tls").is_some() {
+            let (cert, key) = (s.workdir.join("epp.crt"), s.workdir.join("epp.key"));
+            let ok = Command::new("openssl")
+                .args([
+                    "req",
+                    "-x509",
+                    "-newkey",
+                    "ec",
+                    "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1",
+                    "-nodes",
+                    "-days",
+                    "1",
+                ])
+                .args(["-subj", "/CN=attache-epp", "-keyout"])
+                .arg(&key)
+                .arg("-out")
+                .arg(&cert)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .expect("openssl")
+                .success();
+            assert!(ok, "openssl req");
+            epp["tls"] = serde_json::json!({"cert_file": cert, "key_file": key});
+        }
+        s.host_epp = Some(epp);
+    }
+    s.start_host().expect("host");
+}
+
+/// Derive the controller's Envoy configuration for `docs` and start Envoy on it.
+fn start_envoy(
+    s: &mut Stack,
+    mode: Mode,
+    docs: &[Value],
+    name: &str,
+) -> Result<(u16, u16, std::path::PathBuf), String> {
     let (listen, admin) = (free_port(), free_port());
-    let endpoints: Vec<SocketAddr> = s.engine_addrs().iter().map(|a| a.parse().unwrap()).collect();
     let local = Local {
         listen: SocketAddr::from(([127, 0, 0, 1], listen)),
         admin: SocketAddr::from(([127, 0, 0, 1], admin)),
         // What the controllers' EDS would list: each engine a pod of the InferencePool (Istio)
         // or of the Service (Envoy Gateway). Here they share one IP and differ by port.
-        endpoints,
+        endpoints: s.engine_addrs().iter().map(|a| a.parse().unwrap()).collect(),
         host_grpc: SocketAddr::from(([127, 0, 0, 1], s.host_grpc_port)),
+        epp: s.host_epp.as_ref().map(|_| SocketAddr::from(([127, 0, 0, 1], s.host_epp_port))),
         modules: BTreeMap::from([(MODULE_URL.to_owned(), s.paths.wasm.clone())]),
-        access_log: s.workdir.join(format!("{key}-access.log")),
+        access_log: s.workdir.join(format!("{name}-access.log")),
     };
     let yaml = match mode {
-        Mode::Istio => istio::bootstrap(&docs, &local, HOST_FQDN),
-        Mode::EnvoyGateway => envoy_gateway::bootstrap(&docs, &local, HOST_FQDN),
+        Mode::Istio | Mode::IstioPicker => istio::bootstrap(docs, &local, HOST_FQDN),
+        Mode::EnvoyGateway => envoy_gateway::bootstrap(docs, &local, HOST_FQDN),
     }
     .map_err(|e| e.to_string())?;
-    let file = s.workdir.join(format!("{key}.yaml"));
+    let file = s.workdir.join(format!("{name}.yaml"));
     std::fs::write(&file, yaml).expect("bootstrap");
     let p = s
         .spawn(
-            &format!("envoy-{key}"),
+            &format!("envoy-{name}"),
             Command::new(&s.paths.envoy)
                 .arg("-c")
                 .arg(&file)
@@ -97,7 +156,7 @@ fn start_mode(s: &mut Stack, mode: Mode, pin: &str) -> Result<(u16, u16, std::pa
     s.extra_procs.push(p);
     let ready =
         wait_until(Duration::from_secs(30), || http_get_blocking(admin, "/ready").is_some_and(|b| b.contains("LIVE")));
-    assert!(ready, "Envoy did not start on the derived {key} configuration; see {}", s.workdir.display());
+    assert!(ready, "Envoy did not start on the derived {name} configuration; see {}", s.workdir.display());
     Ok((listen, admin, local.access_log))
 }
 
@@ -105,27 +164,58 @@ fn start_mode(s: &mut Stack, mode: Mode, pin: &str) -> Result<(u16, u16, std::pa
 async fn carries_traffic(mode: Mode) {
     let mut s = Stack::new(&format!("{mode:?}").to_lowercase()).expect("stack");
     s.start_sim(SimOpts { engines: 3, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() }).expect("sim");
-    s.start_host().expect("host");
     let pin = format!("{:x}", Sha256::digest(std::fs::read(&s.paths.wasm).expect("the scheduler module")));
+    let docs = render(&s, mode, &pin);
+    start_host(&mut s, &docs);
 
-    // The fetcher refuses a module whose sha256 is not the pinned one.
-    let wrong = format!("{:x}", Sha256::digest(b"another module"));
-    let refused = start_mode(&mut s, mode, &wrong).expect_err("a module with another sha256 is refused");
-    assert!(refused.contains("sha256"), "{refused}");
-
-    let (listen, admin, log) = start_mode(&mut s, mode, &pin).expect("derived configuration");
-    // Every worker's scheduler holds the host's snapshot (no bootstrap singleton).
-    let host_version = || {
-        let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
-        serde_json::from_str::<Value>(&b).ok().and_then(|v| v["version"].as_u64()).unwrap_or(u64::MAX)
-    };
-    let seen = wait_until(Duration::from_secs(20), || {
+    let (listen, admin, log) = if mode == Mode::IstioPicker {
+        // Without the chart's EnvoyFilter, Istio's cluster name reaches the picker as the gRPC
+        // authority, and the picker's HTTP/2 server refuses the stream.
+        let bare: Vec<Value> = docs.iter().filter(|d| d["kind"] != "EnvoyFilter").cloned().collect();
+        let (listen, _, _) = start_envoy(&mut s, mode, &bare, "istio-bare").expect("derived configuration");
+        let o = client::post(
+            &fresh_client(),
+            &format!("http://127.0.0.1:{listen}/v1/chat/completions"),
+            chat("x", "y", 2),
+            &[],
+        )
+        .await;
+        assert_ne!(o.status, 200, "the picker should refuse Istio's cluster name as authority");
+        println!("IstioPicker without the authority patch: {} {}", o.status, o.body);
+        let ready = wait_until(Duration::from_secs(20), || {
+            http_get_blocking(s.host_admin_port, "/metrics")
+                .is_some_and(|m| m.contains("attache_host_snapshot_version"))
+        });
+        assert!(ready);
+        start_envoy(&mut s, mode, &docs, "istio-picker").expect("derived configuration")
+    } else {
+        // The fetcher refuses a module whose sha256 is not the pinned one.
+        let wrong = format!("{:x}", Sha256::digest(b"another module"));
+        let other = render(&s, mode, &wrong);
+        let refused = start_envoy(&mut s, mode, &other, "refused").expect_err("another sha256 is refused");
+        assert!(refused.contains("sha256"), "{refused}");
+        let (listen, admin, log) =
+            start_envoy(&mut s, mode, &docs, &format!("{mode:?}")).expect("derived configuration");
+        // Every worker's scheduler holds the host's snapshot (no bootstrap singleton).
+        let host_version = || {
+            let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
+            serde_json::from_str::<Value>(&b).ok().and_then(|v| v["version"].as_u64()).unwrap_or(u64::MAX)
+        };
+        let seen = wait_until(Duration::from_secs(20), || {
+            let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
+            stat_value(&stats, "wasmcustom.attache.snapshot.version") >= host_version()
+        });
         let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
-        stat_value(&stats, "wasmcustom.attache.snapshot.version") >= host_version()
-    });
-    let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
-    let relevant: Vec<&str> = stats.lines().filter(|l| l.contains("attache") && !l.ends_with(": 0")).collect();
-    assert!(seen, "the filter never received the host's snapshot (host at version {}): {relevant:#?}", host_version());
+        let relevant: Vec<&str> = stats.lines().filter(|l| l.contains("attache") && !l.ends_with(": 0")).collect();
+        assert!(
+            seen,
+            "the filter never received the host's snapshot (host at version {}): {relevant:#?}",
+            host_version()
+        );
+        (listen, admin, log)
+    };
+    let _ = admin;
+    wait_ready_engines(&s, 3).await;
 
     let url = format!("http://127.0.0.1:{listen}/v1/chat/completions");
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).timeout(Duration::from_secs(20)).build().unwrap();
@@ -191,17 +281,35 @@ async fn carries_traffic(mode: Mode) {
         let v: Value = serde_json::from_str(l).expect("access log JSON");
         let picked = v["picked"].as_str().unwrap_or("-");
         if picked == "-" {
-            continue; // GET /v1/models
+            continue; // GET /v1/models, through the filter
         }
         scheduled += 1;
         let first = picked.split(',').next().unwrap();
         assert_eq!(v["served"], first, "{mode:?}: named {picked}, served {}", v["served"]);
-        if matches!(mode, Mode::Istio) {
+        if matches!(mode, Mode::Istio | Mode::IstioPicker) {
             assert_eq!(v["metadata"], picked, "{mode:?}: the pool reads the pick from envoy.lb");
         }
     }
-    assert_eq!(scheduled, sent - 1, "{mode:?}: every POST was scheduled: {lines:#?}");
+    // The picker names an endpoint for GET /v1/models too (round robin: Istio's shape can take
+    // one); the filter leaves it to the pool's fallback.
+    let unscheduled = usize::from(mode != Mode::IstioPicker);
+    assert_eq!(scheduled, sent - unscheduled, "{mode:?}: every POST was scheduled: {lines:#?}");
     println!("{mode:?}: {sent} requests answered, {scheduled} scheduled, each served where named; 24 concurrent in {burst:?}");
+}
+
+/// Wait until the host's snapshot has `n` ready engines.
+async fn wait_ready_engines(s: &Stack, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
+        let v: Value = serde_json::from_str(&b).unwrap_or(Value::Null);
+        let ready = v["endpoints"].as_array().map_or(0, |a| a.iter().filter(|e| e["ready"] == true).count());
+        if ready == n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the host never had {n} ready engines: {v}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The access log's lines once it has `n` (Envoy flushes it every second), or what it has after 10 s.
@@ -217,6 +325,11 @@ fn wait_lines(path: &std::path::Path, n: usize) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn istio_mode_schedules_through_the_configuration_istiod_would_send() {
     carries_traffic(Mode::Istio).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn istio_picker_mode_schedules_through_istios_inference_pool_and_the_hosts_picker() {
+    carries_traffic(Mode::IstioPicker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -125,7 +125,8 @@ Whether the host serves the endpoint picker ("true" or ""): `epp.enabled` when s
 */}}
 {{- define "attache.eppEnabled" -}}
 {{- if kindIs "invalid" .Values.epp.enabled }}
-{{- if and .Values.gatewayApi.enabled (not .Values.istio.enabled) (not .Values.envoyGateway.enabled) }}true{{ end }}
+{{- $inEnvoy := or (and .Values.istio.enabled (ne .Values.istio.mode "picker")) .Values.envoyGateway.enabled }}
+{{- if and .Values.gatewayApi.enabled (not $inEnvoy) }}true{{ end }}
 {{- else if .Values.epp.enabled }}true{{ end }}
 {{- end }}
 

@@ -87,11 +87,29 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
     let failure_open = epp["failureMode"] == "FailOpen";
     // Istio's Service clusters for the picker and the host (HTTP/2 from appProtocol / grpc port).
     // The picker's points at the host too: the chart's pool names the host Service.
-    let mut named_hosts = BTreeMap::new();
-    named_hosts.insert(epp_cluster.clone(), local.host_grpc);
-    for (name, at) in &named_hosts {
-        clusters.push(h2(name, *at));
+    let mut picker = h2(&epp_cluster, local.epp.unwrap_or(local.host_grpc));
+    // A DestinationRule's TLS for the picker's port (cluster_tls.go constructUpstreamTLS; SIMPLE
+    // with insecureSkipVerify: no validation context), ALPN h2 for the HTTP/2 upstream.
+    let epp_host = format!("{}.{ns}.svc.cluster.local", epp["name"].as_str().unwrap_or_default());
+    let epp_port = epp["port"]["number"].as_u64().unwrap_or(9002);
+    for dr in super::objects(docs, "DestinationRule").into_iter().filter(|d| d["spec"]["host"] == epp_host.as_str()) {
+        let tls = dr["spec"]["trafficPolicy"]["portLevelSettings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["port"]["number"].as_u64() == Some(epp_port))
+            .map(|p| &p["tls"]);
+        match tls {
+            Some(t) if t["mode"] == "SIMPLE" && t["insecureSkipVerify"] == true => {
+                picker["transport_socket"] = json!({"name": "envoy.transport_sockets.tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "common_tls_context": {"alpn_protocols": ["h2"]}}});
+            }
+            Some(t) => return Err(DeriveError::Unsupported(format!("DestinationRule TLS {t}"))),
+            None => {}
+        }
     }
+    clusters.push(picker);
 
     // The route (route.go) for the HTTPRoute's one rule; a PathPrefix other than "/" becomes
     // path_separated_prefix (route.go L1099-1102, conversion.go L1633-1640).

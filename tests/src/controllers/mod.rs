@@ -31,6 +31,9 @@ pub struct Local {
     pub endpoints: Vec<SocketAddr>,
     /// The host's gRPC server, where the host Service's DNS name points.
     pub host_grpc: SocketAddr,
+    /// The host's endpoint picker, where the pool's `endpointPickerRef` points (its gRPC port
+    /// when there is none).
+    pub epp: Option<SocketAddr>,
     /// The module each URL in the rendered objects fetches (what the controller's fetcher
     /// would download from it).
     pub modules: BTreeMap<String, PathBuf>,
