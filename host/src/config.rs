@@ -27,6 +27,9 @@ pub struct HostConfig {
     pub scrape_interval_ms: u64,
     /// Per-scrape timeout.
     pub scrape_timeout_ms: u64,
+    /// How often each engine's `GET /v1/models` is read, for the LoRA adapters it has loaded
+    /// (also those loaded at run time); 0 never reads it.
+    pub models_interval_ms: u64,
     /// Metrics older than this mark an endpoint as not ready in snapshots.
     pub unready_after_ms: u64,
     /// Minimum interval between two snapshot versions.
@@ -59,6 +62,7 @@ impl Default for HostConfig {
             endpoints_file: None,
             scrape_interval_ms: 50,
             scrape_timeout_ms: 500,
+            models_interval_ms: 2_000,
             unready_after_ms: 2_000,
             publish_interval_ms: 50,
             heartbeat_ms: 1_000,
@@ -78,6 +82,10 @@ impl HostConfig {
     }
     pub fn scrape_timeout(&self) -> Duration {
         ms(self.scrape_timeout_ms)
+    }
+    /// `None`: never read `/v1/models`.
+    pub fn models_interval(&self) -> Option<Duration> {
+        (self.models_interval_ms > 0).then(|| ms(self.models_interval_ms))
     }
     pub fn publish_interval(&self) -> Duration {
         ms(self.publish_interval_ms)

@@ -178,6 +178,7 @@ async fn start_discovery(
     members: eds::Members,
 ) {
     let scrapers = Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())
+        .with_model_lists(cfg.models_interval())
         .with_engine_gone(kv.engine_gone());
     let mut sink = Sink::new(scrapers, kv, state.clone(), cfg.kv_events_bind.is_some(), members);
     info!(endpoints = source.initial.endpoints.len(), "discovery: static file loaded");

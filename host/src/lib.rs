@@ -11,6 +11,7 @@ pub mod gateway;
 pub mod host;
 pub mod kubernetes;
 pub mod kv_subscribe;
+pub mod model_list;
 pub mod policy;
 pub mod push;
 pub mod scrape;

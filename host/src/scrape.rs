@@ -17,10 +17,13 @@ use crate::telemetry::ScrapeError;
 fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Engine) -> JoinHandle<()> {
     let (client, state, interval, timeout, gone) =
         (scrapers.client.clone(), scrapers.state.clone(), scrapers.interval, scrapers.timeout, scrapers.gone.clone());
+    let models_every = scrapers.models_interval;
     let span = tracing::info_span!("scrape", endpoint = %address);
     tokio::spawn(
         async move {
             let url = format!("http://{address}{metrics_path}");
+            let models_url = format!("http://{address}/v1/models");
+            let mut models_read: Option<Instant> = None;
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut was_ok = true;
@@ -38,7 +41,18 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Eng
                     _ => {}
                 }
                 was_ok = res.is_ok();
+                // The model list, less often: only a live engine is asked.
+                let listed = match models_every {
+                    Some(every) if res.is_ok() && models_read.is_none_or(|t| t.elapsed() >= every) => {
+                        models_read = Some(Instant::now());
+                        read_models(&client, &models_url, timeout).await
+                    }
+                    _ => None,
+                };
                 let mut st = state.write().await;
+                if let Some(listed) = listed {
+                    st.record_models(&address, listed);
+                }
                 st.record_scrape(&address, res, Instant::now());
                 if refused {
                     // Nothing listens: the engine is gone, not slow. Unready at once, so new
@@ -54,6 +68,31 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Eng
         }
         .instrument(span),
     )
+}
+
+/// The engine's served models from `GET /v1/models`; None (logged and counted) when it cannot
+/// be read, so the last list stands.
+async fn read_models(client: &reqwest::Client, url: &str, timeout: Duration) -> Option<Vec<String>> {
+    let body = async {
+        let resp = client.get(url).timeout(timeout).send().await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("HTTP {}", resp.status()));
+        }
+        resp.text().await.map_err(|e| e.to_string())
+    };
+    let listed = body.await.and_then(|b| crate::model_list::parse(&b).map_err(|e| e.to_string()));
+    let telemetry = crate::telemetry::metrics();
+    match listed {
+        Ok(l) => {
+            telemetry.model_list_read("ok");
+            Some(l)
+        }
+        Err(e) => {
+            telemetry.model_list_read("error");
+            debug!(error = %e, "reading /v1/models");
+            None
+        }
+    }
 }
 
 /// Why a transport error happened, for the error counter's `reason`.
@@ -88,12 +127,20 @@ pub struct Scrapers {
     interval: Duration,
     timeout: Duration,
     gone: Option<EngineGone>,
+    /// How often `/v1/models` is read; None: never.
+    models_interval: Option<Duration>,
     handles: std::collections::HashMap<String, JoinHandle<()>>,
 }
 
 impl Scrapers {
     pub fn new(client: reqwest::Client, state: Arc<RwLock<PoolState>>, interval: Duration, timeout: Duration) -> Self {
-        Self { client, state, interval, timeout, gone: None, handles: Default::default() }
+        Self { client, state, interval, timeout, gone: None, models_interval: None, handles: Default::default() }
+    }
+
+    /// Read each engine's `GET /v1/models` this often (LoRA adapters loaded at run time).
+    pub fn with_model_lists(mut self, every: Option<Duration>) -> Self {
+        self.models_interval = every;
+        self
     }
 
     /// Report engines that refuse connections to the KV-event side, which drops their blocks.

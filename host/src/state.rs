@@ -54,6 +54,8 @@ pub struct EndpointState {
     /// The last scrape found nothing listening (connection refused): unready until a scrape
     /// succeeds, without waiting for `unready_after`.
     pub down: bool,
+    /// What the engine's `GET /v1/models` listed last (base models, then LoRA adapters).
+    pub listed_models: Vec<String>,
 }
 
 /// The whole pool, keyed by address.
@@ -102,6 +104,7 @@ impl PoolState {
                     last_error: None,
                     ttft_ms: None,
                     down: false,
+                    listed_models: Vec::new(),
                 },
             };
             next.insert(spec.address, st);
@@ -148,6 +151,16 @@ impl PoolState {
         }
     }
 
+    /// What the engine's `GET /v1/models` listed; a change reaches the next snapshot.
+    pub fn record_models(&mut self, address: &str, listed: Vec<String>) {
+        if let Some(e) = self.endpoints.get_mut(address) {
+            if e.listed_models != listed {
+                e.listed_models = listed;
+                self.generation += 1;
+            }
+        }
+    }
+
     /// The endpoint refused a connection: it is down until a scrape succeeds again. Returns
     /// true when it was up until now.
     pub fn mark_down(&mut self, address: &str) -> bool {
@@ -174,8 +187,8 @@ impl PoolState {
                 v1::Endpoint {
                     id: u32::from(self.ids.get(&e.spec.address).copied().unwrap_or(u16::MAX)),
                     address: e.spec.address.clone(),
-                    // Declared models first; else what the engine says it serves.
-                    models: if e.spec.models.is_empty() { m.models.clone() } else { e.spec.models.clone() },
+                    // Declared models first, then what the engine's metrics and model list name.
+                    models: crate::model_list::merge(&e.spec.models, &m.models, &e.listed_models),
                     role: e.spec.role.clone(),
                     ready: fresh,
                     has_metrics: e.metrics.is_some(),

@@ -66,6 +66,8 @@ pub struct HostMetrics {
     policy_transitions: Mutex<BTreeMap<String, u64>>,
     /// The rollout controller's reads of Envoy stats, by outcome (`ok`, `error`).
     policy_stats_reads: Mutex<BTreeMap<&'static str, u64>>,
+    /// Reads of engines' `/v1/models`, by outcome (`ok`, `error`).
+    model_list_reads: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -140,6 +142,11 @@ impl HostMetrics {
     /// A policy slot changed state (`rollout`, `promote`, `rollback`, …).
     pub fn policy_transition(&self, action: &str) {
         *lock(&self.policy_transitions).entry(action.to_owned()).or_default() += 1;
+    }
+
+    /// An engine's `/v1/models` was read (`ok`) or could not be (`error`).
+    pub fn model_list_read(&self, outcome: &'static str) {
+        *lock(&self.model_list_reads).entry(outcome).or_default() += 1;
     }
 
     /// The rollout controller read one Envoy's stats (`ok`) or could not (`error`).
@@ -277,6 +284,15 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     );
     for (outcome, n) in lock(&m.policy_stats_reads).iter() {
         let _ = writeln!(out, "attache_host_policy_stats_reads_total{{outcome=\"{outcome}\"}} {n}");
+    }
+    family(
+        out,
+        "attache_host_model_list_reads_total",
+        "counter",
+        "Reads of the engines' GET /v1/models (LoRA adapters loaded), by outcome (ok, error).",
+    );
+    for (outcome, n) in lock(&m.model_list_reads).iter() {
+        let _ = writeln!(out, "attache_host_model_list_reads_total{{outcome=\"{outcome}\"}} {n}");
     }
 }
 

@@ -60,6 +60,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
+        .route("/v1/load_lora_adapter", post(load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
         .route("/tokenize", post(tokenize))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics_handler))
@@ -200,6 +202,39 @@ async fn models(State(st): State<AppState>) -> Response {
         (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response(),
         &st,
     )
+}
+
+#[derive(Deserialize)]
+struct LoraBody {
+    lora_name: String,
+    #[serde(default)]
+    #[allow(dead_code)] // the path vLLM loads from; the simulator has no weights
+    lora_path: Option<String>,
+}
+
+/// vLLM's runtime LoRA loading (with `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): 200 with a plain-text
+/// success line; 400 with vLLM's JSON error when the adapter is already loaded or the body is
+/// wrong.
+async fn load_lora_adapter(State(st): State<AppState>, body: axum::body::Bytes) -> Response {
+    let Ok(b) = serde_json::from_slice::<LoraBody>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "BadRequestError", None, "lora_name and lora_path are required");
+    };
+    if !st.engine.load_lora(&b.lora_name) {
+        let msg = format!("The lora adapter '{}' has already been loaded.", b.lora_name);
+        return error(StatusCode::BAD_REQUEST, "InvalidUserInput", None, &msg);
+    }
+    (StatusCode::OK, format!("Success: LoRA adapter '{}' added successfully.", b.lora_name)).into_response()
+}
+
+async fn unload_lora_adapter(State(st): State<AppState>, body: axum::body::Bytes) -> Response {
+    let Ok(b) = serde_json::from_slice::<LoraBody>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "BadRequestError", None, "lora_name is required");
+    };
+    if !st.engine.unload_lora(&b.lora_name) {
+        let msg = format!("The lora adapter '{}' cannot be found.", b.lora_name);
+        return error(StatusCode::NOT_FOUND, "NotFoundError", None, &msg);
+    }
+    (StatusCode::OK, format!("Success: LoRA adapter '{}' removed successfully.", b.lora_name)).into_response()
 }
 
 #[derive(Deserialize)]

@@ -192,6 +192,25 @@ impl Engine {
         self.lock().cfg.clone()
     }
 
+    /// Load a LoRA adapter at run time (vLLM's `POST /v1/load_lora_adapter`); false if it is
+    /// already loaded.
+    pub fn load_lora(&self, name: &str) -> bool {
+        let mut st = self.lock();
+        if st.cfg.lora_adapters.iter().any(|a| a == name) {
+            return false;
+        }
+        st.cfg.lora_adapters.push(name.to_owned());
+        true
+    }
+
+    /// Unload one (`POST /v1/unload_lora_adapter`); false if it was not loaded.
+    pub fn unload_lora(&self, name: &str) -> bool {
+        let mut st = self.lock();
+        let before = st.cfg.lora_adapters.len();
+        st.cfg.lora_adapters.retain(|a| a != name);
+        st.cfg.lora_adapters.len() != before
+    }
+
     /// Queue a request.
     pub fn submit(&self, req: SimRequest) {
         let mut st = self.lock();

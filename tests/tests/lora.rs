@@ -78,3 +78,68 @@ async fn requests_prefer_engines_with_their_adapter_then_a_free_slot() {
         l.abort();
     }
 }
+
+/// An adapter loaded at run time (vLLM's `POST /v1/load_lora_adapter`) appears in that engine's
+/// `GET /v1/models` with its base model as `parent`; the host reads the list, and requests for
+/// the adapter route to that engine instead of 404. Declared models (the endpoints file, here
+/// only the base model) are what Kubernetes discovery knows; the adapter is not among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_loaded_at_run_time_routes_to_its_engine() {
+    let mut s = Stack::new("lora-runtime").expect("stack");
+    s.host_extra = Some(json!({"models_interval_ms": 200}));
+    s.start_sim(SimOpts { engines: 3, ..SimOpts::default() }).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+    s.wait_snapshot(3, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+
+    let o = send(&s, &http, body("sql-lora", "select 1", 4), &[]).await;
+    assert_eq!(o.status, 404, "no engine has the adapter yet: {}", o.body);
+    assert_eq!(o.header("x-attache-error"), Some("unknown_model"), "refused by the scheduler: {}", o.body);
+
+    let addrs = s.engine_addrs();
+    let engine = &addrs[1];
+    let loaded = http
+        .post(format!("http://{engine}/v1/load_lora_adapter"))
+        .json(&json!({"lora_name": "sql-lora", "lora_path": "/adapters/sql"}))
+        .send()
+        .await
+        .expect("load_lora_adapter");
+    assert_eq!(loaded.status(), 200);
+    let listed: serde_json::Value =
+        http.get(format!("http://{engine}/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert!(
+        listed["data"].as_array().unwrap().iter().any(|m| m["id"] == "sql-lora" && m["parent"] == MODEL),
+        "{listed}"
+    );
+
+    // The host's next read of the list reaches the filters.
+    let url = format!("http://127.0.0.1:{}/v1/snapshot", s.host_admin_port);
+    let started = std::time::Instant::now();
+    loop {
+        let snap: serde_json::Value = reqwest::get(&url).await.unwrap().json().await.unwrap();
+        let serving: Vec<String> = snap["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["models"].as_array().is_some_and(|m| m.iter().any(|x| x == "sql-lora")))
+            .map(|e| e["address"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        if !serving.is_empty() {
+            assert_eq!(serving, [engine.clone()], "only the engine that loaded it serves it");
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "the host never listed the adapter: {snap}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    s.wait_snapshot(3, Duration::from_secs(5)).expect("the filters have that snapshot");
+    let port = engine.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+    for k in 0..6 {
+        let o = send(&s, &http, body("sql-lora", &format!("query {k}"), 4), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_eq!(o.engine_port, port, "the adapter's requests go to the engine that loaded it");
+    }
+    let metrics = attache_e2e::admin_http::http_get_blocking(s.host_admin_port, "/metrics").unwrap_or_default();
+    assert!(metrics.contains("attache_host_model_list_reads_total{outcome=\"ok\"}"), "model-list reads are counted");
+    println!("runtime adapter: listed by the host {:?} after loading; 6/6 routed to its engine", started.elapsed());
+}
