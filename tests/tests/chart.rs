@@ -340,6 +340,31 @@ fn each_mode_renders_what_it_promises() {
     }
     roles.sort();
     assert_eq!(roles, ["decode", "prefill"]);
+    // Decode pods run llm-d's P/D sidecar on the pool's port (vLLM ignores x-prefiller-host-port),
+    // vLLM behind it on its own port; prefill pods serve on the pool's port themselves.
+    for dep in of_kind(&d, "Deployment") {
+        let spec = &dep["spec"]["template"]["spec"];
+        let role = dep["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"].as_str();
+        let vllm_args: Vec<&str> =
+            spec["containers"][0]["args"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        let vllm_port = vllm_args.iter().position(|a| *a == "--port").map(|i| vllm_args[i + 1]);
+        match role {
+            Some("decode") => {
+                let sidecar = &spec["initContainers"][0];
+                assert_eq!(sidecar["name"], "routing-proxy");
+                assert_eq!(sidecar["restartPolicy"], "Always", "a native sidecar");
+                assert!(sidecar["image"].as_str().unwrap().starts_with("ghcr.io/llm-d/llm-d-router-disagg-sidecar:"));
+                let args: Vec<&str> = sidecar["args"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+                assert!(args.contains(&"--port=8000") && args.contains(&"--model-server-port=8200"), "{args:?}");
+                assert_eq!(vllm_port, Some("8200"));
+            }
+            Some("prefill") => {
+                assert!(spec["initContainers"].is_null(), "no sidecar on prefill pods");
+                assert_eq!(vllm_port, Some("8000"));
+            }
+            _ => {}
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
