@@ -126,7 +126,7 @@ async fn an_adapter_loaded_at_run_time_routes_to_its_engine() {
             .map(|e| e["address"].as_str().unwrap_or_default().to_owned())
             .collect();
         if !serving.is_empty() {
-            assert_eq!(serving, [engine.clone()], "only the engine that loaded it serves it");
+            assert_eq!(serving, std::slice::from_ref(engine), "only the engine that loaded it serves it");
             break;
         }
         assert!(started.elapsed() < Duration::from_secs(10), "the host never listed the adapter: {snap}");
