@@ -17,13 +17,10 @@ use crate::telemetry::ScrapeError;
 fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Engine) -> JoinHandle<()> {
     let (client, state, interval, timeout, gone) =
         (scrapers.client.clone(), scrapers.state.clone(), scrapers.interval, scrapers.timeout, scrapers.gone.clone());
-    let models_every = scrapers.models_interval;
     let span = tracing::info_span!("scrape", endpoint = %address);
     tokio::spawn(
         async move {
             let url = format!("http://{address}{metrics_path}");
-            let models_url = format!("http://{address}/v1/models");
-            let mut models_read: Option<Instant> = None;
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut was_ok = true;
@@ -41,18 +38,7 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Eng
                     _ => {}
                 }
                 was_ok = res.is_ok();
-                // The model list, less often: only a live engine is asked.
-                let listed = match models_every {
-                    Some(every) if res.is_ok() && models_read.is_none_or(|t| t.elapsed() >= every) => {
-                        models_read = Some(Instant::now());
-                        read_models(&client, &models_url, timeout).await
-                    }
-                    _ => None,
-                };
                 let mut st = state.write().await;
-                if let Some(listed) = listed {
-                    st.record_models(&address, listed);
-                }
                 st.record_scrape(&address, res, Instant::now());
                 if refused {
                     // Nothing listens: the engine is gone, not slow. Unready at once, so new
@@ -70,29 +56,49 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Eng
     )
 }
 
-/// The engine's served models from `GET /v1/models`; None (logged and counted) when it cannot
-/// be read, so the last list stands.
-async fn read_models(client: &reqwest::Client, url: &str, timeout: Duration) -> Option<Vec<String>> {
-    let body = async {
-        let resp = client.get(url).timeout(timeout).send().await.map_err(|e| e.to_string())?;
-        if !resp.status().is_success() {
-            return Err(format!("HTTP {}", resp.status()));
+/// Read `address`'s `GET /v1/models` every `every`, in its own task so a slow answer never
+/// delays the metrics scrape, writing the list into `state`. A failure keeps the last list,
+/// and is counted, and logged when it starts.
+fn spawn_models(scrapers: &Scrapers, address: String, every: Duration) -> JoinHandle<()> {
+    let (client, state, timeout) = (scrapers.client.clone(), scrapers.state.clone(), scrapers.timeout);
+    let span = tracing::info_span!("models", endpoint = %address);
+    tokio::spawn(
+        async move {
+            let url = format!("http://{address}/v1/models");
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut was_ok = true;
+            let telemetry = crate::telemetry::metrics();
+            loop {
+                tick.tick().await;
+                let body = async {
+                    let resp = client.get(&url).timeout(timeout).send().await.map_err(|e| e.to_string())?;
+                    if !resp.status().is_success() {
+                        return Err(format!("HTTP {}", resp.status()));
+                    }
+                    resp.text().await.map_err(|e| e.to_string())
+                };
+                match body.await.and_then(|b| crate::model_list::parse(&b).map_err(|e| e.to_string())) {
+                    Ok(listed) => {
+                        telemetry.model_list_read("ok");
+                        if !was_ok {
+                            debug!("model list readable again");
+                        }
+                        was_ok = true;
+                        state.write().await.record_models(&address, listed);
+                    }
+                    Err(e) => {
+                        telemetry.model_list_read("error");
+                        if was_ok {
+                            warn!(error = %e, "cannot read GET /v1/models; LoRA adapters it loads stay unknown");
+                        }
+                        was_ok = false;
+                    }
+                }
+            }
         }
-        resp.text().await.map_err(|e| e.to_string())
-    };
-    let listed = body.await.and_then(|b| crate::model_list::parse(&b).map_err(|e| e.to_string()));
-    let telemetry = crate::telemetry::metrics();
-    match listed {
-        Ok(l) => {
-            telemetry.model_list_read("ok");
-            Some(l)
-        }
-        Err(e) => {
-            telemetry.model_list_read("error");
-            debug!(error = %e, "reading /v1/models");
-            None
-        }
-    }
+        .instrument(span),
+    )
 }
 
 /// Why a transport error happened, for the error counter's `reason`.
@@ -129,7 +135,8 @@ pub struct Scrapers {
     gone: Option<EngineGone>,
     /// How often `/v1/models` is read; None: never.
     models_interval: Option<Duration>,
-    handles: std::collections::HashMap<String, JoinHandle<()>>,
+    /// Per endpoint: its scraper and its model-list reader.
+    handles: std::collections::HashMap<String, (JoinHandle<()>, Option<JoinHandle<()>>)>,
 }
 
 impl Scrapers {
@@ -153,17 +160,21 @@ impl Scrapers {
     /// pool state's endpoint set.
     pub async fn apply(&mut self, endpoints: Vec<crate::endpoints::StaticEndpoint>) {
         let wanted: std::collections::HashSet<&str> = endpoints.iter().map(|e| e.address.as_str()).collect();
-        self.handles.retain(|addr, h| {
+        self.handles.retain(|addr, (scrape, models)| {
             let keep = wanted.contains(addr.as_str());
             if !keep {
-                h.abort();
+                scrape.abort();
+                if let Some(m) = models {
+                    m.abort();
+                }
             }
             keep
         });
         for e in &endpoints {
             if !self.handles.contains_key(&e.address) {
                 let h = spawn(self, e.address.clone(), e.metrics_path.clone(), Engine::from_name(&e.engine));
-                self.handles.insert(e.address.clone(), h);
+                let m = self.models_interval.map(|every| spawn_models(self, e.address.clone(), every));
+                self.handles.insert(e.address.clone(), (h, m));
             }
         }
         self.state.write().await.set_endpoints(endpoints);

@@ -27,6 +27,8 @@ pub struct AppState {
     pub engine: Engine,
     pub name: String,
     pub port: u16,
+    /// `host:port` it listens on (engines on several loopback addresses share a port).
+    pub address: String,
     /// The model's real tokenizer (and chat template), if given; else the byte-level fallback.
     pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<PromptTokenizer>>>,
     /// This engine's stored Responses API conversations (vLLM keeps them in the server's
@@ -95,6 +97,9 @@ fn with_engine_headers(mut r: Response, st: &AppState) -> Response {
     }
     if let Ok(v) = HeaderValue::from_str(&st.name) {
         h.insert("x-inference-pod", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&st.address) {
+        h.insert("x-inference-address", v);
     }
     r
 }

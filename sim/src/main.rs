@@ -159,6 +159,7 @@ async fn main() -> anyhow::Result<()> {
             engine,
             name: format!("sim-{port}"),
             port,
+            address: format!("{}:{port}", a.host),
             tokenizer: tokenizer.clone(),
             responses: api::ResponseStore::default(),
         });

@@ -17,6 +17,8 @@ pub struct Outcome {
     pub output_tokens: u64,
     /// The engine that served it (the simulator's `x-inference-port`).
     pub engine_port: Option<u16>,
+    /// Its `host:port` (the simulator's `x-inference-address`).
+    pub engine_address: Option<String>,
     /// The whole body (for errors and non-streaming responses).
     pub body: String,
     /// SSE `data:` payloads, in order (streaming only).
@@ -68,6 +70,7 @@ pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>, headers: &
     out.status = resp.status().as_u16();
     out.headers = resp.headers().iter().map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string())).collect();
     out.engine_port = out.header("x-inference-port").and_then(|v| v.parse().ok());
+    out.engine_address = out.header("x-inference-address").map(str::to_owned);
     let is_sse = out.header("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     let mut stream = resp.bytes_stream();
     let mut buf = Vec::new();

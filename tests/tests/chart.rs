@@ -272,7 +272,7 @@ fn each_mode_renders_what_it_promises() {
     let scheduler = &ecds[0]["patch"]["value"]["typed_config"]["config"];
     assert_eq!(scheduler["allow_on_headers_stop_iteration"], true);
     let cfg: Value = serde_json::from_str(scheduler["configuration"]["value"].as_str().unwrap()).unwrap();
-    assert_eq!(cfg["subscribe"]["cluster"], "attache_host");
+    assert_eq!(cfg["subscribe"]["cluster"], "llama-attache-host", "a cluster of the release's own");
     assert_eq!(cfg["scoring"]["context"], true, "scorers need the scheduler's context");
     let inserted: Vec<&str> = patches
         .iter()
@@ -281,8 +281,30 @@ fn each_mode_renders_what_it_promises() {
         .collect();
     assert_eq!(
         inserted,
-        ["attache.scheduler", "attache.scorer.slo_ttft", "attache.picker", "attache.pick_to_metadata"]
+        [
+            "attache.llama-attache.scheduler",
+            "attache.llama-attache.scorer.slo_ttft",
+            "attache.llama-attache.picker",
+            "attache.llama-attache.pick_to_metadata"
+        ]
     );
+    assert!(
+        patches.iter().filter(|p| p["applyTo"] == "HTTP_FILTER").all(|p| p["patch"]["value"]["disabled"] == true),
+        "off on other routes of the gateway"
+    );
+    let route = patches.iter().find(|p| p["applyTo"] == "HTTP_ROUTE").expect("the route patch");
+    for name in &inserted {
+        assert!(
+            route["patch"]["value"]["typed_per_filter_config"][name].is_object(),
+            "{name} on for the chart's route"
+        );
+    }
+    assert_eq!(ef[0]["metadata"]["namespace"], "ml", "the gateway's namespace (here the release's)");
+    let gw_ns = docs(
+        &t.render(Some(&t.chart().join("ci/istio-values.yaml")), &["gatewayApi.parentRef.namespace=gateways"])
+            .expect("render"),
+    );
+    assert_eq!(of_kind(&gw_ns, "EnvoyFilter")[0]["metadata"]["namespace"], "gateways", "where the gateway's pods are");
     assert!(patches.iter().any(|p| p["applyTo"] == "HTTP_ROUTE"
         && p["patch"]["value"]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] == true));
     assert!(of_kind(&d, "Deployment").iter().all(|x| x["metadata"]["name"] != "llama-attache-gateway"));

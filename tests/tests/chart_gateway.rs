@@ -161,6 +161,10 @@ async fn the_charts_gateway_schedules_falls_back_and_rolls_out_as_rendered() {
         "policy.auto.min_duration_ms=2000",
         "policy.auto.max_added_latency_ms=1000",
         "gateway.replicas=2",
+        // Scrapes once a second, so a killed engine stays in the pool for a moment, as it does
+        // in a cluster until the kubelet and a scrape notice: the test sees the fallback.
+        "host.scrapeIntervalMs=1000",
+        "host.unreadyAfterMs=5000",
         "pool.create=true",
         "pool.selector.app=vllm",
         &ports_set,
@@ -317,21 +321,40 @@ async fn the_charts_gateway_schedules_falls_back_and_rolls_out_as_rendered() {
     let models: Value = models.json().await.expect("model list");
     assert_eq!(models["data"][0]["id"], MODEL, "{models}");
 
-    // A killed engine's requests fall back: sent at once, before any scrape notices, a pick of
-    // the dead engine moves to the next endpoint of the header.
-    s.kill_extra_engine(&victim);
+    // A killed engine's requests fall back. A prefix that lives on the victim is picked for it
+    // right after the kill, before any scrape notices; the connect failure moves the request to
+    // the next endpoint of the header.
     let url0 = format!("http://127.0.0.1:{}/v1/chat/completions", replicas[0].port(http_port));
+    let victim_port: u16 = victim.rsplit(':').next().unwrap().parse().unwrap();
+    let on_victim = {
+        let mut found = None;
+        for t in 0..40 {
+            let prefix = long_prefix(&format!("victim-{t}"));
+            let o = client::post(&fresh, &url0, chat(&prefix, "warm", 2), &[]).await;
+            if o.engine_port == Some(victim_port) {
+                found = Some(prefix);
+                break;
+            }
+        }
+        found.expect("some prefix lands on the victim")
+    };
+    let retries_before = stat_value(
+        &http_get_blocking(replicas[0].port(9901), "/stats").unwrap_or_default(),
+        "cluster.pool.upstream_rq_retry",
+    );
+    s.kill_extra_engine(&victim);
     let mut statuses = Vec::new();
     for i in 0..16 {
-        let o = client::post(&fresh, &url0, chat(&format!("after the kill {i}"), "hi", 2), &[]).await;
+        let prompt = if i % 2 == 0 { on_victim.clone() } else { format!("after the kill {i}") };
+        let o = client::post(&fresh, &url0, chat(&prompt, &format!("q{i}"), 2), &[]).await;
         statuses.push((o.status, o.engine_port));
     }
-    let victim_port: u16 = victim.rsplit(':').next().unwrap().parse().unwrap();
     assert!(statuses.iter().all(|(st, port)| *st == 200 && *port != Some(victim_port)), "{statuses:?}");
     let retried = stat_value(
         &http_get_blocking(replicas[0].port(9901), "/stats").unwrap_or_default(),
         "cluster.pool.upstream_rq_retry",
-    );
+    ) - retries_before;
+    assert!(retried >= 1, "the victim's prefix was picked for the dead engine and retried on a fallback");
     println!("killed engine: 16/16 answered by the others, {retried} retried onto a fallback");
 
     // A scorer canary, rolled out through the host's API and promoted by its controller, which

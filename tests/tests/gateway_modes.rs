@@ -54,7 +54,8 @@ enum Mode {
 
 /// The chart rendered for `mode`, its module pinned to `pin`.
 fn render(s: &Stack, mode: Mode, pin: &str) -> Vec<Value> {
-    let ports: Vec<u16> = s.engine_addrs().iter().filter_map(|a| a.rsplit(':').next()?.parse().ok()).collect();
+    let ports: std::collections::BTreeSet<u16> =
+        s.engine_addrs().iter().filter_map(|a| a.rsplit(':').next()?.parse().ok()).collect();
     let mut sets = vec![
         "gatewayApi.enabled=true".to_owned(),
         "gatewayApi.parentRef.name=inference-gateway".to_owned(),
@@ -160,19 +161,66 @@ fn start_envoy(
     Ok((listen, admin, local.access_log))
 }
 
+/// Send `n` long completions straight to the engine at `address` (bypassing Envoy), to give it
+/// running and waiting requests; abort the handles to end them.
+fn load_engine_at(http: &reqwest::Client, address: &str, n: usize) -> Vec<tokio::task::JoinHandle<client::Outcome>> {
+    let url = format!("http://{address}/v1/completions");
+    (0..n)
+        .map(|i| {
+            let (http, url) = (http.clone(), url.clone());
+            let body = serde_json::json!({"model": MODEL, "prompt": format!("load {i}"), "max_tokens": 3000});
+            tokio::spawn(async move { client::post(&http, &url, body.to_string().into_bytes(), &[]).await })
+        })
+        .collect()
+}
+
+/// The waiting requests the host's snapshot shows for `address`, once it reaches `at_least`
+/// (or after 10 s).
+async fn waiting_at(s: &Stack, address: &str, at_least: f64) -> f64 {
+    let mut waiting = 0.0;
+    for _ in 0..200 {
+        let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
+        let v: Value = serde_json::from_str(&b).unwrap_or(Value::Null);
+        waiting = v["endpoints"]
+            .as_array()
+            .and_then(|a| a.iter().find(|e| e["address"] == address))
+            .and_then(|e| e["waiting"].as_f64())
+            .unwrap_or(0.0);
+        if waiting >= at_least {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    waiting
+}
+
+/// A host metric's value summed over its series (0 when absent).
+fn host_metric(s: &Stack, name: &str) -> f64 {
+    let text = http_get_blocking(s.host_admin_port, "/metrics").unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Requests through the mode's gateway: stickiness, saturation, picked == served, no hang.
 async fn carries_traffic(mode: Mode) {
     let mut s = Stack::new(&format!("{mode:?}").to_lowercase()).expect("stack");
-    s.start_sim(SimOpts { engines: 3, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() }).expect("sim");
+    // Three engines as a Service's pods: one address each, one port (the chart's modes that run
+    // the filter take one target port, as Istio's and Envoy Gateway's pool clusters do).
+    s.sim_opts = SimOpts { engines: 0, max_num_seqs: 2, time_scale: 1.0, ..SimOpts::default() };
+    s.start_engine_pods(3).expect("engine pods");
     let pin = format!("{:x}", Sha256::digest(std::fs::read(&s.paths.wasm).expect("the scheduler module")));
     let docs = render(&s, mode, &pin);
     start_host(&mut s, &docs);
+    wait_ready_engines(&s, 3).await;
 
     let (listen, admin, log) = if mode == Mode::IstioPicker {
         // Without the chart's EnvoyFilter, Istio's cluster name reaches the picker as the gRPC
-        // authority, and the picker's HTTP/2 server refuses the stream.
+        // authority, and the picker's HTTP/2 server refuses the stream before any request.
         let bare: Vec<Value> = docs.iter().filter(|d| d["kind"] != "EnvoyFilter").cloned().collect();
         let (listen, _, _) = start_envoy(&mut s, mode, &bare, "istio-bare").expect("derived configuration");
+        let before = host_metric(&s, "attache_epp_requests_total");
         let o = client::post(
             &fresh_client(),
             &format!("http://127.0.0.1:{listen}/v1/chat/completions"),
@@ -180,14 +228,11 @@ async fn carries_traffic(mode: Mode) {
             &[],
         )
         .await;
-        assert_ne!(o.status, 200, "the picker should refuse Istio's cluster name as authority");
+        assert_eq!(o.status, 500, "the picker refuses Istio's cluster name as authority: {}", o.body);
+        assert_eq!(host_metric(&s, "attache_epp_requests_total"), before, "no request reached the picker");
         println!("IstioPicker without the authority patch: {} {}", o.status, o.body);
-        let ready = wait_until(Duration::from_secs(20), || {
-            http_get_blocking(s.host_admin_port, "/metrics")
-                .is_some_and(|m| m.contains("attache_host_snapshot_version"))
-        });
-        assert!(ready);
-        start_envoy(&mut s, mode, &docs, "istio-picker").expect("derived configuration")
+        let (listen, admin, log) = start_envoy(&mut s, mode, &docs, "istio-picker").expect("derived configuration");
+        (listen, admin, log)
     } else {
         // The fetcher refuses a module whose sha256 is not the pinned one.
         let wrong = format!("{:x}", Sha256::digest(b"another module"));
@@ -196,7 +241,10 @@ async fn carries_traffic(mode: Mode) {
         assert!(refused.contains("sha256"), "{refused}");
         let (listen, admin, log) =
             start_envoy(&mut s, mode, &docs, &format!("{mode:?}")).expect("derived configuration");
-        // Every worker's scheduler holds the host's snapshot (no bootstrap singleton).
+        // Every worker's scheduler streams snapshots (no bootstrap singleton): Envoy's main
+        // thread and both workers hold a stream, and the filters have the host's snapshot.
+        let streams = wait_until(Duration::from_secs(10), || host_metric(&s, "attache_host_subscribers") >= 3.0);
+        assert!(streams, "one snapshot stream per worker: {}", host_metric(&s, "attache_host_subscribers"));
         let host_version = || {
             let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
             serde_json::from_str::<Value>(&b).ok().and_then(|v| v["version"].as_u64()).unwrap_or(u64::MAX)
@@ -205,17 +253,9 @@ async fn carries_traffic(mode: Mode) {
             let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
             stat_value(&stats, "wasmcustom.attache.snapshot.version") >= host_version()
         });
-        let stats = http_get_blocking(admin, "/stats").unwrap_or_default();
-        let relevant: Vec<&str> = stats.lines().filter(|l| l.contains("attache") && !l.ends_with(": 0")).collect();
-        assert!(
-            seen,
-            "the filter never received the host's snapshot (host at version {}): {relevant:#?}",
-            host_version()
-        );
+        assert!(seen, "the filters never received the host's snapshot (host at version {})", host_version());
         (listen, admin, log)
     };
-    let _ = admin;
-    wait_ready_engines(&s, 3).await;
 
     let url = format!("http://127.0.0.1:{listen}/v1/chat/completions");
     let http = reqwest::Client::builder().pool_max_idle_per_host(0).timeout(Duration::from_secs(20)).build().unwrap();
@@ -225,21 +265,21 @@ async fn carries_traffic(mode: Mode) {
     let mut homes = Vec::new();
     for g in 0..2 {
         let prefix = long_prefix(&format!("{mode:?}-tenant-{g}"));
-        let mut ports = BTreeMap::<u16, usize>::new();
+        let mut engines = BTreeMap::<String, usize>::new();
         for q in 0..6 {
             let o = client::post(&http, &url, chat(&prefix, &format!("q{q}"), 2), &[]).await;
             sent += 1;
             assert_eq!(o.status, 200, "{mode:?}: {} {:?}", o.body, o.error);
-            *ports.entry(o.engine_port.unwrap()).or_default() += 1;
+            *engines.entry(o.engine_address.clone().unwrap()).or_default() += 1;
         }
-        assert_eq!(ports.len(), 1, "{mode:?}: prefix {g} should stick to one engine: {ports:?}");
-        homes.push(*ports.keys().next().unwrap());
+        assert_eq!(engines.len(), 1, "{mode:?}: prefix {g} should stick to one engine: {engines:?}");
+        homes.push(engines.keys().next().unwrap().clone());
     }
 
     // A saturated engine is avoided, even by the prefix it holds.
-    let hot = homes[0];
-    let flood = load_engine(&http, hot, 10, 3000);
-    let waiting = wait_for_queue(&s, hot, 5.0).await;
+    let hot = homes[0].clone();
+    let flood = load_engine_at(&http, &hot, 10);
+    let waiting = waiting_at(&s, &hot, 5.0).await;
     assert!(waiting >= 5.0, "the flood did not build a queue (waiting {waiting})");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let prefix = long_prefix(&format!("{mode:?}-tenant-0"));
@@ -247,7 +287,11 @@ async fn carries_traffic(mode: Mode) {
         let o = client::post(&http, &url, chat(&prefix, &format!("busy {q}"), 2), &[]).await;
         sent += 1;
         assert_eq!(o.status, 200, "{mode:?}: {}", o.body);
-        assert_ne!(o.engine_port, Some(hot), "{mode:?}: request {q} went to the saturated engine");
+        assert_ne!(
+            o.engine_address.as_deref(),
+            Some(hot.as_str()),
+            "{mode:?}: request {q} went to the saturated engine"
+        );
     }
     for f in flood {
         f.abort();
@@ -272,6 +316,18 @@ async fn carries_traffic(mode: Mode) {
         assert!(o.ok(), "{mode:?}: {} {:?}", o.status, o.error);
     }
     let burst = started.elapsed();
+
+    // In the filter mode, the route's endpoint-picker call is off: no ext_proc stream started
+    // (in the picker mode, every request started one: the stat is the right one).
+    let ext_proc = stat_value(
+        &http_get_blocking(admin, "/stats").unwrap_or_default(),
+        "http.outbound_0.0.0.0_80.ext_proc.streams_started",
+    );
+    match mode {
+        Mode::Istio => assert_eq!(ext_proc, 0, "the route's ext_proc call is disabled"),
+        Mode::IstioPicker => assert!(ext_proc as usize >= sent - 1, "every request asked the picker: {ext_proc}"),
+        Mode::EnvoyGateway => {}
+    }
 
     // The endpoint the scheduler named is the one that served (Istio: also what the pool read
     // from envoy.lb).

@@ -81,7 +81,7 @@ async fn requests_prefer_engines_with_their_adapter_then_a_free_slot() {
 
 /// An adapter loaded at run time (vLLM's `POST /v1/load_lora_adapter`) appears in that engine's
 /// `GET /v1/models` with its base model as `parent`; the host reads the list, and requests for
-/// the adapter route to that engine instead of 404. Declared models (the endpoints file, here
+/// the adapter route to that engine instead of 404; unloaded, it is refused again. Declared models (the endpoints file, here
 /// only the base model) are what Kubernetes discovery knows; the adapter is not among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adapter_loaded_at_run_time_routes_to_its_engine() {
@@ -139,6 +139,32 @@ async fn an_adapter_loaded_at_run_time_routes_to_its_engine() {
         assert!(o.ok(), "{} {}", o.status, o.body);
         assert_eq!(o.engine_port, port, "the adapter's requests go to the engine that loaded it");
     }
+    // Unloaded, it is gone from the list, and its requests are refused again (404), not sent to
+    // an engine that no longer has it.
+    let unloaded = http
+        .post(format!("http://{engine}/v1/unload_lora_adapter"))
+        .json(&json!({"lora_name": "sql-lora"}))
+        .send()
+        .await
+        .expect("unload_lora_adapter");
+    assert_eq!(unloaded.status(), 200);
+    // Until the host's next read of the list, the engine itself answers 404.
+    let started_unload = std::time::Instant::now();
+    let mut engine_404 = 0;
+    loop {
+        let o = send(&s, &http, body("sql-lora", "select 2", 4), &[]).await;
+        assert_eq!(o.status, 404, "{}", o.body);
+        if o.header("x-attache-error") == Some("unknown_model") {
+            break;
+        }
+        engine_404 += 1;
+        assert!(started_unload.elapsed() < Duration::from_secs(10), "the unloaded adapter is still routed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "unloaded adapter: refused by the scheduler after {:?} ({engine_404} engine 404s before)",
+        started_unload.elapsed()
+    );
     let metrics = attache_e2e::admin_http::http_get_blocking(s.host_admin_port, "/metrics").unwrap_or_default();
     assert!(metrics.contains("attache_host_model_list_reads_total{outcome=\"ok\"}"), "model-list reads are counted");
     println!("runtime adapter: listed by the host {:?} after loading; 6/6 routed to its engine", started.elapsed());

@@ -83,19 +83,12 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the
-host (each worker subscribes itself: no bootstrap singleton). `oneEndpoint` lists a single
-endpoint in x-gateway-destination-endpoint, for an ORIGINAL_DST pool: Envoy reads that header as
-one ip:port, and a list would match no host (envoy/src/lib.rs, Variant::OriginalDst, does the
-same). `scoringContext` turns on the context custom scorers read (when scorer slots exist).
+host (each worker subscribes itself: no bootstrap singleton). `scoringContext` turns on the
+context custom scorers read (when scorer slots exist).
 */}}
 {{- define "attache.schedulerConfig" -}}
 {{- $cfg := deepCopy .ctx.Values.scheduler.config }}
 {{- $_ := set $cfg "role" "scheduler" }}
-{{- if .oneEndpoint }}
-{{- $scheduler := default (dict) (get $cfg "scheduler") }}
-{{- $_ := set $scheduler "max_endpoints" 1 }}
-{{- $_ := set $cfg "scheduler" $scheduler }}
-{{- end }}
 {{- if .scoringContext }}
 {{- $scoring := default (dict) (get $cfg "scoring") }}
 {{- $_ := set $scoring "context" true }}
@@ -156,4 +149,9 @@ image: {url: {{ .url | quote }}, sha256: {{ .sha256 | quote }}}
 type: HTTP
 http: {url: {{ .url | quote }}, sha256: {{ .sha256 | quote }}}
 {{- end }}
+{{- end }}
+
+{{/* Where the Istio objects go: the gateway pods' namespace. */}}
+{{- define "attache.istioNamespace" -}}
+{{- default (default .Release.Namespace .Values.gatewayApi.parentRef.namespace) .Values.istio.namespace }}
 {{- end }}

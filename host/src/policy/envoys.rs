@@ -7,6 +7,10 @@
 //! (`attache.stats_port`, a number; the chart's gateway sets its in-cluster metrics port) is
 //! read by the controller at `http://<stream's source address>:<port>/stats`. An Envoy is
 //! forgotten when its last ECDS stream ends.
+//!
+//! Nothing authenticates an ECDS stream, so what may subscribe is for the network to decide
+//! (only the gateways should reach the host's gRPC port). The controller reads only Envoys of
+//! the configured `node.cluster` (`policy.envoy_cluster`), and at most [`MAX_ENVOYS`] are kept.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -15,14 +19,19 @@ use std::sync::Mutex;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::google::protobuf::value::Kind;
 use serde::Serialize;
-use tracing::info;
+use tracing::{info, warn};
 
 /// The node-metadata key naming the port Envoy serves `/stats` on.
 pub const STATS_PORT_KEY: &str = "attache.stats_port";
 
+/// The most Envoys remembered; a further node id is not registered (and logged).
+pub const MAX_ENVOYS: usize = 1024;
+
 /// One subscribed Envoy.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct Subscriber {
+    /// Its `node.cluster`.
+    pub cluster: String,
     /// The source address of its (first) ECDS stream.
     pub address: Option<SocketAddr>,
     /// Where the controller reads its stats, if it advertised a stats port.
@@ -46,7 +55,16 @@ impl Envoys {
     pub fn connect(&self, node: &Node, peer: Option<SocketAddr>) {
         let stats = stats_url(node, peer);
         let mut nodes = self.lock();
-        let s = nodes.entry(node.id.clone()).or_insert_with(|| Subscriber { address: peer, stats: None, streams: 0 });
+        if nodes.len() >= MAX_ENVOYS && !nodes.contains_key(&node.id) {
+            warn!(node = %node.id, limit = MAX_ENVOYS, "too many Envoys subscribed; this one is not remembered");
+            return;
+        }
+        let s = nodes.entry(node.id.clone()).or_insert_with(|| Subscriber {
+            cluster: node.cluster.clone(),
+            address: peer,
+            stats: None,
+            streams: 0,
+        });
         s.streams += 1;
         if s.stats.is_none() {
             s.stats = stats;
@@ -68,9 +86,14 @@ impl Envoys {
         }
     }
 
-    /// `(node id, stats base URL)` of every subscribed Envoy that advertised a stats port.
-    pub fn stats_urls(&self) -> Vec<(String, String)> {
-        self.lock().iter().filter_map(|(n, s)| Some((n.clone(), s.stats.clone()?))).collect()
+    /// `(node id, stats base URL)` of every subscribed Envoy that advertised a stats port, of
+    /// `cluster` when one is given.
+    pub fn stats_urls(&self, cluster: Option<&str>) -> Vec<(String, String)> {
+        self.lock()
+            .iter()
+            .filter(|(_, s)| cluster.is_none_or(|c| s.cluster == c))
+            .filter_map(|(n, s)| Some((n.clone(), s.stats.clone()?)))
+            .collect()
     }
 
     pub fn snapshot(&self) -> BTreeMap<String, Subscriber> {
@@ -99,7 +122,7 @@ mod tests {
         if let Some(k) = port {
             fields.insert(STATS_PORT_KEY.to_owned(), Value { kind: Some(k) });
         }
-        Node { id: id.into(), metadata: Some(Struct { fields }), ..Default::default() }
+        Node { id: id.into(), cluster: "gw".into(), metadata: Some(Struct { fields }), ..Default::default() }
     }
 
     #[test]
@@ -112,7 +135,7 @@ mod tests {
         e.connect(&node("gw-c", None), Some(peer));
         e.connect(&node("gw-d", Some(Kind::NumberValue(70000.0))), Some(peer));
         assert_eq!(
-            e.stats_urls(),
+            e.stats_urls(None),
             [
                 ("gw-a".to_owned(), "http://10.1.2.3:9902".to_owned()),
                 ("gw-b".to_owned(), "http://[fd00::7]:9903".to_owned())
@@ -120,10 +143,11 @@ mod tests {
         );
         assert_eq!(e.snapshot().len(), 4, "every subscriber is listed, with or without a stats port");
         e.disconnect("gw-a");
-        assert_eq!(e.stats_urls().len(), 2, "gw-a still has a stream open");
+        assert_eq!(e.stats_urls(Some("gw")).len(), 2, "gw-a still has a stream open");
+        assert!(e.stats_urls(Some("another-release")).is_empty(), "only the configured gateways are read");
         e.disconnect("gw-a");
         e.disconnect("gw-b");
-        assert!(e.stats_urls().is_empty());
+        assert!(e.stats_urls(None).is_empty());
         assert_eq!(e.snapshot().keys().collect::<Vec<_>>(), ["gw-c", "gw-d"]);
     }
 }

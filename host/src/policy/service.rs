@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use attache_policies::canary::{ArmCounters, AutoPolicy, Verdict};
 
 use super::admission::{self, AdmissionConfig};
-use super::controller::{Controller, Counters};
+use super::controller::{self as ctl, Controller, Counters, PerEnvoy};
 use super::ecds::{self, Acks, Published};
 use super::envoys::Envoys;
 use super::rollout::{self, Deployed, RolloutError, RolloutFiles, RolloutState, Transition};
@@ -37,6 +37,10 @@ pub struct PolicyConfig {
     /// node metadata (`policy::envoys`), so gateway pods need not be listed.
     #[serde(default)]
     pub envoy_admin: Vec<String>,
+    /// With `envoy_admin` empty, read only subscribed Envoys whose `node.cluster` is this (the
+    /// chart: its gateway's name); unset, any that advertises a stats port.
+    #[serde(default)]
+    pub envoy_cluster: Option<String>,
     #[serde(default)]
     pub auto: AutoPolicy,
     /// Wall-clock budget per admission sample, ms.
@@ -297,17 +301,15 @@ impl PolicyService {
     /// every subscribed Envoy that advertised a stats port. `(name, base URL)`.
     pub fn stats_targets(&self) -> Vec<(String, String)> {
         if self.cfg.envoy_admin.is_empty() {
-            self.envoys.stats_urls()
+            self.envoys.stats_urls(self.cfg.envoy_cluster.as_deref())
         } else {
             self.cfg.envoy_admin.iter().map(|u| (u.clone(), u.clone())).collect()
         }
     }
 
-    /// Sum the rollout counters of every Envoy read; None if none answered.
-    pub async fn read_counters(&self) -> Option<Counters> {
-        let mut out = Counters::new();
-        let mut any = false;
-        for (envoy, base) in self.stats_targets() {
+    /// Each Envoy's rollout counters, read in parallel; None if none answered.
+    pub async fn read_counters(&self) -> Option<PerEnvoy> {
+        let reads = self.stats_targets().into_iter().map(|(envoy, base)| async move {
             let url = format!("{}/stats?filter=%5Ewasmcustom%5C.attache%5C.rollout%5C.", base.trim_end_matches('/'));
             let text = match self.http.get(&url).send().await.and_then(|r| r.error_for_status()) {
                 Ok(r) => r.text().await,
@@ -315,17 +317,20 @@ impl PolicyService {
             };
             match text {
                 Ok(t) => {
-                    parse_rollout_stats(&t, &mut out);
-                    any = true;
                     crate::telemetry::metrics().policy_stats_read("ok");
+                    let mut c = Counters::new();
+                    parse_rollout_stats(&t, &mut c);
+                    Some((envoy, c))
                 }
                 Err(e) => {
                     warn!(envoy, url = %base, error = %e, "reading Envoy stats");
                     crate::telemetry::metrics().policy_stats_read("error");
+                    None
                 }
             }
-        }
-        any.then_some(out)
+        });
+        let per: PerEnvoy = futures::future::join_all(reads).await.into_iter().flatten().collect();
+        (!per.is_empty()).then_some(per)
     }
 
     /// One controller pass: judge every canary and act on the verdicts.
@@ -370,7 +375,7 @@ impl PolicyService {
 
     pub async fn status(&self) -> Value {
         let state = self.lock().clone();
-        let counters = self.read_counters().await.unwrap_or_default();
+        let counters = ctl::sum(&self.read_counters().await.unwrap_or_default());
         let verdicts = self.controller().verdicts().clone();
         let slots: serde_json::Map<String, Value> = state
             .slots

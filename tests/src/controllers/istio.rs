@@ -14,7 +14,7 @@
 //!   the served host in `envoy.lb/x-gateway-destination-endpoint-served`, round-robin fallback;
 //! - `pilot/pkg/networking/core/envoyfilter/{extension_configuration_patch.go,listener_patch.go,
 //!   rc_patch.go,cluster_patch.go}`: EXTENSION_CONFIG ADD, HTTP_FILTER INSERT_BEFORE, HTTP_ROUTE
-//!   MERGE, CLUSTER ADD;
+//!   MERGE, CLUSTER ADD, LISTENER MERGE (the listener of `portNumber` 80, the Gateway's port);
 //! - `pkg/wasm/convert.go`: istio-agent fetches every ECDS Wasm resource's remote code, checks
 //!   its sha256, and gives Envoy the local file.
 //!
@@ -161,6 +161,7 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
 
     // The EnvoyFilter's patches, in order.
     let mut ecds: BTreeMap<String, Value> = BTreeMap::new();
+    let mut listener_fields = json!({});
     for ef in super::objects(docs, "EnvoyFilter") {
         for patch in ef["spec"]["configPatches"].as_array().into_iter().flatten() {
             let op = patch["patch"]["operation"].as_str().unwrap_or_default();
@@ -185,7 +186,11 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
                     let filter = if value.get("config_discovery").is_some() {
                         let typed =
                             ecds.get(name).ok_or_else(|| DeriveError::Missing(format!("ECDS resource {name}")))?;
-                        json!({"name": name, "typed_config": typed})
+                        let mut f = json!({"name": name, "typed_config": typed});
+                        if let Some(d) = value.get("disabled") {
+                            f["disabled"] = d.clone();
+                        }
+                        f
                     } else {
                         value.clone()
                     };
@@ -206,9 +211,24 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
                 }
                 ("HTTP_ROUTE", "MERGE") => {
                     let name = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"].as_str();
+                    let mut matched = 0;
                     for r in routes.iter_mut().filter(|r| name.is_none_or(|n| r["name"] == n)) {
                         merge(r, value);
+                        matched += 1;
                     }
+                    // istiod applies a patch that matches nothing silently; here it is an error,
+                    // so a wrong route name cannot pass unnoticed.
+                    if matched == 0 {
+                        return Err(DeriveError::Missing(format!("the route {name:?} that an HTTP_ROUTE patch names")));
+                    }
+                }
+                ("LISTENER", "MERGE") => {
+                    // The gateway's listener for the Gateway's port 80 (here: `local.listen`).
+                    let port = patch["match"]["listener"]["portNumber"].as_u64();
+                    if port.is_some_and(|p| p != 80) {
+                        return Err(DeriveError::Missing(format!("a gateway listener on port {port:?}")));
+                    }
+                    merge(&mut listener_fields, value);
                 }
                 (what, op) => return Err(DeriveError::Unsupported(format!("EnvoyFilter {what} {op}"))),
             }
@@ -222,15 +242,17 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
         "http_filters": filters,
         "access_log": access_log(&local.access_log),
     });
+    let mut listener = json!({
+        "name": "0.0.0.0_80",
+        "address": {"socket_address": {"address": local.listen.ip().to_string(), "port_value": local.listen.port()}},
+        "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]
+    });
+    merge(&mut listener, &listener_fields);
     let doc = json!({
         "node": {"id": "inference-gateway-istio-0.gateways", "cluster": "inference-gateway-istio.gateways"},
         "admin": {"address": {"socket_address": {"address": local.admin.ip().to_string(), "port_value": local.admin.port()}}},
         "static_resources": {
-            "listeners": [{
-                "name": "0.0.0.0_80",
-                "address": {"socket_address": {"address": local.listen.ip().to_string(), "port_value": local.listen.port()}},
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}]
-            }],
+            "listeners": [listener],
             "clusters": clusters
         }
     });

@@ -101,6 +101,28 @@ impl Stack {
         Ok(address)
     }
 
+    /// Start `n` simulated engines as a Service's pods look: each on its own loopback address
+    /// (127.0.0.2, .3, …), all on one port, each in its own process, listed after the others.
+    /// Returns the port.
+    pub fn start_engine_pods(&mut self, n: u8) -> anyhow::Result<u16> {
+        let port = free_port();
+        let opts = self.sim_opts.clone();
+        for i in 0..n {
+            let host = format!("127.0.0.{}", 2 + i);
+            let mut cmd = self.sim_command(&opts, 1, port);
+            let p = self.spawn(&format!("sim-pod-{host}"), cmd.arg("--host").arg(&host))?;
+            self.extra_procs.push(p);
+            let address = format!("{host}:{port}");
+            let up = wait_until(Duration::from_secs(20), || std::net::TcpStream::connect(&address).is_ok());
+            if !up {
+                bail!("engine pod {address} did not listen");
+            }
+            self.external.push(ExternalEngine { address, kv_publisher: None, kv_replay: None });
+        }
+        self.write_endpoints(&self.engine_addrs())?;
+        Ok(port)
+    }
+
     /// Kill an engine started with [`Stack::start_extra_engine`].
     pub fn kill_extra_engine(&mut self, address: &str) {
         let port = address.rsplit(':').next().unwrap_or_default();
