@@ -136,6 +136,11 @@ fn start_envoy(
         epp: s.host_epp.as_ref().map(|_| SocketAddr::from(([127, 0, 0, 1], s.host_epp_port))),
         modules: BTreeMap::from([(MODULE_URL.to_owned(), s.paths.wasm.clone())]),
         access_log: s.workdir.join(format!("{name}-access.log")),
+        ecds_dir: {
+            let d = s.workdir.join(format!("{name}-ecds"));
+            std::fs::create_dir_all(&d).expect("ECDS dir");
+            d
+        },
     };
     let yaml = match mode {
         Mode::Istio | Mode::IstioPicker => istio::bootstrap(docs, &local, HOST_FQDN),

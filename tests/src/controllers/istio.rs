@@ -182,18 +182,24 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
                         .position(|f| f["name"] == before)
                         .ok_or_else(|| DeriveError::Missing(format!("filter {before}")))?;
                     let name = value["name"].as_str().unwrap_or_default();
-                    // A config_discovery filter gets its ECDS resource (inline here).
-                    let filter = if value.get("config_discovery").is_some() {
+                    // A config_discovery filter gets its ECDS resource: istiod serves it over ADS;
+                    // here from a file, the filter otherwise as the patch wrote it.
+                    let mut filter = value.clone();
+                    if value.get("config_discovery").is_some() {
                         let typed =
                             ecds.get(name).ok_or_else(|| DeriveError::Missing(format!("ECDS resource {name}")))?;
-                        let mut f = json!({"name": name, "typed_config": typed});
-                        if let Some(d) = value.get("disabled") {
-                            f["disabled"] = d.clone();
-                        }
-                        f
-                    } else {
-                        value.clone()
-                    };
+                        let path = local.ecds_dir.join(format!("{name}.yaml"));
+                        let resource = json!({"resources": [{
+                            "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+                            "name": name, "typed_config": typed}]});
+                        let text = serde_yaml::to_string(&resource)
+                            .map_err(|e| DeriveError::Unsupported(format!("YAML: {e}")))?;
+                        std::fs::write(&path, text).map_err(|e| DeriveError::Io(path.display().to_string(), e))?;
+                        filter["config_discovery"]["config_source"] = json!({
+                            "path_config_source": {"path": path.display().to_string()},
+                            "initial_fetch_timeout": "0s",
+                            "resource_api_version": "V3"});
+                    }
                     filters.insert(at, filter);
                 }
                 ("CLUSTER", "ADD") => {

@@ -5,7 +5,9 @@
 //! through it.
 //!
 //! A derived configuration is a static bootstrap, which forces a few stand-ins, the same for both:
-//! what the controller streams over xDS (routes, ECDS, EDS) is written inline; an EDS cluster
+//! what the controller streams over xDS (routes, EDS) is written inline, and ECDS resources are
+//! served from files (`path_config_source`) instead of ADS, so the filters keep their
+//! `config_discovery` as the controller sends them; an EDS cluster
 //! lists the endpoints the controller would send (the model servers' `ip:port`); remote Wasm code
 //! becomes the local file the controller's fetcher would produce, after the same sha256 check
 //! (istio-agent's or Envoy Gateway's cache); and ports are this machine's. Nothing else is added,
@@ -39,6 +41,8 @@ pub struct Local {
     pub modules: BTreeMap<String, PathBuf>,
     /// Where the access log goes.
     pub access_log: PathBuf,
+    /// Where ECDS resources are written, one file each, for Envoy to read.
+    pub ecds_dir: PathBuf,
 }
 
 #[derive(Debug, thiserror::Error)]
