@@ -166,39 +166,6 @@ fn start_envoy(
     Ok((listen, admin, local.access_log))
 }
 
-/// Send `n` long completions straight to the engine at `address` (bypassing Envoy), to give it
-/// running and waiting requests; abort the handles to end them.
-fn load_engine_at(http: &reqwest::Client, address: &str, n: usize) -> Vec<tokio::task::JoinHandle<client::Outcome>> {
-    let url = format!("http://{address}/v1/completions");
-    (0..n)
-        .map(|i| {
-            let (http, url) = (http.clone(), url.clone());
-            let body = serde_json::json!({"model": MODEL, "prompt": format!("load {i}"), "max_tokens": 3000});
-            tokio::spawn(async move { client::post(&http, &url, body.to_string().into_bytes(), &[]).await })
-        })
-        .collect()
-}
-
-/// The waiting requests the host's snapshot shows for `address`, once it reaches `at_least`
-/// (or after 10 s).
-async fn waiting_at(s: &Stack, address: &str, at_least: f64) -> f64 {
-    let mut waiting = 0.0;
-    for _ in 0..200 {
-        let b = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
-        let v: Value = serde_json::from_str(&b).unwrap_or(Value::Null);
-        waiting = v["endpoints"]
-            .as_array()
-            .and_then(|a| a.iter().find(|e| e["address"] == address))
-            .and_then(|e| e["waiting"].as_f64())
-            .unwrap_or(0.0);
-        if waiting >= at_least {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    waiting
-}
-
 /// A host metric's value summed over its series (0 when absent).
 fn host_metric(s: &Stack, name: &str) -> f64 {
     let text = http_get_blocking(s.host_admin_port, "/metrics").unwrap_or_default();
@@ -283,8 +250,8 @@ async fn carries_traffic(mode: Mode) {
 
     // A saturated engine is avoided, even by the prefix it holds.
     let hot = homes[0].clone();
-    let flood = load_engine_at(&http, &hot, 10);
-    let waiting = waiting_at(&s, &hot, 5.0).await;
+    let flood = load_engine_at(&http, &hot, 10, 3000);
+    let waiting = wait_for_queue_at(&s, &hot, 5.0).await;
     assert!(waiting >= 5.0, "the flood did not build a queue (waiting {waiting})");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let prefix = long_prefix(&format!("{mode:?}-tenant-0"));

@@ -26,7 +26,7 @@
 
 use serde_json::{json, Value};
 
-use super::{access_log, fetch_checked, one, static_endpoints, DeriveError, Local};
+use super::{access_log, fetch_checked, host_cluster_here, one, static_endpoints, DeriveError, Local};
 
 /// `8Mi`, `32Ki`, `1024` → bytes.
 fn quantity(q: &str) -> Option<u64> {
@@ -203,17 +203,7 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
                 }
             }
             "type.googleapis.com/envoy.config.cluster.v3.Cluster" if op["path"] == "" => {
-                let mut c = op["value"].clone();
-                // The host Service's DNS name, here.
-                if let Some(sa) =
-                    c.pointer_mut("/load_assignment/endpoints/0/lb_endpoints/0/endpoint/address/socket_address")
-                {
-                    if sa["address"] == host_fqdn {
-                        sa["address"] = json!(local.host_grpc.ip().to_string());
-                        sa["port_value"] = json!(local.host_grpc.port());
-                    }
-                }
-                clusters.push(c);
+                clusters.push(host_cluster_here(&op["value"], host_fqdn, local));
             }
             other => return Err(DeriveError::Unsupported(format!("a patch of {other} {target_name}"))),
         }

@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::{access_log, localize_wasm, one, static_endpoints, DeriveError, Local};
+use super::{access_log, host_cluster_here, localize_wasm, one, static_endpoints, DeriveError, Local};
 
 /// The InferencePool's shadow Service name (`InferencePoolServiceName`).
 pub fn shadow_service(pool: &str) -> String {
@@ -202,19 +202,7 @@ pub fn bootstrap(docs: &[Value], local: &Local, host_fqdn: &str) -> Result<Strin
                     }
                     filters.insert(at, filter);
                 }
-                ("CLUSTER", "ADD") => {
-                    let mut c = value.clone();
-                    // The host Service's DNS name, here.
-                    if let Some(sa) =
-                        c.pointer_mut("/load_assignment/endpoints/0/lb_endpoints/0/endpoint/address/socket_address")
-                    {
-                        if sa["address"] == host_fqdn {
-                            sa["address"] = json!(local.host_grpc.ip().to_string());
-                            sa["port_value"] = json!(local.host_grpc.port());
-                        }
-                    }
-                    clusters.push(c);
-                }
+                ("CLUSTER", "ADD") => clusters.push(host_cluster_here(value, host_fqdn, local)),
                 ("HTTP_ROUTE", "MERGE") => {
                     let name = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"].as_str();
                     let mut matched = 0;

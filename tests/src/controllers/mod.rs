@@ -100,6 +100,19 @@ pub fn access_log(path: &std::path::Path) -> Value {
     }])
 }
 
+/// A cluster the rendered objects add, pointed here: where its one endpoint is the host
+/// Service's DNS name `host_fqdn`, it becomes `local.host_grpc`.
+pub fn host_cluster_here(cluster: &Value, host_fqdn: &str, local: &Local) -> Value {
+    let mut c = cluster.clone();
+    if let Some(sa) = c.pointer_mut("/load_assignment/endpoints/0/lb_endpoints/0/endpoint/address/socket_address") {
+        if sa["address"] == host_fqdn {
+            sa["address"] = json!(local.host_grpc.ip().to_string());
+            sa["port_value"] = json!(local.host_grpc.port());
+        }
+    }
+    c
+}
+
 /// Objects of `kind` among rendered documents.
 pub fn objects<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
     docs.iter().filter(|d| d["kind"] == kind).collect()

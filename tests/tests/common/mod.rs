@@ -53,13 +53,18 @@ pub fn long_prefix(tag: &str) -> String {
 /// Poll the host's snapshot (every 50 ms, up to 10 s) until the engine on `port` reports at
 /// least `at_least` waiting requests; returns the last figure seen.
 pub async fn wait_for_queue(s: &Stack, port: u16, at_least: f64) -> f64 {
+    wait_for_queue_at(s, &format!("127.0.0.1:{port}"), at_least).await
+}
+
+/// [`wait_for_queue`] for the engine at `address` (`ip:port`).
+pub async fn wait_for_queue_at(s: &Stack, address: &str, at_least: f64) -> f64 {
     let mut waiting = 0.0;
     for _ in 0..200 {
         if let Some(b) = http_get_blocking(s.host_admin_port, "/v1/snapshot") {
             let v: serde_json::Value = serde_json::from_str(&b).unwrap_or(serde_json::Value::Null);
             waiting = v["endpoints"]
                 .as_array()
-                .and_then(|a| a.iter().find(|e| e["address"] == format!("127.0.0.1:{port}")))
+                .and_then(|a| a.iter().find(|e| e["address"] == address))
                 .and_then(|e| e["waiting"].as_f64())
                 .unwrap_or(0.0);
             if waiting >= at_least {
@@ -79,7 +84,17 @@ pub fn load_engine(
     n: usize,
     max_tokens: u64,
 ) -> Vec<tokio::task::JoinHandle<Outcome>> {
-    let url = format!("http://127.0.0.1:{port}/v1/completions");
+    load_engine_at(http, &format!("127.0.0.1:{port}"), n, max_tokens)
+}
+
+/// [`load_engine`] for the engine at `address` (`ip:port`).
+pub fn load_engine_at(
+    http: &reqwest::Client,
+    address: &str,
+    n: usize,
+    max_tokens: u64,
+) -> Vec<tokio::task::JoinHandle<Outcome>> {
+    let url = format!("http://{address}/v1/completions");
     (0..n)
         .map(|i| {
             let (http, url) = (http.clone(), url.clone());
