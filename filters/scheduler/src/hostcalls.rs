@@ -167,6 +167,14 @@ pub fn send_json(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) 
     }
 }
 
+/// Answer the request with 200 and a JSON body (the gateway's own answers that are not
+/// refusals, such as the model list).
+pub fn send_ok_json(body: &str) {
+    if hostcalls::send_http_response(200, vec![("content-type", "application/json")], Some(body.as_bytes())).is_err() {
+        log(LogLevel::Error, "send_http_response failed");
+    }
+}
+
 /// Wall-clock time in microseconds since the Unix epoch (0 if the host cannot say).
 pub fn now_us() -> u64 {
     hostcalls::get_current_time()

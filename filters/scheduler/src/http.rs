@@ -7,6 +7,7 @@ use std::rc::Rc;
 
 use attache_policies::flow::{self, Refusal};
 use attache_policies::intake;
+use attache_policies::model_list;
 use attache_policies::plan::ROUTING_HEADERS;
 use attache_policies::request::{self, Api, InferenceRequest};
 use attache_policies::scoring::{self, ScoreSheet};
@@ -153,6 +154,20 @@ impl HttpContext for SchedulerHttp {
         let Ok(cfg) = cfg else {
             return Action::Continue;
         };
+        // The pool-wide model list, from the snapshot: no engine is asked.
+        if model_list::is_model_list(headers.get(":method").as_deref(), headers.get(":path").as_deref()) {
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                let now_us = host::now_us();
+                w.cache.refresh(now_us / 1_000);
+                if let Some(body) = model_list::body(&w.cache.pool, now_us / 1_000_000) {
+                    w.metrics.model_list();
+                    host::send_ok_json(&body);
+                    drop(w);
+                    self.mark_answered();
+                    return Action::Pause;
+                }
+            }
+        }
         let head = match intake::head(&cfg, |n| headers.get(n), end_of_stream) {
             Ok(h) => h,
             Err(e) => return self.reject(e),

@@ -11,6 +11,7 @@ use proxy_wasm::types::MetricType;
 pub struct Metrics {
     scheduled: Option<u32>,
     passthrough: Option<u32>,
+    model_list: Option<u32>,
     errors: HashMap<&'static str, u32>,
     picks: HashMap<String, u32>,
     /// One histogram per scorer of the decode profile that names one: (metric, id).
@@ -119,6 +120,7 @@ impl Metrics {
             scores,
             scheduled: define(MetricType::Counter, "attache.requests.scheduled"),
             passthrough: define(MetricType::Counter, "attache.requests.passthrough"),
+            model_list: define(MetricType::Counter, "attache.requests.model_list"),
             prefix_blocks_matched: define(MetricType::Counter, "attache.prefix.blocks_matched"),
             prefix_blocks_total: define(MetricType::Counter, "attache.prefix.blocks_total"),
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
@@ -346,6 +348,11 @@ impl Metrics {
 
     pub fn passthrough(&mut self) {
         inc(self.passthrough, 1);
+    }
+
+    /// `GET /v1/models` answered from the snapshot.
+    pub fn model_list(&mut self) {
+        inc(self.model_list, 1);
     }
 
     /// Count an error response by reason (`attache.errors.<reason>`), e.g. `malformed_body`.

@@ -39,6 +39,8 @@ pub enum Outcome {
     Passthrough,
     /// Answered by the picker (an error or a refusal).
     Answered,
+    /// `GET /v1/models`, answered by the picker from the snapshot.
+    ModelList,
     /// The stream ended before a destination or an answer was sent.
     Abandoned,
 }
@@ -49,6 +51,7 @@ impl Outcome {
             Self::Scheduled => "scheduled",
             Self::Passthrough => "passthrough",
             Self::Answered => "answered",
+            Self::ModelList => "model_list",
             Self::Abandoned => "abandoned",
         }
     }

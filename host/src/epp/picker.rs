@@ -169,6 +169,14 @@ impl Picker {
     /// A destination for a request that is not an inference call (a `GET /v1/models`, a
     /// health check): the next ready endpoint, round robin. Gateways that route with an
     /// `ORIGINAL_DST` cluster have no other way to reach the pool.
+    /// The pool-wide model list (`policies::model_list`), None when no endpoint is ready.
+    pub fn model_list(&self) -> Option<String> {
+        let mut st = lock(&self.state);
+        self.refresh(&mut st);
+        let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        attache_policies::model_list::body(&st.pool, now_s)
+    }
+
     pub fn anywhere(&self, subset: Option<&Subset>) -> Result<String, Answer> {
         let mut st = lock(&self.state);
         self.refresh(&mut st);

@@ -156,6 +156,14 @@ impl Stream {
     ) -> Vec<ProcessingResponse> {
         self.headers = headers;
         self.subset = wire::subset_hint(md).map(Subset::new);
+        let header = |n: &str| self.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+        if attache_policies::model_list::is_model_list(header(":method"), header(":path")) {
+            if let Some(body) = self.picker.model_list() {
+                self.phase = Phase::Answered;
+                self.outcome = Some(Outcome::ModelList);
+                return vec![wire::ok_json(&body)];
+            }
+        }
         let head = match self.picker.intake(&self.headers, end_of_stream) {
             Ok(h) => h,
             Err(a) => return self.answer(&a),

@@ -174,6 +174,21 @@ pub fn trailers(request: bool) -> ProcessingResponse {
 }
 
 /// Answer the request instead of routing it.
+/// 200 with a JSON body, answered by the picker (the model list).
+pub fn ok_json(body: &str) -> ProcessingResponse {
+    let set = [("content-type", "application/json".to_owned())];
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus { code: 200 }),
+            headers: mutation(&set, Vec::new()),
+            body: body.as_bytes().to_vec(),
+            details: "attache_epp_model_list".into(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
 pub fn immediate(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) -> ProcessingResponse {
     let set: Vec<(&str, String)> =
         attache_policies::intake::answer_headers(reason, extra).into_iter().map(|(k, v)| (k, v.to_owned())).collect();
