@@ -10,16 +10,78 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 
 /// One chat message, with content already flattened to text (parts joined by `\n`, as vLLM does
 /// for string-content templates).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls (Anthropic `tool_use` blocks, converted as vLLM does).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message's call id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+/// A function call an assistant made: its arguments as JSON text.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: String,
+}
+
+/// A JSON value as a template value (objects with their keys sorted).
+fn json_value(v: &serde_json::Value) -> Value {
+    use serde_json::Value as J;
+    match v {
+        J::Null => Value::from(()),
+        J::Bool(b) => Value::from(*b),
+        J::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
+            (Some(i), _, _) => Value::from(i),
+            (None, Some(u), _) => Value::from(u),
+            (_, _, f) => Value::from(f.unwrap_or(0.0)),
+        },
+        J::String(s) => Value::from(s.as_str()),
+        J::Array(a) => Value::from(a.iter().map(json_value).collect::<Vec<_>>()),
+        J::Object(o) => {
+            Value::from(o.iter().map(|(k, v)| (k.clone(), json_value(v))).collect::<std::collections::BTreeMap<_, _>>())
+        }
+    }
 }
 
 impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self { role: role.into(), content: content.into(), ..Self::default() }
+    }
+
+    /// The message as the template sees it: vLLM hands templates the tool calls' arguments as
+    /// objects, not strings (`_postprocess_messages` in `vllm/renderers/chat_utils.py`).
     fn to_value(&self) -> Value {
-        let map: std::collections::BTreeMap<&str, Value> =
+        let mut map: std::collections::BTreeMap<&str, Value> =
             [("role", Value::from(self.role.as_str())), ("content", Value::from(self.content.as_str()))].into();
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<Value> = self
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    let args = serde_json::from_str::<serde_json::Value>(&c.arguments)
+                        .map_or_else(|_| Value::from(c.arguments.as_str()), |v| json_value(&v));
+                    let function: std::collections::BTreeMap<&str, Value> =
+                        [("name", Value::from(c.name.as_str())), ("arguments", args)].into();
+                    let call: std::collections::BTreeMap<&str, Value> = [
+                        ("id", Value::from(c.id.as_str())),
+                        ("type", Value::from("function")),
+                        ("function", Value::from(function)),
+                    ]
+                    .into();
+                    Value::from(call)
+                })
+                .collect();
+            map.insert("tool_calls", Value::from(calls));
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.insert("tool_call_id", Value::from(id.as_str()));
+        }
         Value::from(map)
     }
 }
@@ -76,14 +138,42 @@ impl ChatTemplate {
     /// Render `messages` as the engine does for a chat request (`add_generation_prompt` is vLLM's
     /// default, true).
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatTemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the request's tool definitions (`tools`, a JSON list, as
+    /// vLLM passes them to the template; absent when the request declares none).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&str>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let tmpl = self.env.get_template(NAME).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
+        let tools = match tools {
+            Some(t) => serde_json::from_str::<serde_json::Value>(t)
+                .map(|v| json_value(&v))
+                .map_err(|e| ChatTemplateError::Render(format!("tools are not JSON: {e}")))?,
+            None => Value::from(()),
+        };
         tmpl.render(minijinja::context! {
             messages => Value::from(messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>()),
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
         })
         .map_err(|e| ChatTemplateError::Render(e.to_string()))
+    }
+
+    /// Whether the template renders a system message after other messages. vLLM's Messages
+    /// route probes the template with `[system, user, system, user]`; a template that refuses
+    /// it (Qwen's `loop.first` guard) gets every inline system message merged into the leading
+    /// one (`_detect_merge_inline_system`, `vllm/entrypoints/anthropic/serving.py`).
+    pub fn accepts_inline_system(&self) -> bool {
+        let probe: Vec<ChatMessage> =
+            ["system", "user", "system", "user"].iter().map(|r| ChatMessage::new(*r, "t")).collect();
+        self.render(&probe, false).is_ok()
     }
 }
 
@@ -94,7 +184,7 @@ mod tests {
     const REFERENCE: &str = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}";
 
     fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
-        pairs.iter().map(|(r, c)| ChatMessage { role: r.to_string(), content: c.to_string() }).collect()
+        pairs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
     }
 
     #[test]

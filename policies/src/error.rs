@@ -1,7 +1,9 @@
 //! Typed errors, and the one place where an error becomes an HTTP status and a JSON body.
 //!
 //! Bodies follow OpenAI's error shape, as vLLM returns it:
-//! `{"error": {"message": .., "type": .., "param": .., "code": <status>}}`.
+//! `{"error": {"message": .., "type": .., "param": .., "code": <status>}}`; on Anthropic's
+//! Messages routes, Anthropic's shape (`{"type": "error", "error": {"type": .., "message": ..}}`),
+//! because Anthropic's clients parse that one ([`ErrorResponse::shaped`]).
 
 use thiserror::Error;
 
@@ -43,6 +45,32 @@ pub struct ErrorResponse {
     pub reason: &'static str,
     /// The JSON body.
     pub body: String,
+    /// The human-readable message the body carries.
+    pub message: String,
+}
+
+/// Which API family's error body a client expects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorShape {
+    /// OpenAI's (and vLLM's): `{"error": {"message", "type", "param", "code"}}`.
+    #[default]
+    OpenAi,
+    /// Anthropic's: `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
+}
+
+/// Anthropic's error type for an HTTP status (its API's documented errors).
+pub fn anthropic_error_type(status: u16) -> &'static str {
+    match status {
+        400 | 422 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        _ => "api_error",
+    }
 }
 
 impl ErrorResponse {
@@ -56,7 +84,23 @@ impl ErrorResponse {
             }
         })
         .to_string();
-        Self { status, reason, body }
+        Self { status, reason, body, message: message.to_owned() }
+    }
+
+    /// The same refusal in `shape`: status, reason and message kept, the body rewritten.
+    #[must_use]
+    pub fn shaped(self, shape: ErrorShape) -> Self {
+        match shape {
+            ErrorShape::OpenAi => self,
+            ErrorShape::Anthropic => {
+                let body = serde_json::json!({
+                    "type": "error",
+                    "error": {"type": anthropic_error_type(self.status), "message": self.message},
+                })
+                .to_string();
+                Self { body, ..self }
+            }
+        }
     }
 }
 
@@ -114,5 +158,25 @@ mod tests {
         assert_eq!(ErrorResponse::from(&RequestError::MalformedJson("x".into())).status, 400);
         assert_eq!(ErrorResponse::from(&RequestError::BodyTooLarge { size: 2, limit: 1 }).status, 413);
         assert_eq!(ErrorResponse::from(&ScheduleError::NoEndpoints).status, 503);
+    }
+
+    #[test]
+    fn anthropic_shape_keeps_status_reason_and_message() {
+        for (e, status, kind) in [
+            (ErrorResponse::from(&RequestError::MissingModel), 400, "invalid_request_error"),
+            (ErrorResponse::from(&ScheduleError::UnknownModel("nope".into())), 404, "not_found_error"),
+            (ErrorResponse::from(&RequestError::BodyTooLarge { size: 2, limit: 1 }), 413, "request_too_large"),
+            (ErrorResponse::new(429, "shed", "rate_limit_error", None, "slow down"), 429, "rate_limit_error"),
+            (ErrorResponse::from(&ScheduleError::NoEndpoints), 503, "overloaded_error"),
+        ] {
+            let (reason, message) = (e.reason, e.message.clone());
+            let a = e.shaped(ErrorShape::Anthropic);
+            assert_eq!((a.status, a.reason), (status, reason));
+            let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+            assert_eq!(v["type"], "error");
+            assert_eq!(v["error"]["type"], kind, "{status}");
+            assert_eq!(v["error"]["message"], message.as_str());
+            assert!(v.get("code").is_none() && v["error"].get("param").is_none());
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::borrow::Cow;
 
 use crate::error::{ErrorResponse, RequestError};
 use crate::plugin_config::FilterConfig;
-use crate::request::Api;
+use crate::request::{Api, InferenceRequest};
 use crate::session;
 
 /// Header naming the reason of every answer the scheduler sends itself.
@@ -53,12 +53,13 @@ pub fn head<'h>(
     };
     let mut head = Head { api: Some(api), ..Head::default() };
     let sc = &cfg.sessions;
-    if sc.enabled {
+    // Utility routes are routed by load alone: no session, no flow control.
+    if sc.enabled && !api.is_utility() {
         head.token_endpoint = get(&sc.token_header).and_then(|t| session::endpoint_of_token(&t));
         head.session_key = sc.headers.iter().find_map(|h| get(h)).map(|v| session::session_key(&v));
     }
     let f = &cfg.flow;
-    if f.enabled {
+    if f.enabled && !api.is_utility() {
         for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
             if let Some(v) = get(h) {
                 head.flow_headers.push((h.clone(), v.into_owned()));
@@ -69,12 +70,22 @@ pub fn head<'h>(
         head.rollout_session = cfg.scoring.session_headers.iter().find_map(|h| get(h)).map(Cow::into_owned);
     }
     if let Some(len) = get("content-length").and_then(|v| v.trim().parse::<usize>().ok()) {
-        check_size(len, cfg.scheduler.max_body_bytes)?;
+        check_size(len, cfg.scheduler.max_body_bytes).map_err(|e| e.shaped(api.error_shape()))?;
     }
     if end_of_stream {
-        return Err(ErrorResponse::from(&RequestError::EmptyBody));
+        return Err(ErrorResponse::from(&RequestError::EmptyBody).shaped(api.error_shape()));
     }
     Ok(head)
+}
+
+/// The session key of a request whose headers named none: an Anthropic Messages request's
+/// `metadata.user_id`, when `sessions.messages_user_id` is on.
+pub fn body_session_key(cfg: &FilterConfig, head_key: Option<u64>, req: &InferenceRequest) -> Option<u64> {
+    let sc = &cfg.sessions;
+    if head_key.is_some() || !sc.enabled || !sc.messages_user_id || req.api != Api::Messages {
+        return head_key;
+    }
+    req.user.as_deref().filter(|u| !u.is_empty()).map(session::session_key)
 }
 
 /// A body of `size` bytes so far: 413 over `limit`.

@@ -20,6 +20,7 @@ pub mod filters;
 pub mod flow;
 pub mod index;
 pub mod intake;
+pub mod messages;
 pub mod model_list;
 pub mod pickers;
 pub mod plan;

@@ -60,8 +60,13 @@ mod tests {
         eps[2].ready = false;
         let pool = PoolState { endpoints: eps, ..PoolState::default() };
         let v: Value = serde_json::from_str(&body(&pool, 7).unwrap()).unwrap();
-        let ids: Vec<(&str, &Value)> = v["data"].as_array().unwrap().iter().map(|c| (c["id"].as_str().unwrap(), &c["parent"])).collect();
-        assert_eq!(ids, [("llama", &Value::Null), ("sql-lora", &json!("llama"))], "an unready engine's models are not listed");
+        let ids: Vec<(&str, &Value)> =
+            v["data"].as_array().unwrap().iter().map(|c| (c["id"].as_str().unwrap(), &c["parent"])).collect();
+        assert_eq!(
+            ids,
+            [("llama", &Value::Null), ("sql-lora", &json!("llama"))],
+            "an unready engine's models are not listed"
+        );
         assert_eq!(v["object"], "list");
         assert_eq!(v["data"][0]["created"], 7);
         let none = PoolState { endpoints: vec![], ..PoolState::default() };

@@ -8,7 +8,7 @@
 
 use crate::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
 use crate::config::{PreciseConfig, TokenizerCheck};
-use crate::request::{InferenceRequest, Prompt};
+use crate::request::{Api, InferenceRequest, Prompt};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Why a request's prompt could not be turned into the engine's ids.
@@ -37,6 +37,9 @@ pub enum PromptTokenizerLoadError {
 pub struct PromptTokenizer {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
+    /// The template renders a system message after others (vLLM's Messages route merges them
+    /// into the leading one otherwise).
+    inline_system: bool,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -47,7 +50,8 @@ impl std::fmt::Debug for PromptTokenizer {
 
 impl PromptTokenizer {
     pub fn new(tokenizer: Tokenizer, template: Option<ChatTemplate>) -> Self {
-        Self { tokenizer, template }
+        let inline_system = template.as_ref().is_some_and(ChatTemplate::accepts_inline_system);
+        Self { tokenizer, template, inline_system }
     }
 
     /// Build from the precise-routing configuration and run its `tokenizer_check`s. Returns the
@@ -102,15 +106,40 @@ impl PromptTokenizer {
         add_generation_prompt: bool,
         max_tokens: usize,
     ) -> Result<Vec<u32>, PromptTokensError> {
+        self.conversation_with_tools(messages, None, add_generation_prompt, max_tokens)
+    }
+
+    /// [`PromptTokenizer::conversation`] with the request's tool definitions.
+    pub fn conversation_with_tools(
+        &mut self,
+        messages: &[ChatMessage],
+        tools: Option<&str>,
+        add_generation_prompt: bool,
+        max_tokens: usize,
+    ) -> Result<Vec<u32>, PromptTokensError> {
         let template = self.template.as_ref().ok_or(PromptTokensError::NoChatTemplate)?;
-        let rendered = template.render(messages, add_generation_prompt)?;
+        let rendered = template.render_with_tools(messages, tools, add_generation_prompt)?;
         Ok(self.tokenizer.encode(&rendered, false, max_tokens))
+    }
+
+    /// An Anthropic Messages conversation as vLLM renders it: inline system messages merged
+    /// into the leading one when the template refuses them where they are.
+    fn messages(&mut self, req: &InferenceRequest, max_tokens: usize) -> Result<Vec<u32>, PromptTokensError> {
+        let inline = req.messages.iter().skip(1).any(|m| m.role == "system");
+        if inline && !self.inline_system {
+            let merged = crate::messages::merge_inline_system(&req.messages);
+            return self.conversation_with_tools(&merged, req.tools.as_deref(), true, max_tokens);
+        }
+        self.conversation_with_tools(&req.messages, req.tools.as_deref(), true, max_tokens)
     }
 
     /// The first `max_tokens` (0 = all) ids the engine computes for `req`'s (first) prompt.
     pub fn request(&mut self, req: &InferenceRequest, max_tokens: usize) -> Result<Vec<u32>, PromptTokensError> {
+        if req.api == Api::Messages {
+            return self.messages(req, max_tokens);
+        }
         if !req.messages.is_empty() {
-            return self.conversation(&req.messages, true, max_tokens);
+            return self.conversation_with_tools(&req.messages, req.tools.as_deref(), true, max_tokens);
         }
         Ok(match &req.prompt {
             Prompt::Tokens(ids) => given_ids(ids, max_tokens),
@@ -129,7 +158,8 @@ pub fn engine_ids(
     tokenizer: Option<&mut PromptTokenizer>,
 ) -> Result<Option<Vec<u32>>, PromptTokensError> {
     match (&req.prompt, tokenizer) {
-        _ if !cfg.enabled => Ok(None),
+        // Utility routes are routed by load alone: there is nothing to match.
+        _ if !cfg.enabled || req.api.is_utility() => Ok(None),
         (Prompt::Tokens(ids), _) if req.messages.is_empty() => Ok(Some(given_ids(ids, cfg.max_tokens))),
         (_, Some(t)) => t.request(req, cfg.max_tokens).map(Some),
         (_, None) => Err(PromptTokensError::NoTokenizer),
@@ -206,6 +236,30 @@ mod tests {
         .to_string();
         let req = parse(Api::Responses, body.as_bytes()).unwrap();
         assert_eq!(pt.request(&req, 0).unwrap(), cap.tokenize_response.tokens);
+    }
+
+    /// Anthropic Messages requests, rendered by the real vLLM 0.32 (`/v1/messages/render`,
+    /// `http/messages-capture.json`): system blocks with Claude Code's billing header, tools,
+    /// tool use and results (string and list content), empty text blocks, multi-byte text,
+    /// inline system messages. The request path gives the very same ids for every one, and
+    /// `count_tokens` counts them.
+    #[test]
+    fn messages_request_ids_equal_real_vllm() {
+        let cap: serde_json::Value = serde_json::from_str(&reference("http/messages-capture.json")).unwrap();
+        let records = cap["requests"].as_array().unwrap();
+        let (mut pt, _) = PromptTokenizer::load_checked(&reference_config()).unwrap();
+        let mut compared = 0;
+        for r in records.iter().filter(|r| r["path"] == "/v1/messages/render" && r["status"] == 200) {
+            let req = parse(Api::Messages, r["request"].to_string().as_bytes()).unwrap();
+            let want: Vec<u32> = serde_json::from_value(r["response"]["token_ids"].clone()).unwrap();
+            assert_eq!(pt.request(&req, 0).unwrap(), want, "{}", r["name"]);
+            let name = r["name"].as_str().unwrap().replace("/render", "/count_tokens");
+            if let Some(c) = records.iter().find(|c| c["name"] == name.as_str()) {
+                assert_eq!(c["response"]["input_tokens"].as_u64(), Some(want.len() as u64), "{name}");
+            }
+            compared += 1;
+        }
+        assert!(compared >= 12, "only {compared} renders compared");
     }
 
     #[test]

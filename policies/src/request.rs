@@ -7,14 +7,26 @@
 use serde::Deserialize;
 
 use crate::chat_template::ChatMessage;
-use crate::error::RequestError;
+use crate::error::{ErrorShape, RequestError};
 
-/// Which OpenAI API the request targets, chosen by path suffix as llm-d's parser does.
+/// Which inference API the request targets, chosen by path suffix as llm-d's parser does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
     Completions,
     ChatCompletions,
     Responses,
+    /// Anthropic's Messages API (`/v1/messages`), as vLLM serves it.
+    Messages,
+    /// `/v1/messages/count_tokens`: a Messages body, counted, not generated.
+    CountTokens,
+    /// vLLM's token-in, token-out `/inference/v1/generate`.
+    Generate,
+    /// `/tokenize`.
+    Tokenize,
+    /// `/detokenize`.
+    Detokenize,
+    /// The `render` and `derender` routes of chat, completions, Messages and Responses.
+    Render,
 }
 
 impl Api {
@@ -22,12 +34,24 @@ impl Api {
     /// passes them through without scheduling features.
     pub fn from_path(path: &str) -> Option<Self> {
         let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
-        if path.ends_with("/chat/completions") {
+        if path.ends_with("/render") || path.ends_with("/derender") {
+            Some(Api::Render)
+        } else if path.ends_with("/chat/completions") {
             Some(Api::ChatCompletions)
         } else if path.ends_with("/completions") {
             Some(Api::Completions)
         } else if path.ends_with("/responses") {
             Some(Api::Responses)
+        } else if path.ends_with("/messages/count_tokens") {
+            Some(Api::CountTokens)
+        } else if path.ends_with("/messages") {
+            Some(Api::Messages)
+        } else if path.ends_with("/inference/v1/generate") {
+            Some(Api::Generate)
+        } else if path == "/tokenize" {
+            Some(Api::Tokenize)
+        } else if path == "/detokenize" {
+            Some(Api::Detokenize)
         } else {
             None
         }
@@ -38,6 +62,39 @@ impl Api {
             Api::Completions => "completions",
             Api::ChatCompletions => "chat_completions",
             Api::Responses => "responses",
+            Api::Messages => "messages",
+            Api::CountTokens => "count_tokens",
+            Api::Generate => "generate",
+            Api::Tokenize => "tokenize",
+            Api::Detokenize => "detokenize",
+            Api::Render => "render",
+        }
+    }
+
+    /// Every API, in a fixed order (metrics define one counter each).
+    pub const ALL: [Api; 9] = [
+        Api::Completions,
+        Api::ChatCompletions,
+        Api::Responses,
+        Api::Messages,
+        Api::CountTokens,
+        Api::Generate,
+        Api::Tokenize,
+        Api::Detokenize,
+        Api::Render,
+    ];
+
+    /// A utility route: cheap, generates nothing, so it is routed by load alone (no prefix,
+    /// no session, no flow-control queue).
+    pub fn is_utility(self) -> bool {
+        matches!(self, Api::CountTokens | Api::Tokenize | Api::Detokenize | Api::Render)
+    }
+
+    /// The error body this API's clients parse.
+    pub fn error_shape(self) -> ErrorShape {
+        match self {
+            Api::Messages | Api::CountTokens => ErrorShape::Anthropic,
+            _ => ErrorShape::OpenAi,
         }
     }
 }
@@ -84,6 +141,9 @@ pub struct InferenceRequest {
     /// completions): shared prefixes end there, so the approximate index records the block
     /// before each ([`crate::prefix::anchor_blocks`]).
     pub message_ends: Vec<usize>,
+    /// Tool definitions as the chat template receives them (`tools`), as JSON: Anthropic
+    /// Messages requests converted as vLLM converts them ([`crate::messages`]).
+    pub tools: Option<String>,
 }
 
 // The body's variant fields are read with hand-written visitors rather than
@@ -366,6 +426,25 @@ struct Body<'a> {
     user: Option<String>,
     #[serde(default)]
     previous_response_id: Option<String>,
+    /// `/inference/v1/generate`: the prompt's token ids.
+    #[serde(default)]
+    token_ids: Option<Vec<u32>>,
+    /// `/inference/v1/generate`: vLLM's `SamplingParams` (only `max_tokens` matters here).
+    #[serde(default)]
+    sampling_params: Option<SamplingParams>,
+}
+
+#[derive(Deserialize)]
+struct SamplingParams {
+    #[serde(default)]
+    max_tokens: Option<u64>,
+}
+
+/// A utility route's body: only the model matters (optional on vLLM's utility routes).
+#[derive(Deserialize)]
+struct UtilityBody {
+    #[serde(default)]
+    model: Option<String>,
 }
 
 fn content_text(c: Content<'_>) -> String {
@@ -389,26 +468,41 @@ fn content_text(c: Content<'_>) -> String {
 fn chat_messages(system: Option<Cow<'_, str>>, messages: Vec<Message<'_>>) -> Vec<ChatMessage> {
     let mut out = Vec::with_capacity(messages.len() + 1);
     if let Some(s) = system {
-        out.push(ChatMessage { role: "system".into(), content: s.into_owned() });
+        out.push(ChatMessage::new("system", s.into_owned()));
     }
     for m in messages {
         let content = m.content.or(m.output).map(content_text).unwrap_or_default();
-        out.push(ChatMessage { role: m.role.map_or_else(|| "user".into(), Cow::into_owned), content });
+        out.push(ChatMessage::new(m.role.map_or_else(|| "user".into(), Cow::into_owned), content));
     }
     out
 }
 
 /// Render messages the way the reference chat template does (`role: content\n` per message,
 /// then `assistant:`), so that shared conversation prefixes give shared text prefixes. Precise
-/// routing renders the model's own template instead ([`crate::chat_template`]).
-fn render_messages(messages: &[ChatMessage]) -> (String, Vec<usize>) {
-    let len: usize = messages.iter().map(|m| m.role.len() + m.content.len() + 3).sum();
-    let mut out = String::with_capacity(len + 10);
-    let mut ends = Vec::with_capacity(messages.len());
+/// routing renders the model's own template instead ([`crate::chat_template`]). Tool
+/// definitions, when the request has them, come first (templates put them in the system
+/// prompt); an assistant's tool calls follow its content.
+pub(crate) fn render_messages(messages: &[ChatMessage], tools: Option<&str>) -> (String, Vec<usize>) {
+    let calls = |m: &ChatMessage| m.tool_calls.iter().map(|c| c.name.len() + c.arguments.len() + 13).sum::<usize>();
+    let len: usize = messages.iter().map(|m| m.role.len() + m.content.len() + 3 + calls(m)).sum();
+    let mut out = String::with_capacity(len + tools.map_or(0, |t| t.len() + 8) + 10);
+    let mut ends = Vec::with_capacity(messages.len() + 1);
+    if let Some(t) = tools {
+        out.push_str("tools: ");
+        out.push_str(t);
+        out.push('\n');
+        ends.push(out.len());
+    }
     for m in messages {
         out.push_str(&m.role);
         out.push_str(": ");
         out.push_str(&m.content);
+        for c in &m.tool_calls {
+            out.push_str("\ntool_call ");
+            out.push_str(&c.name);
+            out.push(' ');
+            out.push_str(&c.arguments);
+        }
         out.push('\n');
         ends.push(out.len());
     }
@@ -434,8 +528,8 @@ fn completion_prompt(field: Option<PromptField<'_>>) -> Result<(Prompt, usize), 
     }
 }
 
-/// Parse a request body for `api`.
-pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
+/// Check that a body is a JSON object, with a typed error for what it is instead.
+pub(crate) fn check_object(body: &[u8]) -> Result<(), RequestError> {
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Err(RequestError::EmptyBody);
     }
@@ -447,15 +541,58 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
             Err(e) => Err(RequestError::MalformedJson(e.to_string())),
         };
     }
-    let b: Body = serde_json::from_slice(body).map_err(|e| {
-        if e.is_data() {
-            RequestError::InvalidField { field: "body", detail: e.to_string() }
-        } else {
-            RequestError::MalformedJson(e.to_string())
+    Ok(())
+}
+
+/// A serde error as a typed request error: the wrong type somewhere, or not JSON.
+pub(crate) fn body_error(e: &serde_json::Error) -> RequestError {
+    if e.is_data() {
+        RequestError::InvalidField { field: "body", detail: e.to_string() }
+    } else {
+        RequestError::MalformedJson(e.to_string())
+    }
+}
+
+/// A request with no prompt to route on: a utility route, routed by load alone.
+fn utility(api: Api, model: String) -> InferenceRequest {
+    InferenceRequest {
+        api,
+        model,
+        prompt: Prompt::Text(String::new()),
+        num_prompts: 1,
+        stream: false,
+        max_tokens: Some(0),
+        cache_salt: None,
+        priority: None,
+        user: None,
+        previous_response_id: None,
+        messages: Vec::new(),
+        message_ends: Vec::new(),
+        tools: None,
+    }
+}
+
+/// Parse a request body for `api`.
+pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
+    check_object(body)?;
+    match api {
+        Api::Messages => return crate::messages::parse(body),
+        Api::CountTokens | Api::Tokenize | Api::Detokenize | Api::Render => {
+            let b: UtilityBody = serde_json::from_slice(body).map_err(|e| body_error(&e))?;
+            let model = b.model.unwrap_or_default();
+            if model.is_empty() && api == Api::CountTokens {
+                return Err(RequestError::MissingModel);
+            }
+            return Ok(utility(api, model));
         }
-    })?;
+        _ => {}
+    }
+    let mut b: Body = serde_json::from_slice(body).map_err(|e| body_error(&e))?;
     let model = match b.model {
         Some(m) if !m.is_empty() => m,
+        // vLLM's generate request names no model when the engine serves one: any endpoint's
+        // base model will do (the model filter keeps every endpoint for an empty name).
+        _ if api == Api::Generate => String::new(),
         _ => return Err(RequestError::MissingModel),
     };
     let (prompt, num_prompts) = match api {
@@ -469,6 +606,14 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
             Some(InputField::Items(ref items)) if !items.is_empty() => (Prompt::Text(String::new()), 1),
             _ => return Err(RequestError::MissingField("input")),
         },
+        Api::Generate => match b.token_ids.take() {
+            Some(ids) if !ids.is_empty() => (Prompt::Tokens(ids), 1),
+            _ => return Err(RequestError::MissingField("token_ids")),
+        },
+        // Parsed above.
+        Api::Messages | Api::CountTokens | Api::Tokenize | Api::Detokenize | Api::Render => {
+            return Err(RequestError::InvalidField { field: "path", detail: "not a generation API".into() })
+        }
     };
     let messages = match (api, b.messages, b.input) {
         (Api::ChatCompletions, Some(ms), _) => chat_messages(None, ms),
@@ -482,7 +627,7 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
     let (prompt, message_ends) = if messages.is_empty() {
         (prompt, Vec::new())
     } else {
-        let (text, ends) = render_messages(&messages);
+        let (text, ends) = render_messages(&messages, None);
         (Prompt::Text(text), ends)
     };
     Ok(InferenceRequest {
@@ -491,13 +636,18 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         prompt,
         num_prompts,
         stream: b.stream.unwrap_or(false),
-        max_tokens: b.max_tokens.or(b.max_completion_tokens).or(b.max_output_tokens),
+        max_tokens: b
+            .max_tokens
+            .or(b.max_completion_tokens)
+            .or(b.max_output_tokens)
+            .or(b.sampling_params.and_then(|p| p.max_tokens)),
         cache_salt: b.cache_salt,
         priority: b.priority,
         user: b.user,
         previous_response_id: b.previous_response_id,
         messages,
         message_ends,
+        tools: None,
     })
 }
 
@@ -515,6 +665,44 @@ mod tests {
         assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
         assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
         assert_eq!(Api::from_path("/v1/models"), None);
+        for (path, api) in [
+            ("/v1/messages", Api::Messages),
+            ("/v1/messages/count_tokens", Api::CountTokens),
+            ("/v1/messages/render", Api::Render),
+            ("/v1/chat/completions/render", Api::Render),
+            ("/v1/completions/derender", Api::Render),
+            ("/inference/v1/generate", Api::Generate),
+            ("/tokenize", Api::Tokenize),
+            ("/detokenize", Api::Detokenize),
+        ] {
+            assert_eq!(Api::from_path(path), Some(api), "{path}");
+        }
+        assert_eq!(Api::from_path("/v1/chat/completions/batch"), None);
+        assert_eq!(Api::from_path("/inference/v1/abort_requests"), None);
+        assert!(Api::Tokenize.is_utility() && Api::CountTokens.is_utility() && !Api::Generate.is_utility());
+        assert_eq!(Api::Messages.error_shape(), ErrorShape::Anthropic);
+        assert_eq!(Api::ALL.iter().map(|a| a.as_str()).collect::<std::collections::HashSet<_>>().len(), Api::ALL.len());
+    }
+
+    #[test]
+    fn generate_hashes_token_ids_and_utilities_carry_no_prompt() {
+        let r = p(
+            Api::Generate,
+            r#"{"token_ids":[5,6,7],"sampling_params":{"max_tokens":9,"temperature":1.0},"stream":true,"cache_salt":"s"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (r.prompt, r.model.as_str(), r.max_tokens, r.stream),
+            (Prompt::Tokens(vec![5, 6, 7]), "", Some(9), true)
+        );
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        assert_eq!(p(Api::Generate, r#"{"model":"m","token_ids":[]}"#), Err(RequestError::MissingField("token_ids")));
+        let r = p(Api::Tokenize, r#"{"prompt":"hello"}"#).unwrap();
+        assert_eq!((r.prompt.approx_tokens(), r.model.as_str()), (0, ""));
+        let r = p(Api::Render, r#"{"model":"m","messages":[{"role":"user","content":"x"}]}"#).unwrap();
+        assert_eq!((r.api, r.model.as_str(), r.messages.len()), (Api::Render, "m", 0));
+        assert_eq!(p(Api::CountTokens, r#"{"messages":[]}"#), Err(RequestError::MissingModel));
+        assert!(matches!(p(Api::Detokenize, "[1]"), Err(RequestError::NotAnObject)));
     }
 
     #[test]
@@ -594,7 +782,7 @@ mod tests {
         let seeds: [&[u8]; 6] =
             [b"{", b"{\"model\":", b"\xff\xfe", b"{\"model\":\"m\",\"prompt\":[[[]]]}", b"null", b"{\"messages\":{}}"];
         for s in seeds {
-            for api in [Api::Completions, Api::ChatCompletions, Api::Responses] {
+            for api in [Api::Completions, Api::ChatCompletions, Api::Responses, Api::Messages, Api::Generate] {
                 // Every seed is invalid for every API: it must be a typed error, never a panic.
                 assert!(parse(api, s).is_err(), "{api:?} accepted {s:?}");
             }

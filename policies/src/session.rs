@@ -30,6 +30,9 @@ pub struct SessionConfig {
     /// Within a tenant, a later turn of a session already seen goes ahead of the first turn of
     /// a new one (flow control orders it one step up inside its band).
     pub turn_priority: bool,
+    /// An Anthropic Messages request with no session header is keyed by its
+    /// `metadata.user_id` (Claude Code sends one per user and session).
+    pub messages_user_id: bool,
 }
 
 impl Default for SessionConfig {
@@ -41,6 +44,7 @@ impl Default for SessionConfig {
             ttl_ms: 600_000,
             slots: 65_536,
             turn_priority: true,
+            messages_user_id: false,
         }
     }
 }

@@ -16,6 +16,11 @@ impl Filter for Model {
     }
 
     fn filter(&self, ctx: &FilterContext<'_>, candidates: &mut Vec<usize>) -> Result<(), ScheduleError> {
+        // A request that names no model (vLLM's utility routes and `generate` allow that): every
+        // endpoint serves its own.
+        if ctx.model.is_empty() {
+            return Ok(());
+        }
         retain(ctx, candidates, |e| e.serves(ctx.model));
         if candidates.is_empty() {
             return Err(ScheduleError::UnknownModel(ctx.model.to_owned()));
@@ -36,5 +41,6 @@ mod tests {
         eps[1].models = vec!["other".into()];
         assert_eq!(run(&Model, &eps, "m"), Ok(vec![0]));
         assert_eq!(run(&Model, &eps, "zzz"), Err(ScheduleError::UnknownModel("zzz".into())));
+        assert_eq!(run(&Model, &eps, ""), Ok(vec![0, 1]), "no model named: any endpoint");
     }
 }
