@@ -64,8 +64,16 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/inference/v1/generate", post(generate))
         .route("/tokenize", post(tokenize))
-        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/detokenize", post(detokenize))
+        // vLLM answers 200 with no body; the engine headers say which engine answered.
+        .route(
+            "/health",
+            get(|State(st): State<AppState>| async move { with_engine_headers(StatusCode::OK.into_response(), &st) }),
+        )
         .route("/metrics", get(metrics_handler))
         .with_state(state)
 }
@@ -137,12 +145,85 @@ async fn responses(State(st): State<AppState>, headers: HeaderMap, body: Bytes) 
     with_engine_headers(r, &st)
 }
 
+async fn messages(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let r = handle(&st, Api::Messages, &headers, &body).await;
+    with_engine_headers(r, &st)
+}
+
+async fn generate(State(st): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let r = handle(&st, Api::Generate, &headers, &body).await;
+    with_engine_headers(r, &st)
+}
+
 fn api_path(api: Api) -> &'static str {
     match api {
         Api::Completions => "/v1/completions",
         Api::ChatCompletions => "/v1/chat/completions",
         Api::Responses => "/v1/responses",
+        Api::Messages => "/v1/messages",
+        Api::CountTokens => "/v1/messages/count_tokens",
+        Api::Generate => "/inference/v1/generate",
+        Api::Tokenize => "/tokenize",
+        Api::Detokenize => "/detokenize",
+        Api::Render => "/v1/chat/completions/render",
     }
+}
+
+/// vLLM's error for `api`: Anthropic's envelope on the Messages routes, OpenAI's elsewhere.
+fn api_error(api: Api, status: StatusCode, kind: &str, param: Option<&str>, message: &str) -> Response {
+    match api {
+        Api::Messages | Api::CountTokens => crate::messages::error(status, kind, message),
+        _ => error(status, kind, param, message),
+    }
+}
+
+/// The engine's ids for a parsed request: the real tokenizer's (the rules the filter uses,
+/// `policies::prompt_tokens`), or the byte-level fallback's.
+fn prompt_ids(st: &AppState, req: &request::InferenceRequest) -> Result<Vec<u32>, String> {
+    match &st.tokenizer {
+        Some(tk) => tk.lock().unwrap_or_else(|p| p.into_inner()).request(req, 0).map_err(|e| e.to_string()),
+        None => Ok(match &req.prompt {
+            Prompt::Text(t) => tokenizer::encode(t, true),
+            Prompt::Tokens(t) => t.clone(),
+        }),
+    }
+}
+
+/// Anthropic's `count_tokens`: the rendered conversation's length, as vLLM counts it.
+async fn count_tokens(State(st): State<AppState>, body: Bytes) -> Response {
+    let req = match request::parse(Api::Messages, &body) {
+        Ok(r) => r,
+        Err(e) => return api_error(Api::CountTokens, StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
+    };
+    let cfg = st.engine.config();
+    if req.model != cfg.model && !cfg.lora_adapters.contains(&req.model) {
+        let msg = format!("The model `{}` does not exist.", req.model);
+        return with_engine_headers(crate::messages::error(StatusCode::NOT_FOUND, "NotFoundError", &msg), &st);
+    }
+    let r = match prompt_ids(&st, &req) {
+        Ok(ids) => crate::messages::count(ids.len()),
+        Err(e) => api_error(Api::CountTokens, StatusCode::BAD_REQUEST, "BadRequestError", None, &e),
+    };
+    with_engine_headers(r, &st)
+}
+
+#[derive(Deserialize)]
+struct DetokenizeBody {
+    tokens: Vec<u32>,
+}
+
+/// vLLM's `/detokenize`: `{tokens}` → `{prompt}`.
+async fn detokenize(State(st): State<AppState>, body: Bytes) -> Response {
+    let b: DetokenizeBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &format!("invalid body: {e}")),
+    };
+    let prompt: String = b.tokens.iter().map(|t| tokenizer::decode_token(*t)).collect();
+    with_engine_headers(
+        (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], json!({"prompt": prompt}).to_string())
+            .into_response(),
+        &st,
+    )
 }
 
 /// The decode-side sidecar's prefill call (llm-d's `connector_nixlv2.go`): the original body
@@ -160,6 +241,10 @@ async fn remote_prefill(prefiller: &str, api: Api, body: &[u8]) -> Result<usize,
     obj.remove("stream_options");
     if api == Api::Responses {
         obj.insert("max_output_tokens".into(), json!(1));
+    } else if api == Api::Generate {
+        if let Some(p) = obj.get_mut("sampling_params").and_then(Value::as_object_mut) {
+            p.insert("max_tokens".into(), json!(1));
+        }
     } else {
         obj.insert("max_tokens".into(), json!(1));
         if obj.contains_key("max_completion_tokens") {
@@ -312,29 +397,25 @@ async fn metrics_handler(State(st): State<AppState>) -> Response {
 async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Response {
     let req = match request::parse(api, body) {
         Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
+        Err(e) => return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
     };
     let extra: Extra = serde_json::from_slice(body).unwrap_or_default();
     let cfg = st.engine.config();
     let lora = cfg.lora_adapters.iter().find(|a| **a == req.model).cloned();
-    if req.model != cfg.model && lora.is_none() {
-        return error(
+    // `generate` may name no model: the base model serves it.
+    let unnamed = req.model.is_empty() && api == Api::Generate;
+    if req.model != cfg.model && lora.is_none() && !unnamed {
+        return api_error(
+            api,
             StatusCode::NOT_FOUND,
             "NotFoundError",
             Some("model"),
             &format!("The model `{}` does not exist.", req.model),
         );
     }
-    let prompt = match &st.tokenizer {
-        // The engine's ids: the same rules the filter uses (policies::prompt_tokens).
-        Some(tk) => match tk.lock().unwrap_or_else(|p| p.into_inner()).request(&req, 0) {
-            Ok(ids) => ids,
-            Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", None, &e.to_string()),
-        },
-        None => match &req.prompt {
-            Prompt::Text(t) => tokenizer::encode(t, true),
-            Prompt::Tokens(t) => t.clone(),
-        },
+    let prompt = match prompt_ids(st, &req) {
+        Ok(ids) => ids,
+        Err(e) => return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", None, &e),
     };
     // Responses API: continue a conversation this engine stored, as vLLM does.
     let prompt = match (&req.previous_response_id, api) {
@@ -363,7 +444,7 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
             max_tokens,
             prompt.len()
         );
-        return error(StatusCode::BAD_REQUEST, "BadRequestError", Some("input_tokens"), &msg);
+        return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", Some("input_tokens"), &msg);
     }
     // P/D, decode side: run the prefill on the named engine first, then pull its KV.
     let prefiller = headers.get(PREFILLER_HEADER).and_then(|v| v.to_str().ok()).map(str::to_owned);
@@ -391,11 +472,26 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
                "tp_size": 1, "dcp_size": 1, "pp_size": 1})
     });
     let store = (api == Api::Responses).then(|| (st.responses.clone(), prompt.clone()));
+    let prompt_tokens = prompt.len();
     let (tx, rx) = mpsc::unbounded_channel();
     st.engine.submit(SimRequest { prompt, max_tokens, tx, remote_tokens, lora });
     let include_usage = extra.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-    let model = req.model.clone();
-    let mut r = match (api, req.stream && !remote_decode) {
+    let model = if req.model.is_empty() { cfg.model.clone() } else { req.model.clone() };
+    let streamed = req.stream && !remote_decode;
+    let mut r = match (api, streamed) {
+        (Api::Messages, _) => {
+            let id = format!("chatcmpl-{}", rand_hex());
+            let tool = serde_json::from_slice::<crate::messages::Extra>(body).unwrap_or_default().forced_tool();
+            if streamed {
+                crate::messages::stream(id, model, prompt_tokens, rx, tool)
+            } else {
+                crate::messages::full(id, model, rx, tool, transfer).await
+            }
+        }
+        (Api::Generate, true) => crate::generate::stream(format!("generate-tokens-{}", rand_hex()), rx, include_usage),
+        (Api::Generate, false) => {
+            crate::generate::full(format!("generate-tokens-{}", rand_hex()), model, now_s(), rx, transfer).await
+        }
         (Api::Responses, _) => non_stream(api, model, rx, transfer, store).await,
         (_, false) => non_stream(api, model, rx, transfer, None).await,
         (_, true) => stream(api, model, rx, include_usage),
@@ -452,7 +548,15 @@ async fn non_stream(
         responses.put(response_id.clone(), tokens);
     }
     let body = match api {
-        Api::Completions => json!({
+        // Messages and generate answer in their own shapes (crate::messages, crate::generate);
+        // utility routes never generate.
+        Api::Completions
+        | Api::Messages
+        | Api::CountTokens
+        | Api::Generate
+        | Api::Tokenize
+        | Api::Detokenize
+        | Api::Render => json!({
             "id": format!("cmpl-{}", rand_hex()), "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null,
                          "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null, "routed_experts": null}],
@@ -538,10 +642,14 @@ fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, 
             }
         }
     });
-    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(out_rx));
+    sse_response(out_rx)
+}
+
+/// A 200 `text/event-stream` response whose frames come from `rx`.
+pub fn sse_response(rx: mpsc::Receiver<Result<Bytes, Infallible>>) -> Response {
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
-        .body(body)
+        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }

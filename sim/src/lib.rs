@@ -8,9 +8,11 @@ pub mod api;
 pub mod block_hash;
 pub mod config;
 pub mod engine;
+pub mod generate;
 pub mod kv;
 pub mod kv_publish;
 pub mod latency;
+pub mod messages;
 pub mod metrics;
 pub mod tokenizer;
 

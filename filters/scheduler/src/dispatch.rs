@@ -4,10 +4,11 @@
 //! body callback, or from the flow-control queue (with the request made the effective context
 //! first).
 
+use attache_policies::error::ErrorShape;
 use attache_policies::flow::Refusal;
 use attache_policies::plan::{self, Plan, PlanConfig, PlanRequest, StateView};
 use attache_policies::prompt_tokens;
-use attache_policies::request::InferenceRequest;
+use attache_policies::request::{Api, InferenceRequest};
 use attache_policies::scoring;
 use attache_policies::ErrorResponse;
 
@@ -19,20 +20,26 @@ use crate::shared::sessions::SharedSticky;
 use crate::stages::{self, Stage};
 use crate::worker::Worker;
 
-/// Answer the effective context's request with an error, counting it.
-pub fn answer(w: &mut Worker, id: u32, err: &ErrorResponse) {
+/// The error body the request's API expects (Anthropic's on the Messages routes).
+pub fn shape_of(api: Option<Api>) -> ErrorShape {
+    api.map_or(ErrorShape::OpenAi, Api::error_shape)
+}
+
+/// Answer the effective context's request with an error in `shape`, counting it.
+pub fn answer(w: &mut Worker, id: u32, shape: ErrorShape, err: &ErrorResponse) {
     w.metrics.error(err.reason);
     host::debug(|| format!("attache[{id}]: {} {}", err.status, err.reason));
+    let err = err.clone().shaped(shape);
     host::send_json(err.status, err.reason, &err.body, &[]);
 }
 
-/// Answer the effective context's request with flow control's refusal, counting it.
-pub fn refuse(w: &mut Worker, id: u32, refusal: &Refusal) {
+/// Answer the effective context's request with flow control's refusal in `shape`, counting it.
+pub fn refuse(w: &mut Worker, id: u32, shape: ErrorShape, refusal: &Refusal) {
     match refusal.shed {
         Some(shed) => w.metrics.flow_shed(shed),
         None => w.metrics.error(refusal.response.reason),
     }
-    let r = &refusal.response;
+    let r = refusal.response.clone().shaped(shape);
     host::debug(|| format!("attache[{id}]: {} {}", r.status, r.reason));
     host::send_json(r.status, r.reason, &r.body, &refusal.headers);
 }

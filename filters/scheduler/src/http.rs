@@ -16,7 +16,7 @@ use attache_policies::{ErrorResponse, RequestError};
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, LogLevel};
 
-use crate::dispatch::{answer, refuse, route};
+use crate::dispatch::{answer, refuse, route, shape_of};
 use crate::hostcalls as host;
 use crate::queue::{pump, Pumped};
 use crate::request::{Parked, RequestState, SharedRequest};
@@ -41,17 +41,26 @@ impl SchedulerHttp {
         }
     }
 
+    fn shape(&self) -> attache_policies::error::ErrorShape {
+        shape_of(self.st.try_borrow().ok().and_then(|st| st.api))
+    }
+
+    /// Answer with `err` (already in the API's shape when it comes from the headers' checks).
     fn reject(&mut self, err: ErrorResponse) -> Action {
+        let shape = self.shape();
         match self.worker.try_borrow_mut() {
-            Ok(mut w) => answer(&mut w, self.id, &err),
-            Err(_) => host::send_json(err.status, err.reason, &err.body, &[]),
+            Ok(mut w) => answer(&mut w, self.id, shape, &err),
+            Err(_) => {
+                let err = err.shaped(shape);
+                host::send_json(err.status, err.reason, &err.body, &[]);
+            }
         }
         self.mark_answered();
         Action::Pause
     }
 
     fn refuse(&mut self, w: &mut Worker, refusal: &Refusal) -> Action {
-        refuse(w, self.id, refusal);
+        refuse(w, self.id, self.shape(), refusal);
         self.mark_answered();
         Action::Pause
     }
@@ -76,13 +85,16 @@ impl SchedulerHttp {
         };
         let sc = &w.config.sessions;
         let token = st.token_endpoint.take();
+        st.session_key = intake::body_session_key(&w.config, st.session_key, &req);
         st.sticky =
             session::resolve(sc, &mut SharedSticky, token, st.session_key, req.previous_response_id.as_deref(), now);
         if intake::learns_response(&w.config, req.api) {
             st.learn_response = Some(String::new());
         }
         stages::mark(Stage::Sticky);
-        if w.config.flow.enabled {
+        w.metrics.api(req.api);
+        // Utility routes are cheap and generate nothing: routed by load alone, never queued.
+        if w.config.flow.enabled && !req.api.is_utility() {
             drop(st);
             return self.admit(w, req, body.len(), now);
         }
@@ -90,7 +102,7 @@ impl SchedulerHttp {
             Ok(()) => Action::Continue,
             Err(e) => {
                 st.answered = true;
-                answer(w, self.id, &e);
+                answer(w, self.id, shape_of(st.api), &e);
                 Action::Pause
             }
         }

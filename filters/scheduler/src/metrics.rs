@@ -2,6 +2,7 @@
 //! `/stats/prometheus` without the `envoy_` prefix; per-endpoint names carry the endpoint as a
 //! name segment that the bootstrap's `stats_tags` turns into an `attache_endpoint` label.
 
+use attache_policies::request::Api;
 use hashbrown::HashMap;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
@@ -12,6 +13,8 @@ pub struct Metrics {
     scheduled: Option<u32>,
     passthrough: Option<u32>,
     model_list: Option<u32>,
+    /// Requests parsed, per API (`Api::ALL` order).
+    apis: [Option<u32>; Api::ALL.len()],
     errors: HashMap<&'static str, u32>,
     picks: HashMap<String, u32>,
     /// One histogram per scorer of the decode profile that names one: (metric, id).
@@ -121,6 +124,7 @@ impl Metrics {
             scheduled: define(MetricType::Counter, "attache.requests.scheduled"),
             passthrough: define(MetricType::Counter, "attache.requests.passthrough"),
             model_list: define(MetricType::Counter, "attache.requests.model_list"),
+            apis: Api::ALL.map(|a| define(MetricType::Counter, &format!("attache.requests.api.{}", a.as_str()))),
             prefix_blocks_matched: define(MetricType::Counter, "attache.prefix.blocks_matched"),
             prefix_blocks_total: define(MetricType::Counter, "attache.prefix.blocks_total"),
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
@@ -348,6 +352,13 @@ impl Metrics {
 
     pub fn passthrough(&mut self) {
         inc(self.passthrough, 1);
+    }
+
+    /// A request of `api` parsed (then routed, queued or refused).
+    pub fn api(&mut self, api: Api) {
+        if let Some(i) = Api::ALL.iter().position(|a| *a == api) {
+            inc(self.apis.get(i).copied().flatten(), 1);
+        }
     }
 
     /// `GET /v1/models` answered from the snapshot.

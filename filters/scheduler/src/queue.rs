@@ -6,7 +6,7 @@
 use attache_policies::flow::Refusal;
 use proxy_wasm::types::LogLevel;
 
-use crate::dispatch::{answer, refuse, route};
+use crate::dispatch::{answer, refuse, route, shape_of};
 use crate::flow_state::FlowState;
 use crate::hostcalls as host;
 use crate::worker::Worker;
@@ -77,7 +77,7 @@ pub fn pump(w: &mut Worker, current: Option<u32>) -> Pumped {
             }
             Err(e) => {
                 st.answered = true;
-                answer(w, target, &e);
+                answer(w, target, shape_of(st.api), &e);
                 if is_current {
                     outcome = Pumped::Answered;
                 }
@@ -103,13 +103,15 @@ pub fn tick(w: &mut Worker) {
         let Ok(id) = u32::try_from(p.id) else {
             continue;
         };
+        let mut api = None;
         if let Ok(mut st) = p.value.try_borrow_mut() {
             st.parked = None;
             st.answered = true;
+            api = st.api;
         }
         let refusal = Refusal::expired(has_ready, w.config.flow.ttl_ms);
         if host::set_effective_context(id) {
-            refuse(w, id, &refusal);
+            refuse(w, id, shape_of(api), &refusal);
         } else if let Some(shed) = refusal.shed {
             w.metrics.flow_shed(shed);
         }

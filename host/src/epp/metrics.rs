@@ -70,6 +70,7 @@ pub struct EppMetrics {
     streams: AtomicU64,
     active: AtomicI64,
     outcomes: Mutex<BTreeMap<Outcome, u64>>,
+    apis: Mutex<BTreeMap<&'static str, u64>>,
     answers: Mutex<BTreeMap<(u16, &'static str), u64>>,
     shed: Mutex<BTreeMap<&'static str, u64>>,
     protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
@@ -94,6 +95,11 @@ impl EppMetrics {
         if let Some(o) = outcome {
             *lock(&self.outcomes).entry(o).or_default() += 1;
         }
+    }
+
+    /// A request of an inference or utility API parsed (then routed, queued or refused).
+    pub fn api(&self, api: attache_policies::Api) {
+        *lock(&self.apis).entry(api.as_str()).or_default() += 1;
     }
 
     /// The picker answered a request itself.
@@ -151,6 +157,10 @@ impl EppMetrics {
         family(out, "attache_epp_requests_total", "counter", "Requests by outcome.");
         for (o, n) in lock(&self.outcomes).iter() {
             let _ = writeln!(out, "attache_epp_requests_total{{outcome=\"{}\"}} {n}", o.label());
+        }
+        family(out, "attache_epp_requests_by_api_total", "counter", "Requests parsed, by API (route).");
+        for (api, n) in lock(&self.apis).iter() {
+            let _ = writeln!(out, "attache_epp_requests_by_api_total{{api=\"{api}\"}} {n}");
         }
         family(
             out,
@@ -225,6 +235,7 @@ mod tests {
         m.decision(40.0);
         m.decision(5_000_000.0);
         m.answered(429, "sheddable");
+        m.api(attache_policies::Api::Messages);
         m.stream_opened();
         m.stream_closed(Some(Outcome::Answered));
         let mut out = String::new();
@@ -238,6 +249,7 @@ mod tests {
         assert!(out.contains("attache_epp_errors_total{status=\"429\",reason=\"sheddable\"} 1\n"));
         assert!(out.contains("attache_epp_requests_total{outcome=\"answered\"} 1\n"));
         assert!(out.contains("attache_epp_streams_active 0\n"));
+        assert!(out.contains("attache_epp_requests_by_api_total{api=\"messages\"} 1\n"), "{out}");
         assert!(out.contains("attache_epp_inflight{endpoint=\"10.0.0.1:8000\"} 2\n"));
         assert!(out.contains("attache_epp_flow_waiting 1\n"));
         assert_eq!(m.decisions(), 3);

@@ -33,17 +33,30 @@ pub struct Answer {
     pub reason: &'static str,
     pub body: String,
     pub headers: Vec<(&'static str, &'static str)>,
+    /// The message the body carries (to rewrite it in another API's shape).
+    pub message: String,
+}
+
+impl Answer {
+    /// The same answer in the error shape `shape` (Anthropic's on the Messages routes).
+    #[must_use]
+    pub fn shaped(self, shape: attache_policies::error::ErrorShape) -> Self {
+        let e = ErrorResponse { status: self.status, reason: self.reason, body: self.body, message: self.message }
+            .shaped(shape);
+        Self { body: e.body, message: e.message, ..self }
+    }
 }
 
 impl From<ErrorResponse> for Answer {
     fn from(e: ErrorResponse) -> Self {
-        Self { status: e.status, reason: e.reason, body: e.body, headers: Vec::new() }
+        Self { status: e.status, reason: e.reason, body: e.body, headers: Vec::new(), message: e.message }
     }
 }
 
 impl From<Refusal> for Answer {
     fn from(r: Refusal) -> Self {
-        Self { status: r.response.status, reason: r.response.reason, body: r.response.body, headers: r.headers }
+        let e = r.response;
+        Self { status: e.status, reason: e.reason, body: e.body, headers: r.headers, message: e.message }
     }
 }
 
@@ -166,17 +179,17 @@ impl Picker {
         intake::head(&self.config, get, end_of_stream).map_err(Answer::from)
     }
 
-    /// A destination for a request that is not an inference call (a `GET /v1/models`, a
-    /// health check): the next ready endpoint, round robin. Gateways that route with an
-    /// `ORIGINAL_DST` cluster have no other way to reach the pool.
     /// The pool-wide model list (`policies::model_list`), None when no endpoint is ready.
     pub fn model_list(&self) -> Option<String> {
         let mut st = lock(&self.state);
         self.refresh(&mut st);
-        let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let now_s = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         attache_policies::model_list::body(&st.pool, now_s)
     }
 
+    /// A destination for a request that is not an inference call (a health check, a route
+    /// the scheduler does not know): the next ready endpoint, round robin. Gateways that route
+    /// with an `ORIGINAL_DST` cluster have no other way to reach the pool.
     pub fn anywhere(&self, subset: Option<&Subset>) -> Result<String, Answer> {
         let mut st = lock(&self.state);
         self.refresh(&mut st);
@@ -198,7 +211,8 @@ impl Picker {
         let mut st = lock(&self.state);
         let token = head.token_endpoint.clone();
         let previous = req.previous_response_id.as_deref();
-        session::resolve(&self.config.sessions, &mut st.sessions, token, head.session_key, previous, now_ms())
+        let key = intake::body_session_key(&self.config, head.session_key, req);
+        session::resolve(&self.config.sessions, &mut st.sessions, token, key, previous, now_ms())
     }
 
     /// Flow control: refuse what cannot wait, and wait until the request may go (at once when
@@ -212,7 +226,8 @@ impl Picker {
         continuing: bool,
     ) -> Result<bool, Answer> {
         let cfg = &self.config.flow;
-        if !cfg.enabled {
+        // Utility routes are routed by load alone, never queued.
+        if !cfg.enabled || req.api.is_utility() {
             return Ok(false);
         }
         let rx = {

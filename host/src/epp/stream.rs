@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use attache_policies::error::ErrorShape;
 use attache_policies::filters::subset::Subset;
 use attache_policies::intake::{self, Head};
 use attache_policies::plan::{Plan, PlanRequest, DESTINATION_HEADER, ROUTING_HEADERS};
@@ -130,6 +131,7 @@ impl Stream {
     }
 
     fn answer(&mut self, a: &Answer) -> Vec<ProcessingResponse> {
+        let a = a.clone().shaped(self.head.api.map_or(ErrorShape::OpenAi, attache_policies::Api::error_shape));
         self.phase = Phase::Answered;
         self.outcome = Some(Outcome::Answered);
         self.picker.metrics.answered(a.status, a.reason);
@@ -228,6 +230,7 @@ impl Stream {
             Ok(r) => r,
             Err(e) => return self.answer(&Answer::from(ErrorResponse::from(&e))),
         };
+        self.picker.metrics.api(api);
         let sticky = self.picker.sticky(&self.head, &req);
         let continuing = sticky.is_some() || req.previous_response_id.is_some();
         if let Err(a) = self.picker.admit(self.id, &self.head, &req, self.body.len(), continuing).await {
@@ -240,7 +243,7 @@ impl Stream {
             body_len: self.body.len(),
             prompt_ids: None,
             sticky: sticky.as_deref(),
-            session_key: self.head.session_key,
+            session_key: intake::body_session_key(self.picker.config(), self.head.session_key, &req),
             rollout_session: self.head.rollout_session.as_deref(),
             subset: self.subset.as_ref(),
         };
@@ -535,16 +538,19 @@ mod tests {
         }
         let h = with_subset(headers_msg("POST", "/v1/chat/completions", &[], false), &[]);
         assert_eq!(send(&p, vec![h, body_msg(&chat("x"), true)]).await.0.status, Some(503));
-        let g = with_subset(headers_msg("GET", "/v1/models", &[], true), &["10.0.0.1:8000"]);
+        let g = with_subset(headers_msg("GET", "/health", &[], true), &["10.0.0.1:8000"]);
         assert_eq!(send(&p, vec![g]).await.0.header.as_deref(), Some("10.0.0.1:8000"));
     }
 
     #[tokio::test]
     async fn other_requests_go_round_robin_and_buffered_gateways_get_the_decision_on_the_body() {
         let p = picker(2);
-        let a = send(&p, vec![headers_msg("GET", "/v1/models", &[], true)]).await.0.header.unwrap();
+        let a = send(&p, vec![headers_msg("GET", "/version", &[], true)]).await.0.header.unwrap();
         let b = send(&p, vec![headers_msg("GET", "/health", &[], true)]).await.0.header.unwrap();
         assert_ne!(a, b);
+        // The model list is the picker's own answer, from the snapshot.
+        let list = send(&p, vec![headers_msg("GET", "/v1/models", &[], true)]).await.0;
+        assert_eq!((list.status, list.header), (Some(200), None));
         let mut h = headers_msg("POST", "/v1/chat/completions", &[], false);
         h.protocol_config = Some(ProtocolConfiguration {
             request_body_mode: BodySendMode::Buffered as i32,
