@@ -1,5 +1,6 @@
 //! An OpenAI-style client for tests and benchmarks: sends a request, reads an SSE stream, and
-//! measures time to first token.
+//! measures time to first token. It also reads Anthropic's Messages streams (`event:` frames,
+//! ending with `message_stop`) and vLLM's token-in `generate` streams (token ids, no text).
 
 use std::time::{Duration, Instant};
 
@@ -23,7 +24,7 @@ pub struct Outcome {
     pub body: String,
     /// SSE `data:` payloads, in order (streaming only).
     pub events: Vec<String>,
-    /// Whether the stream ended with `data: [DONE]`.
+    /// Whether the stream ended (`data: [DONE]`, or Anthropic's `message_stop`).
     pub done: bool,
     /// Transport error, if the request failed below HTTP.
     pub error: Option<String>,
@@ -41,12 +42,15 @@ impl Outcome {
         self.error.is_none() && self.status == 200
     }
 
-    /// The assistant's text of a streamed chat response (its `delta.content` chunks).
+    /// The assistant's text of a streamed chat response (its `delta.content` chunks, or a
+    /// Messages stream's `text_delta`s).
     pub fn streamed_text(&self) -> String {
         self.events
             .iter()
             .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-            .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .filter_map(|v| {
+                v["choices"][0]["delta"]["content"].as_str().or_else(|| v["delta"]["text"].as_str()).map(str::to_owned)
+            })
             .collect()
     }
 }
@@ -81,27 +85,35 @@ pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>, headers: &
                 if is_sse {
                     while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
                         let ev: Vec<u8> = buf.drain(..pos + 2).collect();
-                        let line = String::from_utf8_lossy(&ev).trim().to_string();
-                        out.body.push_str(&line);
+                        let frame = String::from_utf8_lossy(&ev).trim().to_string();
+                        out.body.push_str(&frame);
                         out.body.push_str("\n\n");
-                        let Some(data) = line.strip_prefix("data: ") else { continue };
+                        // A frame may name its event (`event: ...`) before its data line.
+                        let Some(data) = frame.lines().find_map(|l| l.strip_prefix("data: ")) else { continue };
                         if data == "[DONE]" {
                             out.done = true;
                             continue;
                         }
                         if let Ok(v) = serde_json::from_str::<Value>(data) {
+                            let nonempty = |x: &Value| x.as_str().is_some_and(|s| !s.is_empty());
                             let has_content = v["choices"].as_array().is_some_and(|c| {
                                 c.iter().any(|c| {
-                                    c["delta"]["content"].as_str().is_some_and(|s| !s.is_empty())
-                                        || c["text"].as_str().is_some_and(|s| !s.is_empty())
+                                    nonempty(&c["delta"]["content"])
+                                        || nonempty(&c["text"])
+                                        || c["token_ids"].as_array().is_some_and(|t| !t.is_empty())
                                 })
-                            });
+                            }) || nonempty(&v["delta"]["text"])
+                                || nonempty(&v["delta"]["partial_json"]);
                             if has_content && out.ttft.is_none() {
                                 out.ttft = Some(start.elapsed());
                             }
                             if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
                                 out.output_tokens = n;
                             }
+                            if v["type"] == "message_delta" {
+                                out.output_tokens = v["usage"]["output_tokens"].as_u64().unwrap_or(out.output_tokens);
+                            }
+                            out.done |= v["type"] == "message_stop";
                         }
                         out.events.push(data.to_string());
                     }
@@ -117,7 +129,9 @@ pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>, headers: &
         out.body = String::from_utf8_lossy(&buf).into_owned();
         if out.status == 200 {
             out.ttft = Some(start.elapsed());
-            out.output_tokens = out.json()["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+            let v = out.json();
+            out.output_tokens =
+                v["usage"]["completion_tokens"].as_u64().or_else(|| v["usage"]["output_tokens"].as_u64()).unwrap_or(0);
         }
     }
     out.total = start.elapsed();

@@ -311,7 +311,7 @@ async fn the_charts_gateway_schedules_falls_back_and_rolls_out_as_rendered() {
         );
     }
 
-    // /v1/models is not scheduled: override_host's round-robin fallback serves it.
+    // /v1/models is the filter's own answer, from the snapshot: the pool's models.
     let models = http
         .get(format!("http://127.0.0.1:{}/v1/models", replicas[0].port(http_port)))
         .send()

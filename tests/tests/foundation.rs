@@ -193,13 +193,12 @@ async fn client_destination_headers_are_ignored() {
     let o = send(&s, &http, chat(&prefix, "q3", 2), &[("x-gateway-destination-endpoint", "10.9.9.9:80")]).await;
     assert_eq!((o.status, o.engine_port), (200, Some(chosen)));
 
-    // A request the scheduler does not schedule (GET /v1/models) still has the header stripped:
+    // A request the scheduler does not schedule (GET /health) still has the header stripped:
     // override_host then falls back to round-robin instead of obeying the client.
     let pinned = s.engine_addrs()[0].clone();
     let mut seen = HashSet::new();
     for _ in 0..8 {
-        let r =
-            http.get(s.url("/v1/models")).header("x-gateway-destination-endpoint", &pinned).send().await.expect("get");
+        let r = http.get(s.url("/health")).header("x-gateway-destination-endpoint", &pinned).send().await.expect("get");
         assert_eq!(r.status(), 200);
         seen.insert(r.headers().get("x-inference-port").and_then(|v| v.to_str().ok()).unwrap_or("").to_string());
     }

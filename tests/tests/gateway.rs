@@ -120,7 +120,7 @@ async fn the_gateway_follows_its_endpoints_file_without_restarting_envoy() {
     assert!(after.iter().all(|p| remaining.contains(p)), "{after:?}");
     // Unscheduled paths go to the pool's round-robin fallback: its members follow EDS too.
     for _ in 0..6 {
-        let resp = http.get(s.url("/v1/models")).send().await.expect("models");
+        let resp = http.get(s.url("/health")).send().await.expect("health");
         assert!(resp.status().is_success());
         let port: u16 = resp.headers()["x-inference-port"].to_str().unwrap().parse().unwrap();
         assert_ne!(port, removed, "an unscheduled request reached the removed engine");

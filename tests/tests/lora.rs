@@ -139,6 +139,17 @@ async fn an_adapter_loaded_at_run_time_routes_to_its_engine() {
         assert!(o.ok(), "{} {}", o.status, o.body);
         assert_eq!(o.engine_port, port, "the adapter's requests go to the engine that loaded it");
     }
+    // The gateway's own /v1/models is the pool's union, from the snapshot: the base model and
+    // the adapter (with its parent), though only one engine has the adapter.
+    let listed: serde_json::Value = http.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<(&str, &serde_json::Value)> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap_or_default(), &m["parent"]))
+        .collect();
+    assert_eq!(ids, [(MODEL, &json!(null)), ("sql-lora", &json!(MODEL))], "{listed}");
+    assert!(s.envoy_stat("wasmcustom.attache.requests.model_list") >= 1, "answered by the filter");
     // Unloaded, it is gone from the list, and its requests are refused again (404), not sent to
     // an engine that no longer has it.
     let unloaded = http
@@ -165,6 +176,8 @@ async fn an_adapter_loaded_at_run_time_routes_to_its_engine() {
         "unloaded adapter: refused by the scheduler after {:?} ({engine_404} engine 404s before)",
         started_unload.elapsed()
     );
+    let listed: serde_json::Value = http.get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(listed["data"].as_array().map(Vec::len), Some(1), "the unloaded adapter is no longer listed: {listed}");
     let metrics = attache_e2e::admin_http::http_get_blocking(s.host_admin_port, "/metrics").unwrap_or_default();
     assert!(metrics.contains("attache_host_model_list_reads_total{outcome=\"ok\"}"), "model-list reads are counted");
     println!("runtime adapter: listed by the host {:?} after loading; 6/6 routed to its engine", started.elapsed());

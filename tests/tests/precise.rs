@@ -20,21 +20,6 @@ fn precise_config() -> Value {
     json!({"role": "scheduler", "scheduler": {"precise": {"enabled": true}}})
 }
 
-/// Wait until the host's index says some endpoint holds `blocks` blocks of `tokens`.
-async fn wait_indexed(s: &Stack, tokens: &[u32], blocks: u64) {
-    let url = format!("http://127.0.0.1:{}/v1/kv/match", s.host_admin_port);
-    let body = json!({"model": MODEL, "token_ids": tokens, "block_size": 16}).to_string();
-    for _ in 0..100 {
-        let o = client::post(&s.http, &url, body.clone().into_bytes(), &[]).await;
-        let v = o.json();
-        if v["endpoints"].as_array().is_some_and(|a| a.iter().any(|e| e["matched_blocks"].as_u64() >= Some(blocks))) {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("the host never indexed the blocks");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_go_to_the_engine_that_holds_their_blocks() {
     let mut s = Stack::new("precise").expect("stack");
@@ -80,36 +65,6 @@ async fn requests_go_to_the_engine_that_holds_their_blocks() {
     let kv = http_get_blocking(s.host_admin_port, "/v1/kv").unwrap_or_default();
     let kv: Value = serde_json::from_str(&kv).unwrap_or(Value::Null);
     assert_eq!(kv["subscribers"]["decode_errors"], 0, "{kv}");
-}
-
-fn reference(path: &str) -> std::path::PathBuf {
-    attache_fixtures::vllm(path)
-}
-
-/// Filter configuration with the reference model's tokenizer and one start-up check taken
-/// from the real vLLM's `/tokenize` capture (or a wrong one, to see it refused).
-fn tokenizer_config(correct_check: bool) -> Value {
-    let json = std::fs::read_to_string(reference("model/tokenizer.json")).expect("reference tokenizer");
-    let caps: Value =
-        serde_json::from_str(&std::fs::read_to_string(reference("http/prompts-tokenized.json")).unwrap()).unwrap();
-    let cap = &caps["shared_0"];
-    let mut ids = cap["tokenize_response"]["tokens"].clone();
-    if !correct_check {
-        ids[3] = json!(7);
-    }
-    let chat: Value =
-        serde_json::from_str(&std::fs::read_to_string(reference("http/chat-prompt-tokenized.json")).unwrap()).unwrap();
-    json!({"role": "scheduler", "scheduler": {"precise": {
-        "enabled": true,
-        "tokenizer_json": json,
-        "chat_template": std::fs::read_to_string(reference("model/chat_template.jinja")).unwrap(),
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "tokenizer_check": [
-            {"text": cap["prompt"], "ids": ids},
-            {"messages": chat["messages"], "ids": chat["tokenize_response"]["tokens"]},
-        ],
-    }}})
 }
 
 async fn text_stack(name: &str, correct_check: bool) -> Stack {

@@ -18,6 +18,8 @@ const ENVOY_VERSION: &str = "1.40.0";
 /// Independent wire checks used by the tests.
 const PYTHON_TOOLS: &[&str] = &[
     "openai==3.51.0",
+    // The official Anthropic client, for the Messages API through the gateway.
+    "anthropic==2.16.0",
     "pyzmq==27.3.0",
     "msgpack==1.2.4",
     // Offline manifest validation for the Helm chart (Kubernetes schemas; CRD schemas).
@@ -65,7 +67,7 @@ fn ensure_envoy() -> Result<PathBuf> {
     if let Some(p) = envoy_path() {
         let out = Command::new(&p).arg("--version").output()?;
         let tools_ok = Command::new(root().join(".venv/bin/python"))
-            .args(["-c", "import openai, zmq, msgpack, kubernetes_validate, check_jsonschema"])
+            .args(["-c", "import openai, anthropic, zmq, msgpack, kubernetes_validate, check_jsonschema"])
             .status()
             .is_ok_and(|s| s.success());
         if String::from_utf8_lossy(&out.stdout).contains(&format!("/{ENVOY_VERSION}/")) && tools_ok {
