@@ -214,19 +214,7 @@ fn random_conversation(rng: &mut SplitMix64, tag: usize) -> Value {
 /// conversation through Envoy must go to that engine and find its prompt cached there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn precise_messages_hashes_equal_the_engines_for_random_conversations() {
-    let mut s = Stack::new("messages-precise").expect("stack");
-    let opts = SimOpts {
-        engines: 4,
-        time_scale: 0.05,
-        kv_events: true,
-        tokenizer: Some(reference("model/tokenizer.json")),
-        chat_template: Some(reference("model/chat_template.jinja")),
-        ..SimOpts::default()
-    };
-    s.start_sim(opts).expect("sim");
-    s.start_host().expect("host");
-    s.start_envoy(EnvoyKind::Attache, &tokenizer_config(true), 2).expect("envoy");
-    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    let s = text_stack("messages-precise", true).await;
     let http = fresh_client();
     let engines = s.engine_addrs();
     let cfg: attache_policies::plugin_config::FilterConfig = serde_json::from_value(tokenizer_config(true)).unwrap();

@@ -67,23 +67,6 @@ async fn requests_go_to_the_engine_that_holds_their_blocks() {
     assert_eq!(kv["subscribers"]["decode_errors"], 0, "{kv}");
 }
 
-async fn text_stack(name: &str, correct_check: bool) -> Stack {
-    let mut s = Stack::new(name).expect("stack");
-    let opts = SimOpts {
-        engines: 4,
-        time_scale: 0.05,
-        kv_events: true,
-        tokenizer: Some(reference("model/tokenizer.json")),
-        chat_template: Some(reference("model/chat_template.jinja")),
-        ..SimOpts::default()
-    };
-    s.start_sim(opts).expect("sim");
-    s.start_host().expect("host");
-    s.start_envoy(EnvoyKind::Attache, &tokenizer_config(correct_check), 2).expect("envoy");
-    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
-    s
-}
-
 fn text_prompt(g: usize) -> String {
     format!("Document {g}. ")
         + &"The scheduler routes each request to the engine that already holds its prefix. ".repeat(30)

@@ -149,3 +149,22 @@ pub fn tokenizer_config(correct_check: bool) -> Value {
         ],
     }}})
 }
+
+/// Four engines with KV events and the reference tokenizer and chat template; the filter
+/// tokenizes with the same (`correct_check`: its start-up check matches the engine).
+pub async fn text_stack(name: &str, correct_check: bool) -> Stack {
+    let mut s = Stack::new(name).expect("stack");
+    let opts = SimOpts {
+        engines: 4,
+        time_scale: 0.05,
+        kv_events: true,
+        tokenizer: Some(reference("model/tokenizer.json")),
+        chat_template: Some(reference("model/chat_template.jinja")),
+        ..SimOpts::default()
+    };
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &tokenizer_config(correct_check), 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    s
+}
