@@ -6,7 +6,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use attache_policies::chat_template::ChatMessage;
 use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api, Prompt};
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 use crate::engine::{Engine, SimRequest, TokenEvent, Usage};
 use crate::metrics::{self, Gauges};
 use crate::tokenizer;
+use crate::wire::{error, sse_response};
 
 const FINGERPRINT: &str = "vllm-0.32.0-attache-sim";
 
@@ -90,12 +91,6 @@ fn rand_hex() -> String {
     let mut b = n.to_le_bytes().to_vec();
     b.extend_from_slice(&seq.to_le_bytes());
     format!("{:016x}", xxhash_rust::xxh64::xxh64(&b, u64::from(std::process::id())))
-}
-
-/// vLLM's error body.
-pub fn error(status: StatusCode, kind: &str, param: Option<&str>, message: &str) -> Response {
-    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}});
-    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
 }
 
 fn with_engine_headers(mut r: Response, st: &AppState) -> Response {
@@ -643,13 +638,4 @@ fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, 
         }
     });
     sse_response(out_rx)
-}
-
-/// A 200 `text/event-stream` response whose frames come from `rx`.
-pub fn sse_response(rx: mpsc::Receiver<Result<Bytes, Infallible>>) -> Response {
-    Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
-        .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }

@@ -337,7 +337,10 @@ fn drop_aborted(st: &mut EngineState) {
 
 /// Preempt the newest running sequence other than `keep`; returns false if there is none.
 fn preempt(st: &mut EngineState, keep: u64) -> bool {
-    let Some(pos) = st.running.iter().rposition(|s| s.id != keep) else {
+    // As vLLM's scheduler does, only a sequence not yet scheduled in this step (after `keep`
+    // in the running order) is preempted: one already scheduled has had its blocks cached.
+    let after = st.running.iter().position(|s| s.id == keep).map_or(0, |p| p + 1);
+    let Some(pos) = st.running.iter().rposition(|s| s.id != keep).filter(|&p| p >= after) else {
         return false;
     };
     let mut s = st.running.remove(pos);
@@ -374,6 +377,8 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
             let n = (st.running[i].prefill.len() - st.running[i].num_computed).min(budget);
             budget -= n;
             planned.push(Planned::Prefill { id, tokens: n });
+            let upto = st.running[i].num_computed + n;
+            store_full_blocks(st, i, Some(upto));
             i += 1;
             continue;
         }
@@ -482,18 +487,31 @@ fn plan_step(st: &mut EngineState) -> Vec<Planned> {
         if n > 0 {
             planned.push(Planned::Prefill { id: seq.id, tokens: n });
         }
+        let upto = seq.num_computed + n;
         st.running.push(seq);
+        if n > 0 {
+            store_full_blocks(st, st.running.len() - 1, Some(upto));
+        }
     }
     planned
 }
 
-fn store_full_blocks(st: &mut EngineState, idx: usize) {
+/// Cache the blocks of sequence `idx` that are full once its first `upto` tokens are computed
+/// (`None`: what it has computed now). vLLM caches a step's blocks when it schedules them
+/// (`allocate_slots` → `cache_blocks(request, num_computed + num_new_tokens)` in
+/// `vllm/v1/core/kv_cache_manager.py`), so a request admitted later in the same step already
+/// hits them: the samples of a group sent at once share one prefill.
+fn store_full_blocks(st: &mut EngineState, idx: usize, upto: Option<usize>) {
     let bs = st.cfg.block_size.max(1);
     if !st.cfg.enable_prefix_caching {
         return;
     }
     let s = &st.running[idx];
-    let computed_tokens = if s.in_prefill() { s.num_computed } else { s.total_len() };
+    let computed_tokens = match upto {
+        Some(n) => n.min(s.total_len()),
+        None if s.in_prefill() => s.num_computed,
+        None => s.total_len(),
+    };
     let full = computed_tokens / bs;
     // Only blocks that became full since the last call (vLLM keeps the same watermark,
     // `num_cached_blocks`): the cost of a step follows what changed, not the sequence length.
@@ -606,7 +624,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
             Planned::Prefill { tokens, .. } => {
                 st.running[idx].num_computed += tokens;
                 st.stats.prompt_tokens += *tokens as u64;
-                store_full_blocks(st, idx);
+                store_full_blocks(st, idx, None);
                 if st.running[idx].in_prefill() {
                     false
                 } else {
@@ -615,7 +633,7 @@ fn apply_step(st: &mut EngineState, planned: &[Planned]) {
             }
             Planned::Decode { .. } => {
                 let f = emit_token(st, idx, now);
-                store_full_blocks(st, idx);
+                store_full_blocks(st, idx, None);
                 f
             }
             Planned::Reload { .. } => false,
@@ -675,6 +693,31 @@ mod tests {
         assert_eq!(st.stats.prefix_queries, 40);
         assert_eq!(st.stats.prefix_hits, 16);
         assert_eq!(st.pool.usage(), 0.0, "all blocks released");
+    }
+
+    /// vLLM caches a step's blocks as it schedules them: identical prompts admitted in the same
+    /// step (a rollout group sent at once) prefill once, and the others hit.
+    #[tokio::test]
+    async fn identical_prompts_admitted_in_one_step_share_its_prefill() {
+        let e = Engine::new(cfg());
+        let prompt: Vec<u32> = (10..30).collect(); // 20 tokens = 5 blocks
+        let mut rxs = Vec::new();
+        for _ in 0..4 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            e.submit(SimRequest { prompt: prompt.clone(), max_tokens: 1, tx, remote_tokens: 0, lora: None });
+            rxs.push(rx);
+        }
+        tokio::spawn(e.clone().run());
+        let mut cached = Vec::new();
+        for mut rx in rxs {
+            while let Some(ev) = rx.recv().await {
+                if let TokenEvent::Done(u) = ev {
+                    cached.push(u.cached_tokens);
+                }
+            }
+        }
+        cached.sort_unstable();
+        assert_eq!(cached, [0, 16, 16, 16], "one prefill, three hits");
     }
 
     #[tokio::test]

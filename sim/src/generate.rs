@@ -45,7 +45,7 @@ pub async fn full(
         }
     }
     let Some(u) = done else {
-        return crate::api::error(
+        return crate::wire::error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "InternalServerError",
             None,
@@ -86,5 +86,5 @@ pub fn stream(request_id: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, i
             }
         }
     });
-    crate::api::sse_response(out)
+    crate::wire::sse_response(out)
 }

@@ -15,6 +15,7 @@ pub mod latency;
 pub mod messages;
 pub mod metrics;
 pub mod tokenizer;
+pub mod wire;
 
 pub use config::EngineConfig;
 pub use engine::Engine;

@@ -76,16 +76,20 @@ fn usage(u: &Usage) -> Value {
     v
 }
 
+/// `_to_anthropic_stop_reason`. The simulated model's forced tool call is always complete (it
+/// stands for a call the model finished), so it is `tool_use`; otherwise running out of
+/// tokens is `max_tokens`.
 fn stop_reason(finish: &str, tool: bool) -> &'static str {
     match (finish, tool) {
-        ("length", false) => "max_tokens",
         (_, true) => "tool_use",
+        ("length", false) => "max_tokens",
         _ => "end_turn",
     }
 }
 
+/// A tool call's id, as vLLM's tool parsers name them.
 fn tool_id(id: &str) -> String {
-    format!("call_{}", id.trim_start_matches("chatcmpl-"))
+    format!("chatcmpl-tool-{}", id.trim_start_matches("chatcmpl-"))
 }
 
 /// The whole answer, once the engine finished.
@@ -200,7 +204,7 @@ pub fn stream(
             }
         }
     });
-    crate::api::sse_response(out)
+    crate::wire::sse_response(out)
 }
 
 /// `count_tokens`'s answer for a prompt of `n` tokens.
