@@ -20,6 +20,9 @@ pub struct ChatMessage {
     /// A `tool` message's call id.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// An assistant message's reasoning (Anthropic `thinking` blocks).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning: Option<String>,
 }
 
 /// A function call an assistant made: its arguments as JSON text.
@@ -28,25 +31,6 @@ pub struct ToolCall {
     pub id: String,
     pub name: String,
     pub arguments: String,
-}
-
-/// A JSON value as a template value (objects with their keys sorted).
-fn json_value(v: &serde_json::Value) -> Value {
-    use serde_json::Value as J;
-    match v {
-        J::Null => Value::from(()),
-        J::Bool(b) => Value::from(*b),
-        J::Number(n) => match (n.as_i64(), n.as_u64(), n.as_f64()) {
-            (Some(i), _, _) => Value::from(i),
-            (None, Some(u), _) => Value::from(u),
-            (_, _, f) => Value::from(f.unwrap_or(0.0)),
-        },
-        J::String(s) => Value::from(s.as_str()),
-        J::Array(a) => Value::from(a.iter().map(json_value).collect::<Vec<_>>()),
-        J::Object(o) => {
-            Value::from(o.iter().map(|(k, v)| (k.clone(), json_value(v))).collect::<std::collections::BTreeMap<_, _>>())
-        }
-    }
 }
 
 impl ChatMessage {
@@ -64,8 +48,12 @@ impl ChatMessage {
                 .tool_calls
                 .iter()
                 .map(|c| {
-                    let args = serde_json::from_str::<serde_json::Value>(&c.arguments)
-                        .map_or_else(|_| Value::from(c.arguments.as_str()), |v| json_value(&v));
+                    // vLLM parses the arguments back into an object; text that is not JSON
+                    // becomes an empty one (`_postprocess_messages`).
+                    let args = crate::template_json::parse(&c.arguments)
+                        .ok()
+                        .filter(|v| v.kind() == minijinja::value::ValueKind::Map)
+                        .unwrap_or_else(|| crate::template_json::parse("{}").unwrap_or_default());
                     let function: std::collections::BTreeMap<&str, Value> =
                         [("name", Value::from(c.name.as_str())), ("arguments", args)].into();
                     let call: std::collections::BTreeMap<&str, Value> = [
@@ -81,6 +69,11 @@ impl ChatMessage {
         }
         if let Some(id) = &self.tool_call_id {
             map.insert("tool_call_id", Value::from(id.as_str()));
+        }
+        if let Some(r) = &self.reasoning {
+            // vLLM hands templates both names (`_parse_chat_message_content`).
+            map.insert("reasoning", Value::from(r.as_str()));
+            map.insert("reasoning_content", Value::from(r.as_str()));
         }
         Value::from(map)
     }
@@ -131,6 +124,7 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", crate::template_json::tojson);
         env.add_template_owned(NAME, source.to_string()).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
         Ok(Self { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
@@ -151,8 +145,7 @@ impl ChatTemplate {
     ) -> Result<String, ChatTemplateError> {
         let tmpl = self.env.get_template(NAME).map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
         let tools = match tools {
-            Some(t) => serde_json::from_str::<serde_json::Value>(t)
-                .map(|v| json_value(&v))
+            Some(t) => crate::template_json::parse(t)
                 .map_err(|e| ChatTemplateError::Render(format!("tools are not JSON: {e}")))?,
             None => Value::from(()),
         };
@@ -171,9 +164,12 @@ impl ChatTemplate {
     /// it (Qwen's `loop.first` guard) gets every inline system message merged into the leading
     /// one (`_detect_merge_inline_system`, `vllm/entrypoints/anthropic/serving.py`).
     pub fn accepts_inline_system(&self) -> bool {
-        let probe: Vec<ChatMessage> =
-            ["system", "user", "system", "user"].iter().map(|r| ChatMessage::new(*r, "t")).collect();
-        self.render(&probe, false).is_ok()
+        let probe: Vec<Value> =
+            ["system", "user", "system", "user"].iter().map(|r| ChatMessage::new(*r, "t").to_value()).collect();
+        // vLLM's probe passes these two variables only.
+        self.env.get_template(NAME).is_ok_and(|t| {
+            t.render(minijinja::context! { messages => Value::from(probe), add_generation_prompt => false }).is_ok()
+        })
     }
 }
 

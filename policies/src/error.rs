@@ -26,6 +26,31 @@ pub enum RequestError {
     BodyTooLarge { size: usize, limit: usize },
 }
 
+/// Check that a body is a JSON object, with a typed error for what it is instead.
+pub(crate) fn check_object(body: &[u8]) -> Result<(), RequestError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(RequestError::EmptyBody);
+    }
+    let first = body.iter().find(|b| !b.is_ascii_whitespace()).copied();
+    if first != Some(b'{') {
+        // Distinguish "not JSON at all" from "JSON but not an object" for a clearer message.
+        return match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Ok(_) => Err(RequestError::NotAnObject),
+            Err(e) => Err(RequestError::MalformedJson(e.to_string())),
+        };
+    }
+    Ok(())
+}
+
+/// A serde error as a typed request error: the wrong type somewhere, or not JSON.
+pub(crate) fn body_error(e: &serde_json::Error) -> RequestError {
+    if e.is_data() {
+        RequestError::InvalidField { field: "body", detail: e.to_string() }
+    } else {
+        RequestError::MalformedJson(e.to_string())
+    }
+}
+
 /// No endpoint could be chosen.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum ScheduleError {

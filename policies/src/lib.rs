@@ -35,6 +35,7 @@ pub mod scheduler;
 pub mod scorers;
 pub mod scoring;
 pub mod session;
+pub mod template_json;
 pub mod tokenizer;
 
 pub use config::SchedulerConfig;

@@ -28,8 +28,22 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::chat_template::{ChatMessage, ToolCall};
-use crate::error::RequestError;
-use crate::request::{self, Api, InferenceRequest, Prompt};
+use crate::error::{body_error, check_object, RequestError};
+
+/// A Messages request, converted: what the scheduler reads of it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation {
+    pub model: String,
+    /// The chat messages vLLM renders.
+    pub messages: Vec<ChatMessage>,
+    /// The tool definitions the template receives (`tools`), as JSON.
+    pub tools: Option<String>,
+    pub stream: bool,
+    pub max_tokens: Option<u64>,
+    /// `metadata.user_id`.
+    pub user: Option<String>,
+    pub cache_salt: Option<String>,
+}
 
 /// Claude Code's per-request attribution block, which vLLM drops from the system prompt.
 pub const BILLING_HEADER: &str = "x-anthropic-billing-header";
@@ -85,6 +99,8 @@ struct Block<'a> {
     input: Option<&'a RawValue>,
     #[serde(default)]
     content: Option<TextOr<ResultItem<'a>>>,
+    #[serde(default)]
+    thinking: Option<String>,
 }
 
 /// An item of a `tool_result`'s content list.
@@ -112,6 +128,10 @@ struct Tool<'a> {
     description: Option<String>,
     #[serde(default, borrow)]
     input_schema: Option<&'a RawValue>,
+    #[serde(default)]
+    strict: Option<bool>,
+    #[serde(default)]
+    defer_loading: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -202,8 +222,14 @@ fn tool_result(block: Block<'_>, out: &mut Vec<ChatMessage>) {
 fn convert_blocks(role: String, blocks: Vec<Block<'_>>, out: &mut Vec<ChatMessage>) {
     let mut texts: Vec<String> = Vec::new();
     let mut calls: Vec<ToolCall> = Vec::new();
+    let mut reasoning: Option<String> = None;
     for b in blocks {
         match &*b.kind {
+            "thinking" => {
+                if let Some(t) = b.thinking {
+                    reasoning.get_or_insert_with(String::new).push_str(&t);
+                }
+            }
             "text" => {
                 if let Some(t) = b.text.filter(|t| !t.is_empty()) {
                     texts.push(t);
@@ -213,7 +239,8 @@ fn convert_blocks(role: String, blocks: Vec<Block<'_>>, out: &mut Vec<ChatMessag
             "tool_use" => calls.push(ToolCall {
                 id: b.id.unwrap_or_default(),
                 name: b.name.unwrap_or_default(),
-                arguments: b.input.map_or_else(|| "{}".to_owned(), |r| r.get().to_owned()),
+                // `json.dumps(block.input or {})`: an absent or null input is an empty object.
+                arguments: b.input.map(RawValue::get).filter(|r| *r != "null").unwrap_or("{}").to_owned(),
             }),
             "tool_result" if role == "user" => tool_result(b, out),
             "tool_result" => {
@@ -232,50 +259,62 @@ fn convert_blocks(role: String, blocks: Vec<Block<'_>>, out: &mut Vec<ChatMessag
         }
     }
     // vLLM drops a user message left with no content; an assistant message stays (its content
-    // is then empty). Only assistant messages carry tool calls to the template.
+    // is then empty). Only assistant messages carry tool calls and reasoning to the template.
     if role == "user" {
         if texts.is_empty() {
             return;
         }
         calls.clear();
+        reasoning = None;
     }
-    out.push(ChatMessage { role, content: texts.join("\n"), tool_calls: calls, ..ChatMessage::default() });
+    out.push(ChatMessage { role, content: texts.join("\n"), tool_calls: calls, reasoning, ..ChatMessage::default() });
 }
 
-/// The tools as vLLM hands them to the chat template: OpenAI function tools.
+/// A tool's `input_schema` as vLLM keeps it: a schema without `type` gets `"type": "object"`
+/// appended (`AnthropicTool.validate_input_schema`).
+fn schema_text(raw: Option<&RawValue>) -> String {
+    let Some(raw) = raw.map(RawValue::get) else { return "null".to_owned() };
+    let has_type =
+        serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(raw).map(|m| m.contains_key("type"));
+    match (has_type, raw.trim_end().strip_suffix('}')) {
+        (Ok(false), Some(body)) => {
+            let sep = if body.trim_end().ends_with('{') { "" } else { ", " };
+            format!("{body}{sep}\"type\": \"object\"}}")
+        }
+        _ => raw.to_owned(),
+    }
+}
+
+/// The tools as vLLM hands them to the chat template: OpenAI function tools, `strict` and
+/// `defer_loading` only when set, each object's keys in the client's order.
 fn tools_json(tools: &[Tool<'_>]) -> String {
-    #[derive(serde::Serialize)]
-    struct Function<'a> {
-        name: &'a str,
-        description: Option<&'a str>,
-        parameters: Option<&'a RawValue>,
-        strict: Option<bool>,
+    let mut out = String::from("[");
+    for (i, t) in tools.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        let text = |s: &str| serde_json::to_string(s).unwrap_or_default();
+        out.push_str(r#"{"type": "function", "function": {"name": "#);
+        out.push_str(&text(&t.name));
+        out.push_str(r#", "description": "#);
+        out.push_str(&t.description.as_deref().map_or_else(|| "null".to_owned(), text));
+        out.push_str(r#", "parameters": "#);
+        out.push_str(&schema_text(t.input_schema));
+        for (k, v) in [("strict", t.strict), ("defer_loading", t.defer_loading)] {
+            if let Some(v) = v {
+                out.push_str(&format!(r#", "{k}": {v}"#));
+            }
+        }
+        out.push_str("}}");
     }
-    #[derive(serde::Serialize)]
-    struct OpenAiTool<'a> {
-        #[serde(rename = "type")]
-        kind: &'static str,
-        function: Function<'a>,
-    }
-    let list: Vec<OpenAiTool<'_>> = tools
-        .iter()
-        .map(|t| OpenAiTool {
-            kind: "function",
-            function: Function {
-                name: &t.name,
-                description: t.description.as_deref(),
-                parameters: t.input_schema,
-                strict: None,
-            },
-        })
-        .collect();
-    serde_json::to_string(&list).unwrap_or_default()
+    out.push(']');
+    out
 }
 
 /// Parse a `/v1/messages` body.
-pub fn parse(body: &[u8]) -> Result<InferenceRequest, RequestError> {
-    request::check_object(body)?;
-    let b: Body = serde_json::from_slice(body).map_err(|e| request::body_error(&e))?;
+pub fn parse(body: &[u8]) -> Result<Conversation, RequestError> {
+    check_object(body)?;
+    let b: Body = serde_json::from_slice(body).map_err(|e| body_error(&e))?;
     let model = match b.model {
         Some(m) if !m.is_empty() => m,
         _ => return Err(RequestError::MissingModel),
@@ -285,12 +324,14 @@ pub fn parse(body: &[u8]) -> Result<InferenceRequest, RequestError> {
         _ => return Err(RequestError::MissingField("messages")),
     };
     let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    // A non-empty system string is kept even if stripping the billing header empties it;
+    // blocks give a system message only when some text is left.
     let system = match b.system {
-        Some(TextOr::Text(t)) => strip_billing_line(t),
-        Some(TextOr::Blocks(blocks)) => system_text(&blocks),
-        None => String::new(),
+        Some(TextOr::Text(t)) if !t.is_empty() => Some(strip_billing_line(t)),
+        Some(TextOr::Blocks(blocks)) => Some(system_text(&blocks)).filter(|t| !t.is_empty()),
+        _ => None,
     };
-    if !system.is_empty() {
+    if let Some(system) = system {
         out.push(ChatMessage::new("system", system));
     }
     for m in messages {
@@ -316,22 +357,14 @@ pub fn parse(body: &[u8]) -> Result<InferenceRequest, RequestError> {
             }
         }
     }
-    let tools = b.tools.as_deref().map(tools_json);
-    let (text, message_ends) = request::render_messages(&out, tools.as_deref());
-    Ok(InferenceRequest {
-        api: Api::Messages,
+    Ok(Conversation {
         model,
-        prompt: Prompt::Text(text),
-        num_prompts: 1,
+        messages: out,
+        tools: b.tools.as_deref().map(tools_json),
         stream: b.stream.unwrap_or(false),
         max_tokens: b.max_tokens,
-        cache_salt: b.cache_salt,
-        priority: None,
         user: b.metadata.and_then(|m| m.user_id),
-        previous_response_id: None,
-        messages: out,
-        message_ends,
-        tools,
+        cache_salt: b.cache_salt,
     })
 }
 
@@ -352,11 +385,11 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn parse_json(v: &serde_json::Value) -> InferenceRequest {
+    fn parse_json(v: &serde_json::Value) -> Conversation {
         parse(v.to_string().as_bytes()).unwrap()
     }
 
-    fn roles(r: &InferenceRequest) -> Vec<(&str, &str)> {
+    fn roles(r: &Conversation) -> Vec<(&str, &str)> {
         r.messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect()
     }
 
@@ -369,7 +402,7 @@ mod tests {
             {"type": "text", "text": " Be brief."}],
             "messages": [{"role": "user", "content": "hi"}], "metadata": {"user_id": "u-1"}}));
         assert_eq!(roles(&r), [("system", "You are Claude Code. Be brief."), ("user", "hi")]);
-        assert_eq!((r.user.as_deref(), r.max_tokens, r.api), (Some("u-1"), Some(5), Api::Messages));
+        assert_eq!((r.user.as_deref(), r.max_tokens), (Some("u-1"), Some(5)));
         let r = parse_json(&json!({"model": "m", "system": "x-anthropic-billing-header: a\nrest", "messages": [
             {"role": "user", "content": "q"}]}));
         assert_eq!(roles(&r), [("system", "rest"), ("user", "q")]);
@@ -407,14 +440,56 @@ mod tests {
         assert_eq!(r.messages[1].tool_calls.len(), 2);
         assert_eq!(r.messages[1].tool_calls[0].arguments, r#"{"path": "é.txt"}"#.replace(": ", ":"));
         assert_eq!(r.messages[3].tool_call_id.as_deref(), Some("tu_2"));
-        let tools: serde_json::Value = serde_json::from_str(r.tools.as_deref().unwrap()).unwrap();
-        assert_eq!(tools[0]["function"]["name"], "read");
-        assert_eq!(tools[0]["type"], "function");
-        // Approximate text: tools first, then every message, tool calls included.
-        let Prompt::Text(t) = &r.prompt else { panic!("text") };
-        assert!(t.starts_with("tools: [{"), "{t}");
-        assert!(t.contains("assistant: Reading.\ntool_call read {\"path\":\"é.txt\"}"), "{t}");
-        assert_eq!(r.message_ends.len(), r.messages.len() + 1);
+        assert_eq!(
+            r.tools.as_deref(),
+            Some(
+                r#"[{"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {"type":"object"}}}]"#
+            )
+        );
+    }
+
+    #[test]
+    fn tools_thinking_and_empty_inputs_convert_as_vllm_does() {
+        let r = parse_json(&json!({"model": "m", "system": "x-anthropic-billing-header: only", "tools": [
+            {"name": "a", "input_schema": {"properties": {}}, "strict": true},
+            {"name": "b", "description": "B", "input_schema": {}}],
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm ", "signature": "s"}, {"type": "thinking", "thinking": "ok"},
+                {"type": "tool_use", "id": "t1", "name": "a", "input": null}]}]}));
+        assert_eq!(
+            r.tools.as_deref(),
+            Some(concat!(
+                r#"[{"type": "function", "function": {"name": "a", "description": null, "parameters": {"properties":{}, "type": "object"}, "strict": true}}, "#,
+                r#"{"type": "function", "function": {"name": "b", "description": "B", "parameters": {"type": "object"}}}]"#
+            ))
+        );
+        assert_eq!(roles(&r), [("system", ""), ("user", "q"), ("assistant", "")], "an emptied system string stays");
+        assert_eq!(r.messages[2].reasoning.as_deref(), Some("hmm ok"));
+        assert_eq!(r.messages[2].tool_calls[0].arguments, "{}");
+    }
+
+    /// A template that renders tools and tool calls (as Qwen's and Llama 3's do, with `tojson`)
+    /// sees them as vLLM hands them over: Python's JSON, keys in the client's order.
+    #[test]
+    fn tool_aware_templates_render_tools_and_calls_as_python_would() {
+        let src = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% for m in messages %}{{ m.role }}: {{ m.content }}\
+            {% for c in m.tool_calls %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}\n{% endfor %}";
+        let t = crate::chat_template::ChatTemplate::new(src, "", "").unwrap();
+        // Raw JSON: the client's key order (serde_json's `json!` would sort them).
+        let body = r#"{"model": "m", "tools": [{"name": "read", "description": "Read",
+            "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+            "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "read", "input": {"path": "é.txt", "n": 2}}]}]}"#;
+        let r = parse(body.as_bytes()).unwrap();
+        let out = t.render_with_tools(&r.messages, r.tools.as_deref(), false).unwrap();
+        assert_eq!(
+            out,
+            concat!(
+                r#"{"type": "function", "function": {"name": "read", "description": "Read", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}"#,
+                // trim_blocks eats the newline after `{% endfor %}`, in Jinja2 as here.
+                "\nuser: goassistant: <read {\"path\": \"é.txt\", \"n\": 2}>"
+            )
+        );
     }
 
     #[test]

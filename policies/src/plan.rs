@@ -217,7 +217,13 @@ fn precise_scores(
 ) -> Option<HashMap<u32, (f64, usize)>> {
     let (ids, kv) = (request.prompt_ids?, view.kv?);
     let pc = &scheduler.config.precise;
-    let seed = prefix::chain_seed(&request.req.model, None);
+    // The engines seed their block keys with their model; a request that names none (vLLM's
+    // `generate` allows it) is keyed with the pool's base model.
+    let model = match request.req.model.as_str() {
+        "" => view.pool.endpoints.iter().find_map(crate::Endpoint::base_model).unwrap_or(""),
+        m => m,
+    };
+    let seed = prefix::chain_seed(model, None);
     Some(precise::scores(
         &view.pool.endpoints,
         &pc.tier_weights,
@@ -309,7 +315,9 @@ fn bind_session(
     decision: &Decision,
     cfg: &SessionConfig,
 ) -> (Option<SessionBinding>, Option<String>) {
-    let Some(primary) = decision.endpoints.first().filter(|_| cfg.enabled) else {
+    // Utility routes (tokenize, count_tokens, ...) are routed by load alone: they bind no
+    // session and name no endpoint for the next turn.
+    let Some(primary) = decision.endpoints.first().filter(|_| cfg.enabled && !request.req.api.is_utility()) else {
         return (None, None);
     };
     let binding = request.session_key.map(|key| SessionBinding {

@@ -7,7 +7,7 @@
 use serde::Deserialize;
 
 use crate::chat_template::ChatMessage;
-use crate::error::{ErrorShape, RequestError};
+use crate::error::{body_error, check_object, ErrorShape, RequestError};
 
 /// Which inference API the request targets, chosen by path suffix as llm-d's parser does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -482,7 +482,7 @@ fn chat_messages(system: Option<Cow<'_, str>>, messages: Vec<Message<'_>>) -> Ve
 /// routing renders the model's own template instead ([`crate::chat_template`]). Tool
 /// definitions, when the request has them, come first (templates put them in the system
 /// prompt); an assistant's tool calls follow its content.
-pub(crate) fn render_messages(messages: &[ChatMessage], tools: Option<&str>) -> (String, Vec<usize>) {
+fn render_messages(messages: &[ChatMessage], tools: Option<&str>) -> (String, Vec<usize>) {
     let calls = |m: &ChatMessage| m.tool_calls.iter().map(|c| c.name.len() + c.arguments.len() + 13).sum::<usize>();
     let len: usize = messages.iter().map(|m| m.role.len() + m.content.len() + 3 + calls(m)).sum();
     let mut out = String::with_capacity(len + tools.map_or(0, |t| t.len() + 8) + 10);
@@ -528,28 +528,24 @@ fn completion_prompt(field: Option<PromptField<'_>>) -> Result<(Prompt, usize), 
     }
 }
 
-/// Check that a body is a JSON object, with a typed error for what it is instead.
-pub(crate) fn check_object(body: &[u8]) -> Result<(), RequestError> {
-    if body.iter().all(|b| b.is_ascii_whitespace()) {
-        return Err(RequestError::EmptyBody);
-    }
-    let first = body.iter().find(|b| !b.is_ascii_whitespace()).copied();
-    if first != Some(b'{') {
-        // Distinguish "not JSON at all" from "JSON but not an object" for a clearer message.
-        return match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-            Ok(_) => Err(RequestError::NotAnObject),
-            Err(e) => Err(RequestError::MalformedJson(e.to_string())),
-        };
-    }
-    Ok(())
-}
-
-/// A serde error as a typed request error: the wrong type somewhere, or not JSON.
-pub(crate) fn body_error(e: &serde_json::Error) -> RequestError {
-    if e.is_data() {
-        RequestError::InvalidField { field: "body", detail: e.to_string() }
-    } else {
-        RequestError::MalformedJson(e.to_string())
+/// An Anthropic Messages request: its conversation, rendered canonically for the approximate
+/// index (tool definitions first, as templates put them in the system prompt).
+fn messages_request(c: crate::messages::Conversation) -> InferenceRequest {
+    let (text, message_ends) = render_messages(&c.messages, c.tools.as_deref());
+    InferenceRequest {
+        api: Api::Messages,
+        model: c.model,
+        prompt: Prompt::Text(text),
+        num_prompts: 1,
+        stream: c.stream,
+        max_tokens: c.max_tokens,
+        cache_salt: c.cache_salt,
+        priority: None,
+        user: c.user,
+        previous_response_id: None,
+        messages: c.messages,
+        message_ends,
+        tools: c.tools,
     }
 }
 
@@ -576,7 +572,7 @@ fn utility(api: Api, model: String) -> InferenceRequest {
 pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
     check_object(body)?;
     match api {
-        Api::Messages => return crate::messages::parse(body),
+        Api::Messages => return Ok(messages_request(crate::messages::parse(body)?)),
         Api::CountTokens | Api::Tokenize | Api::Detokenize | Api::Render => {
             let b: UtilityBody = serde_json::from_slice(body).map_err(|e| body_error(&e))?;
             let model = b.model.unwrap_or_default();
@@ -682,6 +678,22 @@ mod tests {
         assert!(Api::Tokenize.is_utility() && Api::CountTokens.is_utility() && !Api::Generate.is_utility());
         assert_eq!(Api::Messages.error_shape(), ErrorShape::Anthropic);
         assert_eq!(Api::ALL.iter().map(|a| a.as_str()).collect::<std::collections::HashSet<_>>().len(), Api::ALL.len());
+    }
+
+    #[test]
+    fn messages_hash_tools_first_then_every_message_with_its_tool_calls() {
+        let r = p(
+            Api::Messages,
+            r#"{"model":"m","max_tokens":3,"metadata":{"user_id":"u"},"tools":[{"name":"read","input_schema":{"type":"object"}}],
+                "messages":[{"role":"user","content":"open"},{"role":"assistant","content":[{"type":"text","text":"Reading."},
+                {"type":"tool_use","id":"t","name":"read","input":{"path":"é.txt"}}]}]}"#,
+        )
+        .unwrap();
+        let Prompt::Text(t) = &r.prompt else { panic!("text") };
+        assert!(t.starts_with("tools: [{\"type\": \"function\""), "{t}");
+        assert!(t.ends_with("user: open\nassistant: Reading.\ntool_call read {\"path\":\"é.txt\"}\nassistant:"), "{t}");
+        assert_eq!(r.message_ends.len(), r.messages.len() + 1, "the tools line is an anchor too");
+        assert_eq!((r.api, r.user.as_deref(), r.max_tokens), (Api::Messages, Some("u"), Some(3)));
     }
 
     #[test]

@@ -309,8 +309,9 @@ impl HttpContext for SchedulerHttp {
     }
 
     fn on_log(&mut self) {
-        let (parked, released) = match self.st.try_borrow_mut() {
-            Ok(mut st) => (st.parked.take().is_some(), st.release()),
+        let (parked, released, gated) = match self.st.try_borrow_mut() {
+            // Utility routes bypass flow control: the gate gets nothing back for them.
+            Ok(mut st) => (st.parked.take().is_some(), st.release(), !st.api.is_some_and(Api::is_utility)),
             Err(_) => return,
         };
         let Ok(mut w) = self.worker.try_borrow_mut() else {
@@ -325,7 +326,7 @@ impl HttpContext for SchedulerHttp {
         }
         if let Some((endpoint, tokens)) = released {
             w.released(&endpoint, tokens);
-            if w.config.flow.enabled {
+            if w.config.flow.enabled && gated {
                 // A request ended: the pool may have room for a waiting one.
                 w.flow.gate.completed(host::now_ms());
                 if !w.flow.queue.is_empty() {

@@ -367,11 +367,12 @@ impl Picker {
         Some(corrected)
     }
 
-    /// A request ended: release its in-flight count, and let a waiting one go.
-    pub fn release(&self, endpoint: &str, tokens: u64) {
+    /// A request ended: release its in-flight count, and let a waiting one go. `gated`: flow
+    /// control admitted it (utility routes bypass it, and give the gate nothing back).
+    pub fn release(&self, endpoint: &str, tokens: u64, gated: bool) {
         let mut st = lock(&self.state);
         release(&mut st, endpoint, tokens);
-        if self.config.flow.enabled {
+        if self.config.flow.enabled && gated {
             st.gate.completed(now_ms());
             if !st.queue.is_empty() {
                 self.pump(&mut st);

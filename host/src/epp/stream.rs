@@ -315,7 +315,8 @@ impl Stream {
     fn release(&mut self) {
         if let Some(p) = self.planned.as_mut().filter(|p| !p.released) {
             p.released = true;
-            self.picker.release(&p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens);
+            let gated = !self.head.api.is_some_and(attache_policies::Api::is_utility);
+            self.picker.release(&p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens, gated);
         }
     }
 }

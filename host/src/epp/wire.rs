@@ -173,7 +173,6 @@ pub fn trailers(request: bool) -> ProcessingResponse {
     ProcessingResponse { response: Some(r), ..Default::default() }
 }
 
-/// Answer the request instead of routing it.
 /// 200 with a JSON body, answered by the picker (the model list).
 pub fn ok_json(body: &str) -> ProcessingResponse {
     let set = [("content-type", "application/json".to_owned())];
@@ -189,6 +188,7 @@ pub fn ok_json(body: &str) -> ProcessingResponse {
     }
 }
 
+/// Answer the request instead of routing it.
 pub fn immediate(status: u16, reason: &str, body: &str, extra: &[(&str, &str)]) -> ProcessingResponse {
     let set: Vec<(&str, String)> =
         attache_policies::intake::answer_headers(reason, extra).into_iter().map(|(k, v)| (k, v.to_owned())).collect();
