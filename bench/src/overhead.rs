@@ -60,8 +60,39 @@ pub struct Args {
     max_steal_pct: f64,
     #[arg(long, default_value_t = 3)]
     attempts: usize,
+    /// The request's API: `chat` (streaming-off chat completions with text) or `generate`
+    /// (vLLM's token-in `/inference/v1/generate`: token ids, so precise mode tokenizes
+    /// nothing). With `generate` the peers are left out: the comparison is Attaché's two
+    /// modes against plain Envoy.
+    #[arg(long, default_value = "chat")]
+    api: String,
     #[command(flatten)]
     peers: crate::peers::PeerVersions,
+}
+
+/// The path requests of `api` go to.
+fn api_path(api: &str) -> &'static str {
+    if api == "generate" {
+        "/inference/v1/generate"
+    } else {
+        "/v1/chat/completions"
+    }
+}
+
+/// A request body of about `bytes` bytes for `api`; `i` makes each prompt distinct.
+fn request_body(api: &str, i: usize, bytes: usize) -> Vec<u8> {
+    if api != "generate" {
+        return body(i, bytes);
+    }
+    // About 5 bytes per id ("1234,").
+    let mut k = i as u64 ^ 0x9e37_79b9;
+    let ids: Vec<u32> = (0..(bytes.saturating_sub(100) / 5).max(1))
+        .map(|_| {
+            k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            1000 + ((k >> 33) % 9000) as u32
+        })
+        .collect();
+    json!({"model": MODEL, "token_ids": ids, "sampling_params": {"max_tokens": 1}}).to_string().into_bytes()
 }
 
 const MODEL: &str = "tinyllama";
@@ -95,6 +126,14 @@ pub(crate) async fn fast_endpoint() -> anyhow::Result<SocketAddr> {
                 "/v1/models",
                 get(|| async {
                     axum::Json(json!({"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 131072}]}))
+                }),
+            )
+            .route(
+                "/inference/v1/generate",
+                post(|_body: axum::body::Bytes| async {
+                    axum::Json(json!({"request_id": "generate-tokens-fast", "model": MODEL, "output_mode": "tokens",
+                        "choices": [{"index": 0, "finish_reason": "length", "token_ids": [7]}],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}))
                 }),
             )
             .route(
@@ -241,7 +280,7 @@ async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<Syste
         if config.as_object().is_some_and(serde_json::Map::is_empty) {
             config = Stack::default_scheduler_config();
         }
-        return start_attache(s, system, config).await;
+        return start_attache(s, system, config, api_path(&a.api)).await;
     }
     let (kind, config) = match system {
         "envoy" => (EnvoyKind::RoundRobin, Stack::default_scheduler_config()),
@@ -252,25 +291,31 @@ async fn start(system: &str, fast: SocketAddr, a: &Args) -> anyhow::Result<Syste
     if kind == EnvoyKind::RoundRobin {
         s.start_envoy(kind, &config, 2)?;
         let pid = s.envoy.as_ref().map(|p| p.pid()).context("envoy not running")?;
-        return Ok(System { name: system.into(), url: s.url("/v1/chat/completions"), pid, _stack: s, _peer: None });
+        return Ok(System { name: system.into(), url: s.url(api_path(&a.api)), pid, _stack: s, _peer: None });
     }
-    start_attache(s, system, config).await
+    start_attache(s, system, config, api_path(&a.api)).await
 }
 
 /// Envoy with Attaché (and the host) in front of the fast endpoint.
-async fn start_attache(mut s: Stack, system: &str, config: Value) -> anyhow::Result<System> {
+async fn start_attache(mut s: Stack, system: &str, config: Value, path: &str) -> anyhow::Result<System> {
     s.start_host()?;
     s.start_envoy(EnvoyKind::Attache, &config, 2)?;
     s.wait_snapshot(1, Duration::from_secs(20))?;
     let pid = s.envoy.as_ref().map(|p| p.pid()).context("envoy not running")?;
-    Ok(System { name: system.into(), url: s.url("/v1/chat/completions"), pid, _stack: s, _peer: None })
+    Ok(System { name: system.into(), url: s.url(path), pid, _stack: s, _peer: None })
 }
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
     let fast = fast_endpoint().await?;
     println!("overhead: one client, sequential requests, fast endpoint at {fast}; Envoy --concurrency 2");
     let mut systems = vec!["envoy".to_string()];
-    systems.extend(a.systems.iter().cloned());
+    for sys in &a.systems {
+        if a.api != "chat" && crate::peers::Peer::from_name(sys).is_some() {
+            println!("overhead: {sys} left out: --api {} compares Attaché's modes with plain Envoy", a.api);
+            continue;
+        }
+        systems.push(sys.clone());
+    }
     systems.extend(a.variants.iter().filter_map(|v| v.split_once('=')).map(|(l, _)| format!("attache/{l}")));
     // Start every system once; sizes run in turn on the same processes.
     let mut stacks = Vec::new();
@@ -287,12 +332,12 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             .map(|_| reqwest::Client::builder().pool_max_idle_per_host(1).tcp_nodelay(true).build())
             .collect::<Result<_, _>>()?;
         for (sys, http) in stacks.iter().zip(&clients) {
-            let warm = (0..(n / 10).max(20)).map(|i| body(1_000_000 + i, size)).collect();
+            let warm = (0..(n / 10).max(20)).map(|i| request_body(&a.api, 1_000_000 + i, size)).collect();
             send(http, sys, warm, &mut Samples::default()).await?;
         }
         let mut attempts = Vec::new();
         loop {
-            let (samples, steal_pct) = rounds(&stacks, &clients, n, size).await?;
+            let (samples, steal_pct) = rounds(&stacks, &clients, n, size, &a.api).await?;
             println!("  {size:>7} B: hypervisor steal during these rounds {steal_pct:?} % of CPU time");
             let again = measure_again(steal_pct, attempts.len() + 1, a.max_steal_pct, a.attempts);
             attempts.push((samples, steal_pct));
@@ -364,7 +409,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "command": "cargo xtask bench overhead",
         "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size; added_p50_us_per_round = min, median and max over the 10 rounds of (system p50 - baseline p50 in that round), how far the one added_p50_us figure moves with the machine; steal_pct = CPU time the hypervisor gave other guests during that size's rounds",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
-        "config": {"body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
+        "config": {"api": a.api, "path": api_path(&a.api), "body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
         "steal_gate": format!("a size whose rounds saw more than {} % steal is measured again, at most {} attempts in all; the attempt with the least steal is kept; discarded_attempts lists the others with their added p50", a.max_steal_pct, a.attempts.max(1)),
         "discarded_attempts": discarded,
         "runs": runs,
@@ -400,13 +445,14 @@ async fn rounds(
     clients: &[reqwest::Client],
     n: usize,
     size: usize,
+    api: &str,
 ) -> anyhow::Result<(Vec<Samples>, Option<f64>)> {
     let mut samples: Vec<Samples> = stacks.iter().map(|_| Samples::default()).collect();
     let per = n.div_ceil(ROUNDS);
     let steal = StealMeter::start();
     for r in 0..ROUNDS {
         for k in (0..stacks.len()).map(|k| (k + r) % stacks.len()) {
-            let bodies = (r * per..((r + 1) * per).min(n)).map(|i| body(i, size)).collect();
+            let bodies = (r * per..((r + 1) * per).min(n)).map(|i| request_body(api, i, size)).collect();
             let before = samples[k].lat_us.len();
             send(&clients[k], &stacks[k], bodies, &mut samples[k]).await?;
             let p50 = median(&samples[k].lat_us[before..]);

@@ -26,6 +26,34 @@ pub struct Scenario {
     pub slo_ttft_p90_ms: f64,
     #[serde(default)]
     pub seed: u64,
+    /// The inference API the clients call.
+    #[serde(default)]
+    pub api: ApiKind,
+}
+
+/// Which API a scenario's requests use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiKind {
+    /// Streaming `/v1/chat/completions` with text (what every peer routes on).
+    #[default]
+    Chat,
+    /// Anthropic's streaming `/v1/messages`, as Claude Code sends it: system blocks led by a
+    /// per-request billing header, tool definitions, and turns that append the assistant's
+    /// tool call and the tool's result.
+    Messages,
+    /// vLLM's token-in `/inference/v1/generate`, streamed.
+    Generate,
+}
+
+impl ApiKind {
+    pub fn path(self) -> &'static str {
+        match self {
+            ApiKind::Chat => "/v1/chat/completions",
+            ApiKind::Messages => "/v1/messages",
+            ApiKind::Generate => "/inference/v1/generate",
+        }
+    }
 }
 
 fn default_timeout() -> f64 {
@@ -104,6 +132,9 @@ pub enum Workload {
         /// Tool-call pause between turns, uniform in [min, max] simulated seconds.
         pause_s: [f64; 2],
     },
+    /// RL rollouts: each arrival is a group of `samples` requests for one prompt of
+    /// `prompt_tokens` random token ids, sent at once (GRPO-style groups).
+    Rollouts { prompt_tokens: usize, samples: usize, output_tokens: u64 },
 }
 
 /// Poisson arrivals over a ladder of stages; each arrival starts one session.
@@ -162,6 +193,10 @@ pub struct SessionPlan {
     pub pauses_s: Vec<f64>,
     pub max_tokens: u64,
     pub session_header: bool,
+    /// Token-id prompt (rollouts; the API is `generate`).
+    pub prompt_ids: Option<Arc<[u32]>>,
+    /// The rollout group (one per arrival; equals `id` for other workloads).
+    pub group: usize,
 }
 
 /// Text of about `tokens` reference-model tokens, `words_per_token` calibrated by the caller.
@@ -236,7 +271,9 @@ impl Scenario {
             Workload::Chat { system_prompts, system_tokens, user_tokens, .. } => {
                 system_prompts * system_tokens + RESIDENT_REQUESTS * user_tokens
             }
-            Workload::Unique { prompt_tokens, .. } => RESIDENT_REQUESTS * prompt_tokens,
+            Workload::Unique { prompt_tokens, .. } | Workload::Rollouts { prompt_tokens, .. } => {
+                RESIDENT_REQUESTS * prompt_tokens
+            }
             Workload::Agentic { preamble_tokens, context_tokens, turns, turn_tokens, output_tokens, .. } => {
                 preamble_tokens
                     + sessions.min(RESIDENT_SESSIONS)
@@ -350,7 +387,21 @@ impl Scenario {
                         pauses_s,
                         max_tokens: *output_tokens,
                         session_header: true,
+                        prompt_ids: None,
+                        group: id,
                     });
+                }
+            }
+            Workload::Rollouts { prompt_tokens, samples, output_tokens } => {
+                // Ids of the reference model's vocabulary (2,048), past its special tokens.
+                for (group, (t, stage)) in arrivals.into_iter().enumerate() {
+                    let ids: Arc<[u32]> = (0..*prompt_tokens).map(|_| 3 + (g.rng.next_u64() % 2045) as u32).collect();
+                    for _ in 0..*samples {
+                        let mut p = one_turn(plan.len(), t, stage, Arc::from(""), Arc::from(""), *output_tokens);
+                        p.prompt_ids = Some(ids.clone());
+                        p.group = group;
+                        plan.push(p);
+                    }
                 }
             }
         }
@@ -368,6 +419,8 @@ fn one_turn(id: usize, t: f64, stage: usize, system: Arc<str>, user: Arc<str>, m
         pauses_s: vec![0.0],
         max_tokens,
         session_header: false,
+        prompt_ids: None,
+        group: id,
     }
 }
 
@@ -427,6 +480,26 @@ mod tests {
         let systems: std::collections::HashSet<&str> = p.iter().map(|x| &*x.system).collect();
         assert_eq!(systems.len(), 3);
         assert!(p.iter().zip(p.iter().skip(6)).all(|(x, y)| x.users == y.users), "cycled every 6");
+    }
+
+    #[test]
+    fn rollout_groups_share_one_prompt_and_start_together() {
+        let s = scenario(
+            r#"{"kind": "rollouts", "prompt_tokens": 64, "samples": 4, "output_tokens": 8}"#,
+            r#"{"ladder": "5:10"}"#,
+        );
+        let p = s.plan(1.0).unwrap();
+        assert!(p.len() >= 4 * 20 && p.len().is_multiple_of(4));
+        for g in p.chunks(4) {
+            assert!(g
+                .iter()
+                .all(|x| x.group == g[0].group && x.start_s == g[0].start_s && x.prompt_ids == g[0].prompt_ids));
+            assert!(g[0]
+                .prompt_ids
+                .as_ref()
+                .is_some_and(|ids| ids.len() == 64 && ids.iter().all(|&t| (3..2048).contains(&t))));
+        }
+        assert_ne!(p[0].prompt_ids, p[4].prompt_ids, "groups differ");
     }
 
     #[test]
