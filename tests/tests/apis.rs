@@ -273,6 +273,9 @@ async fn generate_samples_of_a_prompt_go_to_its_holder_with_no_tokenizer() {
         assert!(v["request_id"].as_str().is_some_and(|id| id.starts_with("generate-tokens-")), "{v}");
         assert_eq!(v["choices"][0]["token_ids"].as_array().map(Vec::len), Some(2), "{v}");
         wait_indexed(&s, &prompt, 30).await;
+        // The index delta reaches the filters, and the other Envoy worker learns the first
+        // sample's placement from the affinity log (two ticks).
+        tokio::time::sleep(Duration::from_millis(200)).await;
         let samples: Vec<_> = (0..6)
             .map(|_| {
                 let (http, url, body) = (http.clone(), url.clone(), body.to_string().into_bytes());
@@ -283,7 +286,13 @@ async fn generate_samples_of_a_prompt_go_to_its_holder_with_no_tokenizer() {
         for h in samples {
             let o = h.await.unwrap();
             assert!(o.ok(), "{}", o.body);
-            assert!(o.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(448), "{}", o.body);
+            assert!(
+                o.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(448),
+                "group {g}: first on {:?}, this sample on {:?}: {}",
+                first.engine_address,
+                o.engine_address,
+                o.body
+            );
             engines.insert(o.engine_address.unwrap_or_default());
         }
         per_group.push(engines);
