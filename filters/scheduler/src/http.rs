@@ -372,12 +372,27 @@ mod tests {
     fn requests_that_are_not_inference_pass_through_untouched() {
         publish(&snapshot(2));
         let filter = Filter::configure("");
-        for req in [Request::get("/v1/models"), Request::post("/v1/embeddings", "{}")] {
+        for req in [Request::get("/health"), Request::post("/v1/embeddings", "{}")] {
             let ex = filter.send(req.header(DESTINATION_HEADER, "6.6.6.6:1"));
             assert_eq!((ex.on_headers, ex.on_body.unwrap_or(Action::Continue)), (Action::Continue, Action::Continue));
             assert!(ex.request_header(DESTINATION_HEADER).is_none(), "still never trusted");
         }
         assert_eq!(metric("attache.requests.passthrough"), Some(2));
+    }
+
+    #[test]
+    fn the_model_list_is_answered_from_the_snapshot() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        let ex = filter.send(Request::get("/v1/models"));
+        let r = ex.local_response().expect("the filter answers it");
+        assert_eq!((r.status, r.header("content-type")), (200, Some("application/json")));
+        let list = r.json();
+        assert_eq!(list["object"], "list");
+        let ids: Vec<&str> = list["data"].as_array().unwrap().iter().filter_map(|m| m["id"].as_str()).collect();
+        assert_eq!(ids.len(), 1, "one model, listed once for both endpoints: {list}");
+        assert_eq!(metric("attache.requests.model_list"), Some(1));
+        assert_eq!(metric("attache.requests.passthrough"), Some(0), "not passed through");
     }
 
     /// Send `req`; the filter must answer it itself with `status` and `reason`.
