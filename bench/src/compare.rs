@@ -276,9 +276,9 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
         peer_proc = Some((p, metrics));
         peers::wait_serving(&format!("http://127.0.0.1:{port}/v1/chat/completions"), MODEL).await?;
         let url = format!("http://127.0.0.1:{port}{}", sc.api.path());
-        if sc.api != ApiKind::Chat {
+        if let (true, Some(first)) = (sc.api != ApiKind::Chat, plan.first()) {
             // A peer that does not route this API is reported as such, not run.
-            let probe = Conversation::new(sc.api, &plan[0]).turn(&plan[0], 0, &plan[0].users[0]);
+            let probe = Conversation::new(sc.api, first).turn(first, 0, first.users.first().map_or("", |u| &**u));
             let o = client::post(&stack.http, &url, probe.to_string().into_bytes(), &[]).await;
             anyhow::ensure!(o.ok(), "{UNSUPPORTED}: {} answered {} {:?}", sc.api.path(), o.status, o.error);
         }

@@ -59,7 +59,7 @@ pub fn head<'h>(
         head.session_key = sc.headers.iter().find_map(|h| get(h)).map(|v| session::session_key(&v));
     }
     let f = &cfg.flow;
-    if f.enabled && !api.is_utility() {
+    if flow_controlled(cfg, api) {
         for h in [&f.objective_header, &f.tenant_header, &f.api_key_header] {
             if let Some(v) = get(h) {
                 head.flow_headers.push((h.clone(), v.into_owned()));
@@ -94,6 +94,12 @@ pub fn check_size(size: usize, limit: usize) -> Result<(), ErrorResponse> {
         return Err(ErrorResponse::from(&RequestError::BodyTooLarge { size, limit }));
     }
     Ok(())
+}
+
+/// Whether flow control queues and gates a request of `api`: when it is on, every route but
+/// the utility ones (routed by load alone, never queued, nothing charged to the gate).
+pub fn flow_controlled(cfg: &FilterConfig, api: Api) -> bool {
+    cfg.flow.enabled && !api.is_utility()
 }
 
 /// The response to a Responses API call teaches its id → endpoint binding (when sessions are on).
@@ -179,5 +185,8 @@ mod tests {
         assert!(learns_response(&cfg, Api::Responses) && !learns_response(&cfg, Api::Completions));
         cfg.sessions.enabled = false;
         assert!(!learns_response(&cfg, Api::Responses));
+        assert!(!flow_controlled(&cfg, Api::Completions), "flow control is off by default");
+        cfg.flow.enabled = true;
+        assert!(flow_controlled(&cfg, Api::Messages) && !flow_controlled(&cfg, Api::Tokenize));
     }
 }

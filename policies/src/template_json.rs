@@ -140,41 +140,29 @@ fn dump(out: &mut String, v: &Value, indent: Option<usize>, depth: usize) -> Res
             }
         }
         ValueKind::String => write_str(out, v.as_str().unwrap_or_default()),
-        ValueKind::Seq | ValueKind::Iterable => {
+        // A sequence's items, or a map's keys (each followed by its value).
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            let map = v.kind() == ValueKind::Map;
             let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
-            out.push('[');
+            let (open, close) = if map { ('{', '}') } else { ('[', ']') };
+            out.push(open);
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, indent, depth + 1);
-                dump(out, item, indent, depth + 1)?;
-            }
-            newline(out, indent, depth);
-            out.push(']');
-        }
-        ValueKind::Map => {
-            let keys: Vec<Value> = v.try_iter()?.collect();
-            if keys.is_empty() {
-                out.push_str("{}");
-                return Ok(());
-            }
-            out.push('{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
+                if map {
+                    write_str(out, &item.to_string());
+                    out.push_str(": ");
+                    dump(out, &v.get_item(item)?, indent, depth + 1)?;
+                } else {
+                    dump(out, item, indent, depth + 1)?;
                 }
-                newline(out, indent, depth + 1);
-                write_str(out, &k.to_string());
-                out.push_str(": ");
-                dump(out, &v.get_item(k)?, indent, depth + 1)?;
             }
-            newline(out, indent, depth);
-            out.push('}');
+            if !items.is_empty() {
+                newline(out, indent, depth);
+            }
+            out.push(close);
         }
         _ => return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: cannot serialize {}", v.kind()))),
     }

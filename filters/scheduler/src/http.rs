@@ -94,7 +94,7 @@ impl SchedulerHttp {
         stages::mark(Stage::Sticky);
         w.metrics.api(req.api);
         // Utility routes are cheap and generate nothing: routed by load alone, never queued.
-        if w.config.flow.enabled && !req.api.is_utility() {
+        if intake::flow_controlled(&w.config, req.api) {
             drop(st);
             return self.admit(w, req, body.len(), now);
         }
@@ -309,9 +309,8 @@ impl HttpContext for SchedulerHttp {
     }
 
     fn on_log(&mut self) {
-        let (parked, released, gated) = match self.st.try_borrow_mut() {
-            // Utility routes bypass flow control: the gate gets nothing back for them.
-            Ok(mut st) => (st.parked.take().is_some(), st.release(), !st.api.is_some_and(Api::is_utility)),
+        let (parked, released, api) = match self.st.try_borrow_mut() {
+            Ok(mut st) => (st.parked.take().is_some(), st.release(), st.api),
             Err(_) => return,
         };
         let Ok(mut w) = self.worker.try_borrow_mut() else {
@@ -326,7 +325,8 @@ impl HttpContext for SchedulerHttp {
         }
         if let Some((endpoint, tokens)) = released {
             w.released(&endpoint, tokens);
-            if w.config.flow.enabled && gated {
+            // Only a request flow control gated gives the gate something back.
+            if api.is_some_and(|a| intake::flow_controlled(&w.config, a)) {
                 // A request ended: the pool may have room for a waiting one.
                 w.flow.gate.completed(host::now_ms());
                 if !w.flow.queue.is_empty() {

@@ -16,7 +16,7 @@ use attache_policies::intake::{self, Head};
 use attache_policies::plan::{self, KvIndexView, Plan, PlanConfig, PlanRequest, StateView};
 use attache_policies::plugin_config::FilterConfig;
 use attache_policies::prompt_tokens::{self, PromptTokenizer};
-use attache_policies::request::InferenceRequest;
+use attache_policies::request::{Api, InferenceRequest};
 use attache_policies::session::{self, Sticky, StickyStore};
 use attache_policies::{ErrorResponse, PoolState, ScheduleError, Scheduler, SchedulerState};
 use attache_proto::v1;
@@ -226,8 +226,7 @@ impl Picker {
         continuing: bool,
     ) -> Result<bool, Answer> {
         let cfg = &self.config.flow;
-        // Utility routes are routed by load alone, never queued.
-        if !cfg.enabled || req.api.is_utility() {
+        if !intake::flow_controlled(&self.config, req.api) {
             return Ok(false);
         }
         let rx = {
@@ -367,12 +366,12 @@ impl Picker {
         Some(corrected)
     }
 
-    /// A request ended: release its in-flight count, and let a waiting one go. `gated`: flow
-    /// control admitted it (utility routes bypass it, and give the gate nothing back).
-    pub fn release(&self, endpoint: &str, tokens: u64, gated: bool) {
+    /// A request of `api` ended: release its in-flight count, and, if flow control gated it,
+    /// let a waiting one go.
+    pub fn release(&self, api: Option<Api>, endpoint: &str, tokens: u64) {
         let mut st = lock(&self.state);
         release(&mut st, endpoint, tokens);
-        if self.config.flow.enabled && gated {
+        if api.is_some_and(|a| intake::flow_controlled(&self.config, a)) {
             st.gate.completed(now_ms());
             if !st.queue.is_empty() {
                 self.pump(&mut st);

@@ -315,8 +315,7 @@ impl Stream {
     fn release(&mut self) {
         if let Some(p) = self.planned.as_mut().filter(|p| !p.released) {
             p.released = true;
-            let gated = !self.head.api.is_some_and(attache_policies::Api::is_utility);
-            self.picker.release(&p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens, gated);
+            self.picker.release(self.head.api, &p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens);
         }
     }
 }
