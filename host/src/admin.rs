@@ -23,6 +23,8 @@ pub struct AdminState {
     pub kv_counters: Arc<KvCounters>,
     /// The endpoint picker, when it is on: its families join the exposition.
     pub picker: Option<Arc<crate::epp::Picker>>,
+    /// The fleet state merged from the Envoys' reports.
+    pub fleet: Option<crate::fleet::FleetFeed>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -47,6 +49,9 @@ async fn prometheus(State(st): State<AdminState>) -> impl axum::response::IntoRe
         kv: Some(&st.kv_counters),
     };
     let mut text = crate::telemetry::render(crate::telemetry::metrics(), &gauges);
+    if let Some(f) = &st.fleet {
+        f.render(&mut text);
+    }
     if let Some(p) = &st.picker {
         let (inflight, waiting) = p.load();
         p.metrics.render(&mut text, &inflight, waiting);

@@ -51,6 +51,9 @@ pub struct HostConfig {
     pub policy: Option<crate::policy::service::PolicyConfig>,
     /// The endpoint picker for Gateway API Inference Extension gateways. Off when absent.
     pub epp: Option<crate::epp::EppConfig>,
+    /// Fleet state: what each Envoy learns (bindings, prefix affinity, tenant usage), merged
+    /// and sent to the others.
+    pub fleet: crate::fleet::FleetConfig,
 }
 
 impl Default for HostConfig {
@@ -72,6 +75,7 @@ impl Default for HostConfig {
             epp: None,
             kubernetes: None,
             flow: crate::state::FlowInputs::default(),
+            fleet: crate::fleet::FleetConfig::default(),
         }
     }
 }

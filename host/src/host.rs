@@ -70,7 +70,9 @@ impl Host {
         let kv_changed = Arc::new(Notify::new());
         // Envoy's pool members, served over EDS (`attache gateway`; any Envoy may subscribe).
         let members = eds::Members::default();
-        let (no_policy_tx, grpc) = grpc_services(&cfg, policy.as_ref(), rx.clone(), &kv_index, &kv_changed, &members);
+        let fleet = crate::fleet::FleetFeed::spawn(cfg.fleet.clone());
+        let (no_policy_tx, grpc) =
+            grpc_services(&cfg, policy.as_ref(), rx.clone(), &kv_index, &kv_changed, &members, &fleet);
         let grpc_listener = bind(cfg.grpc_listen).await?;
         let admin_listener = bind(cfg.admin_listen).await?;
         info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
@@ -91,7 +93,7 @@ impl Host {
             None => (None, None),
         };
 
-        let admin_state = admin::AdminState { snapshots: rx, kv_index, kv_counters, picker };
+        let admin_state = admin::AdminState { snapshots: rx, kv_index, kv_counters, picker, fleet: Some(fleet) };
         let admin_router = admin_router(admin_state, admin_token, policy);
         let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));
         let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
@@ -141,6 +143,7 @@ fn grpc_services(
     kv_index: &Arc<Mutex<KvIndex>>,
     kv_changed: &Arc<Notify>,
     members: &eds::Members,
+    fleet: &crate::fleet::FleetFeed,
 ) -> (watch::Sender<Arc<Published>>, tonic::transport::server::Router) {
     // ECDS is always served, so Envoy's scorer and scheduler slots keep their defaults quietly
     // when no policy service is configured (the sender lives as long as the host).
@@ -157,7 +160,9 @@ fn grpc_services(
     );
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(2)))
-        .add_service(push::Snapshots::new(rx, cfg.heartbeat()).with_index(index_feed).into_server())
+        .add_service(
+            push::Snapshots::new(rx, cfg.heartbeat()).with_index(index_feed).with_fleet(fleet.clone()).into_server(),
+        )
         .add_service(ecds.into_server())
         .add_service(eds::EdsServer::new(members).into_server());
     (no_policy_tx, grpc)

@@ -7,6 +7,7 @@ pub mod discovery;
 pub mod eds;
 pub mod endpoints;
 pub mod epp;
+pub mod fleet;
 pub mod gateway;
 pub mod host;
 pub mod kubernetes;

@@ -1,4 +1,4 @@
-//! The snapshot stream: `attache.v1.SnapshotService/Subscribe` over tonic.
+//! The snapshot stream: `attache.v1.SnapshotService/Subscribe` and `Exchange` over tonic.
 //!
 //! A publisher task turns pool-state changes into versioned snapshots on a `watch` channel.
 //! Each subscriber gets the current full snapshot first, then every newer version (a slow
@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info};
 
+use crate::fleet::FleetFeed;
 use crate::state::PoolState;
 use attache_kv::index::{Delta, KvIndex};
 
@@ -157,11 +158,12 @@ pub struct Snapshots {
     rx: watch::Receiver<Arc<v1::Snapshot>>,
     heartbeat: Duration,
     index: Option<IndexFeed>,
+    fleet: Option<FleetFeed>,
 }
 
 impl Snapshots {
     pub fn new(rx: watch::Receiver<Arc<v1::Snapshot>>, heartbeat: Duration) -> Self {
-        Self { rx, heartbeat, index: None }
+        Self { rx, heartbeat, index: None, fleet: None }
     }
 
     /// Also stream the precise index.
@@ -170,85 +172,232 @@ impl Snapshots {
         self
     }
 
+    /// Also merge and redistribute fleet state on `Exchange` streams.
+    pub fn with_fleet(mut self, feed: FleetFeed) -> Self {
+        self.fleet = Some(feed);
+        self
+    }
+
     pub fn into_server(self) -> SnapshotServiceServer<Self> {
         SnapshotServiceServer::new(self)
+    }
+
+    /// Start the task that feeds one subscriber, and return its stream.
+    fn start(&self, node: String, fleet: Option<(FleetFeed, String)>) -> UpdateStream {
+        let (tx, out) = mpsc::channel(16);
+        let feeds = Feeds { rx: self.rx.clone(), heartbeat: self.heartbeat, index: self.index.clone(), fleet };
+        tokio::spawn(feeds.run(node, tx));
+        Box::pin(ReceiverStream::new(out))
     }
 }
 
 type UpdateStream = Pin<Box<dyn Stream<Item = Result<v1::Update, Status>> + Send>>;
+type Tx = mpsc::Sender<Result<v1::Update, Status>>;
+
+fn index_msg(d: v1::IndexDelta) -> v1::Update {
+    v1::Update { kind: Some(update::Kind::Index(d)), sent_unix_ns: now_ns() }
+}
+
+fn fleet_msg(f: &FleetFeed, d: v1::FleetDelta) -> v1::Update {
+    f.counters.sent(prost::Message::encoded_len(&d));
+    v1::Update { kind: Some(update::Kind::Fleet(d)), sent_unix_ns: now_ns() }
+}
+
+/// Send every message, or say the subscriber is gone.
+async fn send_all(tx: &Tx, msgs: impl IntoIterator<Item = v1::Update>) -> bool {
+    for m in msgs {
+        if tx.send(Ok(m)).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// What one subscriber is fed: snapshots, index deltas, fleet deltas (on `Exchange`), heartbeats.
+struct Feeds {
+    rx: watch::Receiver<Arc<v1::Snapshot>>,
+    heartbeat: Duration,
+    index: Option<IndexFeed>,
+    /// The fleet and the subscriber's Envoy.
+    fleet: Option<(FleetFeed, String)>,
+}
+
+/// Wait on an optional broadcast receiver (forever when there is none).
+async fn recv_opt<T: Clone>(r: &mut Option<broadcast::Receiver<T>>) -> Result<T, broadcast::error::RecvError> {
+    match r.as_mut() {
+        Some(r) => r.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Feeds {
+    fn index_dump(&self) -> (Vec<v1::Update>, u64) {
+        match &self.index {
+            Some(f) => {
+                let (msgs, seq) = f.dump();
+                (msgs.into_iter().map(index_msg).collect(), seq)
+            }
+            None => (Vec::new(), 0),
+        }
+    }
+
+    fn fleet_dump(&self) -> (Vec<v1::Update>, u64) {
+        match &self.fleet {
+            Some((f, envoy)) => {
+                let (msgs, seq) = f.lock().dump(envoy, crate::fleet::now_ms());
+                (msgs.into_iter().map(|m| fleet_msg(f, m)).collect(), seq)
+            }
+            None => (Vec::new(), 0),
+        }
+    }
+
+    async fn run(mut self, node: String, tx: Tx) {
+        let _subscribed = Subscribed::new();
+        // Subscribe to live deltas before taking the full resends, so nothing falls between the
+        // two; deltas the resends already cover are skipped by seq.
+        let mut idx_rx = self.index.as_ref().map(|f| f.tx.subscribe());
+        let mut fleet_rx = self.fleet.as_ref().map(|(f, _)| f.tx.subscribe());
+        let first = self.rx.borrow_and_update().clone();
+        if tx.send(Ok(full(&first))).await.is_err() {
+            return;
+        }
+        let (msgs, mut idx_seq) = self.index_dump();
+        if !send_all(&tx, msgs).await {
+            return;
+        }
+        let (msgs, mut fleet_seq) = self.fleet_dump();
+        if !send_all(&tx, msgs).await {
+            return;
+        }
+        let mut hb = tokio::time::interval(self.heartbeat);
+        hb.tick().await;
+        loop {
+            let ok = tokio::select! {
+                changed = self.rx.changed() => {
+                    if changed.is_err() { break; }
+                    let s = self.rx.borrow_and_update().clone();
+                    tx.send(Ok(full(&s))).await.is_ok()
+                }
+                d = recv_opt(&mut idx_rx) => match d {
+                    Ok(d) if d.seq > idx_seq => {
+                        idx_seq = d.seq;
+                        tx.send(Ok(index_msg((*d).clone()))).await.is_ok()
+                    }
+                    Ok(_) => true,
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        // Too slow for the live deltas: start over with a full resend.
+                        info!(%node, lagged = n, "index subscriber lagged; resending the index");
+                        let (msgs, seq) = self.index_dump();
+                        idx_seq = seq;
+                        send_all(&tx, msgs).await
+                    }
+                    Err(broadcast::error::RecvError::Closed) => false,
+                },
+                b = recv_opt(&mut fleet_rx) => match (b, &self.fleet) {
+                    (Ok(b), Some((f, envoy))) if b.seq > fleet_seq => {
+                        fleet_seq = b.seq;
+                        let (max, half_life) = { let g = f.lock(); (g.config().max_delta_entries, g.config().usage_half_life_ms) };
+                        send_all(&tx, b.for_envoy(envoy, max, half_life).into_iter().map(|m| fleet_msg(f, m))).await
+                    }
+                    (Ok(_), _) => true,
+                    (Err(broadcast::error::RecvError::Lagged(n)), _) => {
+                        info!(%node, lagged = n, "fleet subscriber lagged; resending the fleet state");
+                        let (msgs, seq) = self.fleet_dump();
+                        fleet_seq = seq;
+                        send_all(&tx, msgs).await
+                    }
+                    (Err(broadcast::error::RecvError::Closed), _) => false,
+                },
+                _ = hb.tick() => {
+                    let version = self.rx.borrow().version;
+                    let u = v1::Update { kind: Some(update::Kind::Heartbeat(v1::Heartbeat { version })), sent_unix_ns: now_ns() };
+                    tx.send(Ok(u)).await.is_ok()
+                }
+            };
+            if !ok {
+                break;
+            }
+        }
+        info!(%node, "subscriber gone");
+    }
+}
+
+/// Most keys one lookup may ask for, and the longest it may wait.
+const MAX_LOOKUP_KEYS: usize = 64;
+const MAX_LOOKUP_WAIT_MS: u64 = 2_000;
+
+/// How long the host waits for an `Exchange` stream's first report (which names it).
+const FIRST_REPORT: Duration = Duration::from_secs(10);
 
 #[tonic::async_trait]
 impl SnapshotService for Snapshots {
     type SubscribeStream = UpdateStream;
+    type ExchangeStream = UpdateStream;
 
     async fn subscribe(&self, req: Request<v1::SubscribeRequest>) -> Result<Response<Self::SubscribeStream>, Status> {
         let node = req.into_inner().node;
         info!(%node, "subscriber connected");
-        let mut rx = self.rx.clone();
-        let heartbeat = self.heartbeat;
-        let feed = self.index.clone();
-        let (tx, out) = mpsc::channel(4);
-        tokio::spawn(async move {
-            let _subscribed = Subscribed::new();
-            let index_msg =
-                |d: v1::IndexDelta| v1::Update { kind: Some(update::Kind::Index(d)), sent_unix_ns: now_ns() };
-            // Subscribe to live index deltas before taking the full resend, so nothing falls
-            // between the two; deltas already covered by the resend are skipped by seq.
-            let mut idx_rx = feed.as_ref().map(|f| f.tx.subscribe());
-            let first = rx.borrow_and_update().clone();
-            if tx.send(Ok(full(&first))).await.is_err() {
-                return;
-            }
-            let mut idx_seq = 0;
-            if let Some(f) = &feed {
-                let (msgs, seq) = f.dump();
-                idx_seq = seq;
-                for m in msgs {
-                    if tx.send(Ok(index_msg(m))).await.is_err() {
-                        return;
-                    }
-                }
-            }
-            let mut hb = tokio::time::interval(heartbeat);
-            hb.tick().await;
-            loop {
-                tokio::select! {
-                    changed = rx.changed() => {
-                        if changed.is_err() { break; }
-                        let s = rx.borrow_and_update().clone();
-                        if tx.send(Ok(full(&s))).await.is_err() { break; }
-                    }
-                    d = async { match idx_rx.as_mut() { Some(r) => r.recv().await, None => std::future::pending().await } } => {
-                        match d {
-                            Ok(d) if d.seq > idx_seq => {
-                                idx_seq = d.seq;
-                                if tx.send(Ok(index_msg((*d).clone()))).await.is_err() { break; }
-                            }
-                            Ok(_) => {}
-                            Err(broadcast::error::RecvError::Lagged(n)) => {
-                                // Too slow for the live deltas: start over with a full resend.
-                                info!(%node, lagged = n, "index subscriber lagged; resending the index");
-                                let Some(f) = &feed else { break };
-                                let (msgs, seq) = f.dump();
-                                idx_seq = seq;
-                                let mut ok = true;
-                                for m in msgs {
-                                    if tx.send(Ok(index_msg(m))).await.is_err() { ok = false; break; }
-                                }
-                                if !ok { break; }
-                            }
-                            Err(broadcast::error::RecvError::Closed) => break,
+        Ok(Response::new(self.start(node, None)))
+    }
+
+    async fn lookup(&self, req: Request<v1::LookupRequest>) -> Result<Response<v1::LookupResponse>, Status> {
+        let req = req.into_inner();
+        if req.keys.len() > MAX_LOOKUP_KEYS {
+            return Err(Status::invalid_argument(format!("at most {MAX_LOOKUP_KEYS} keys per lookup")));
+        }
+        let Some(f) = &self.fleet else {
+            return Ok(Response::new(v1::LookupResponse::default()));
+        };
+        let wait = Duration::from_millis(u64::from(req.wait_ms).min(MAX_LOOKUP_WAIT_MS));
+        let bindings = f.lookup(&req.keys, wait).await;
+        Ok(Response::new(v1::LookupResponse { bindings }))
+    }
+
+    async fn share(&self, req: Request<v1::Report>) -> Result<Response<v1::ShareResponse>, Status> {
+        let r = req.into_inner();
+        if r.envoy.is_empty() {
+            return Err(Status::invalid_argument("a shared report must name its envoy"));
+        }
+        if let Some(f) = &self.fleet {
+            f.report(&r.envoy, &r);
+        }
+        Ok(Response::new(v1::ShareResponse {}))
+    }
+
+    async fn exchange(
+        &self,
+        req: Request<tonic::Streaming<v1::Report>>,
+    ) -> Result<Response<Self::ExchangeStream>, Status> {
+        let mut reports = req.into_inner();
+        let first = match tokio::time::timeout(FIRST_REPORT, reports.message()).await {
+            Ok(Ok(Some(r))) => r,
+            Ok(Ok(None)) => return Err(Status::invalid_argument("the stream ended before its first report")),
+            Ok(Err(s)) => return Err(s),
+            Err(_) => return Err(Status::deadline_exceeded("no first report within 10 s")),
+        };
+        if first.node.is_empty() || first.envoy.is_empty() {
+            return Err(Status::invalid_argument("the first report must name its node and envoy"));
+        }
+        let (node, envoy) = (first.node.clone(), first.envoy.clone());
+        info!(%node, %envoy, resync = first.resync, "fleet member connected");
+        let fleet = self.fleet.clone();
+        if let Some(f) = &fleet {
+            f.report(&envoy, &first);
+            // Later reports are merged as they come, until the member closes its side.
+            let (f, envoy, node) = (f.clone(), envoy.clone(), node.clone());
+            tokio::spawn(async move {
+                loop {
+                    match reports.message().await {
+                        Ok(Some(r)) => f.report(&envoy, &r),
+                        Ok(None) => break,
+                        Err(e) => {
+                            debug!(%node, error = %e, "fleet report stream ended");
+                            break;
                         }
                     }
-                    _ = hb.tick() => {
-                        let version = rx.borrow().version;
-                        let u = v1::Update { kind: Some(update::Kind::Heartbeat(v1::Heartbeat { version })), sent_unix_ns: now_ns() };
-                        if tx.send(Ok(u)).await.is_err() { break; }
-                    }
                 }
-            }
-            info!(%node, "subscriber gone");
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(out))))
+            });
+        }
+        Ok(Response::new(self.start(node, fleet.map(|f| (f, envoy)))))
     }
 }
