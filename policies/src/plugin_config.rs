@@ -62,6 +62,42 @@ impl Default for SubscribeConfig {
     }
 }
 
+/// Fleet state (the `fleet` section): what this Envoy learns goes to the host, and what the
+/// other Envoys learned comes back, on the snapshot stream's `Exchange` form.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FleetConfig {
+    /// Report and receive fleet state. Off: the stream is the one-way `Subscribe`.
+    pub enabled: bool,
+    /// How often the subscriber reports what this Envoy learned (its tick period at most).
+    pub report_ms: u64,
+    /// Entries of each kind remembered to resend when the stream reopens (a restarted host
+    /// relearns them).
+    pub resync_entries: usize,
+    /// Most received prefix-affinity entries waiting to be written for the workers; past it
+    /// the oldest are dropped and counted.
+    pub apply_backlog: usize,
+    /// A Responses continuation whose `previous_response_id` is bound nowhere here waits up to
+    /// this long for the host to learn it from the Envoy that served it (read-through). 0 routes
+    /// it at once, as a new conversation.
+    pub lookup_wait_ms: u64,
+    /// Envoy cluster of the host's gRPC server, for the read-through.
+    pub lookup_cluster: String,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            report_ms: 20,
+            resync_entries: 65_536,
+            apply_backlog: 65_536,
+            lookup_wait_ms: 150,
+            lookup_cluster: "attache_host".into(),
+        }
+    }
+}
+
 /// The whole plugin configuration.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -78,6 +114,8 @@ pub struct FilterConfig {
     pub flow: crate::flow::FlowConfig,
     /// Session and Responses API affinity (policies::session).
     pub sessions: crate::session::SessionConfig,
+    /// Fleet state shared with the other Envoys through the host.
+    pub fleet: FleetConfig,
 }
 
 impl FilterConfig {

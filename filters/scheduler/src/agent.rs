@@ -11,7 +11,8 @@ use crate::hostcalls as host;
 use crate::shared::snapshot::heard;
 
 const SERVICE: &str = "attache.v1.SnapshotService";
-const METHOD: &str = "Subscribe";
+const SUBSCRIBE: &str = "Subscribe";
+const EXCHANGE: &str = "Exchange";
 
 /// The client side of the host's snapshot stream, driven from a root context's callbacks.
 pub struct Subscriber {
@@ -31,32 +32,47 @@ impl Subscriber {
         self.cfg.tick_ms.max(50)
     }
 
-    /// Open the stream if it is not open, and reopen it if the host went silent.
-    pub fn ensure_open(&mut self, node: &str, now_ms: u64) {
+    /// Open the stream if it is not open, and reopen it if the host went silent. With `hello`
+    /// (a fleet member's first report) the stream is `Exchange` and stays open both ways;
+    /// without, it is `Subscribe`. `hello` is called only when a stream is opened. Returns
+    /// whether one was.
+    pub fn ensure_open(&mut self, node: &str, now_ms: u64, hello: Option<&mut dyn FnMut() -> v1::Report>) -> bool {
         if let Some(t) = self.token {
             if now_ms.saturating_sub(self.last_message_ms) <= self.cfg.idle_timeout_ms {
-                return;
+                return false;
             }
             host::log(LogLevel::Warn, "attache: snapshot stream silent, reopening");
             let _ = hostcalls::cancel_grpc_stream(t);
             self.token = None;
         }
-        let req = v1::SubscribeRequest { node: node.to_owned() }.encode_to_vec();
-        match hostcalls::open_grpc_stream(&self.cfg.cluster, SERVICE, METHOD, vec![]) {
+        let (method, req, end) = match hello {
+            Some(h) => (EXCHANGE, h().encode_to_vec(), false),
+            // tonic runs a server-streaming handler only after the client half-closes.
+            None => (SUBSCRIBE, v1::SubscribeRequest { node: node.to_owned() }.encode_to_vec(), true),
+        };
+        match hostcalls::open_grpc_stream(&self.cfg.cluster, SERVICE, method, vec![]) {
             Ok(t) => {
-                // tonic runs a server-streaming handler only after the client half-closes.
-                if hostcalls::send_grpc_stream_message(t, Some(&req), true).is_err() {
+                if hostcalls::send_grpc_stream_message(t, Some(&req), end).is_err() {
                     let _ = hostcalls::cancel_grpc_stream(t);
-                    return;
+                    return false;
                 }
                 self.token = Some(t);
                 self.last_message_ms = now_ms;
                 self.reconnects += 1;
+                true
             }
             Err(s) => {
-                host::log(LogLevel::Warn, &format!("attache: open_grpc_stream({}) failed: {s:?}", self.cfg.cluster))
+                host::log(LogLevel::Warn, &format!("attache: open_grpc_stream({}) failed: {s:?}", self.cfg.cluster));
+                false
             }
         }
+    }
+
+    /// Send a report on an open `Exchange` stream. False if there is none or it failed (the
+    /// report is lost; the next resync covers it).
+    pub fn send(&mut self, report: &v1::Report) -> bool {
+        let Some(t) = self.token else { return false };
+        hostcalls::send_grpc_stream_message(t, Some(&report.encode_to_vec()), false).is_ok()
     }
 
     /// Handle one stream message; returns what it carried (heartbeats are consumed here).

@@ -14,7 +14,7 @@ use attache_policies::ErrorResponse;
 
 use crate::hostcalls as host;
 use crate::request::RequestState;
-use crate::shared::affinity_log::PENDING_MAX;
+use crate::shared::entry_log::PENDING_MAX;
 use crate::shared::kv_table;
 use crate::shared::sessions::SharedSticky;
 use crate::stages::{self, Stage};
@@ -117,6 +117,8 @@ fn apply(w: &mut Worker, st: &mut RequestState, plan: &Plan, now_ms: u64) -> Res
     }
     if let Some(binding) = &plan.session {
         plan::bind(&mut SharedSticky, binding, now_ms);
+        let new = st.sticky.as_deref() != Some(binding.endpoint.as_str());
+        w.bound(binding.key, &binding.endpoint, now_ms.saturating_add(binding.ttl_ms), new);
     }
     st.session_token.clone_from(&plan.session_token);
     stages::mark(Stage::Handoff);

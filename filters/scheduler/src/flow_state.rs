@@ -8,9 +8,10 @@ use attache_policies::PoolState;
 
 use crate::hostcalls as host;
 use crate::request::SharedRequest;
+use crate::shared::fleet;
 
 /// Shared-data key of the per-Envoy fairness board.
-const BOARD_KEY: &str = "attache.flow.board";
+pub const BOARD_KEY: &str = "attache.flow.board";
 /// Shared-data key of the counter that names workers on the board.
 const WORKER_SEQ_KEY: &str = "attache.flow.workers";
 /// A worker re-posts unchanged demand this often, so it does not look silent.
@@ -74,6 +75,8 @@ impl FlowState {
             self.board = bytes.as_deref().and_then(Board::decode).unwrap_or_default();
             self.board_cas = cas;
         }
+        // The other Envoys' usage, as the host last sent it (fleet state), decayed to now.
+        self.board.remote = fleet::remote_usage(now_ms, cfg.usage_half_life_ms);
         let waiting: Vec<(i32, String, u32)> =
             self.queue.depths().into_iter().map(|(p, t, n)| (p, t, n.min(u32::MAX as usize) as u32)).collect();
         let changed = !self.pending.is_empty() || waiting != self.last_posted;
@@ -82,8 +85,10 @@ impl FlowState {
             return;
         }
         let mut next = self.board.clone();
+        next.remote.clear();
         next.merge(&self.worker_id, now_ms, &self.pending, waiting.clone(), cfg);
         if host::set_shared_data_cas(BOARD_KEY, &next.encode(), cas) {
+            next.remote = std::mem::take(&mut self.board.remote);
             self.board = next;
             // Our write bumped the CAS; read it back next tick only if someone else writes.
             self.board_cas = host::shared_data_cas(BOARD_KEY).1;

@@ -18,8 +18,9 @@ use proxy_wasm::types::{Action, LogLevel};
 
 use crate::dispatch::{answer, refuse, route, shape_of};
 use crate::hostcalls as host;
+use crate::lookup;
 use crate::queue::{pump, Pumped};
-use crate::request::{Parked, RequestState, SharedRequest};
+use crate::request::{Lookup, Parked, RequestState, SharedRequest};
 use crate::shared::sessions::SharedSticky;
 use crate::stages::{self, Stage};
 use crate::worker::Worker;
@@ -93,12 +94,41 @@ impl SchedulerHttp {
         }
         stages::mark(Stage::Sticky);
         w.metrics.api(req.api);
+        // A continuation bound nowhere here may be on its way from another replica: ask the host.
+        if let Some(key) = self.read_through(w, &st, &req, now) {
+            if let Some(token) = lookup::dispatch(&w.config.fleet, key) {
+                st.lookup = Some(Lookup { token, key, req, body_len: body.len() });
+                return Action::Pause;
+            }
+            w.metrics.fleet_lookup("failed");
+        }
+        drop(st);
+        self.proceed(w, req, body.len(), now)
+    }
+
+    /// The sticky key to look up at the host before routing `req`, if any: a Responses
+    /// continuation whose `previous_response_id` no worker here has bound, while the host is
+    /// heard from.
+    fn read_through(&self, w: &mut Worker, st: &RequestState, req: &InferenceRequest, now: u64) -> Option<u64> {
+        let cfg = &w.config;
+        let prev = req.previous_response_id.as_deref()?;
+        let wanted = st.sticky.is_none() && cfg.fleet.enabled && cfg.fleet.lookup_wait_ms > 0 && cfg.sessions.enabled;
+        let stale = cfg.scheduler.host_stale_ms;
+        (wanted && w.host_silent_ms(now, stale) <= stale).then(|| session::response_key(prev))
+    }
+
+    /// Route a parsed request whose session is resolved: now, or through flow control. The
+    /// request's state must not be borrowed (the queue may route it).
+    fn proceed(&mut self, w: &mut Worker, req: InferenceRequest, body_len: usize, now: u64) -> Action {
         // Utility routes are cheap and generate nothing: routed by load alone, never queued.
         if intake::flow_controlled(&w.config, req.api) {
-            drop(st);
-            return self.admit(w, req, body.len(), now);
+            return self.admit(w, req, body_len, now);
         }
-        match route(w, &mut st, &req, body.len(), now) {
+        let st_rc = self.st.clone();
+        let Ok(mut st) = st_rc.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        match route(w, &mut st, &req, body_len, now) {
             Ok(()) => Action::Continue,
             Err(e) => {
                 st.answered = true;
@@ -150,7 +180,31 @@ impl SchedulerHttp {
     }
 }
 
-impl Context for SchedulerHttp {}
+impl Context for SchedulerHttp {
+    /// The host's read-through answer for a paused continuation: bind what it found and route.
+    fn on_grpc_call_response(&mut self, token_id: u32, status_code: u32, response_size: usize) {
+        let worker = self.worker.clone();
+        let Ok(mut guard) = worker.try_borrow_mut() else { return };
+        let w = &mut *guard;
+        let st_rc = self.st.clone();
+        let Ok(mut st) = st_rc.try_borrow_mut() else { return };
+        let Some(pending) = st.lookup.take_if(|l| l.token == token_id) else { return };
+        let now = host::now_ms();
+        match lookup::answer(pending.key, status_code, response_size, w.config.sessions.slots) {
+            Some(endpoint) => {
+                st.sticky = Some(endpoint);
+                w.metrics.fleet_lookup("found");
+            }
+            None => w.metrics.fleet_lookup(if status_code == 0 { "missed" } else { "failed" }),
+        }
+        drop(st);
+        w.cache.refresh(now);
+        let action = self.proceed(w, pending.req, pending.body_len, now);
+        if action == Action::Continue {
+            host::resume_request();
+        }
+    }
+}
 
 impl HttpContext for SchedulerHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -301,8 +355,10 @@ impl HttpContext for SchedulerHttp {
         let id = host::response_body(body_size.min(4096)).and_then(|b| session::response_id(&b));
         if let (Some(id), Ok(mut w)) = (id, self.worker.try_borrow_mut()) {
             let sc = &w.config.sessions;
-            let (slots, ttl) = (sc.slots, sc.ttl_ms);
-            session::bind(&mut SharedSticky, slots, session::response_key(&id), &served, host::now_ms(), ttl);
+            let (slots, ttl, now) = (sc.slots, sc.ttl_ms, host::now_ms());
+            let key = session::response_key(&id);
+            session::bind(&mut SharedSticky, slots, key, &served, now, ttl);
+            w.bound(key, &served, now.saturating_add(ttl), true);
             w.metrics.response_learned();
         }
         Action::Continue

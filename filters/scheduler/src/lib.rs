@@ -22,9 +22,11 @@
 pub mod agent;
 pub mod config;
 pub mod dispatch;
+pub mod fleet;
 pub mod flow_state;
 pub mod hostcalls;
 pub mod http;
+pub mod lookup;
 pub mod metrics;
 pub mod picker;
 pub mod queue;

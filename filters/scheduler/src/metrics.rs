@@ -39,6 +39,7 @@ pub struct Metrics {
     sticky_hits: Option<u32>,
     responses_learned: Option<u32>,
     affinity_learned: Option<u32>,
+    fleet: FleetMetrics,
     /// Histogram samples taken on the request path, recorded from the worker's tick. Envoy
     /// merges histograms only at its stats flush (5 s), so this delays nothing a reader sees.
     samples: Vec<(u32, u64)>,
@@ -69,6 +70,25 @@ struct FlowMetrics {
     bands: HashMap<i32, Option<u32>>,
     tenants: HashMap<String, Option<u32>>,
 }
+
+/// Fleet-state metrics (`attache.fleet.*`), recorded by the subscriber that exchanges with the
+/// host.
+#[derive(Default)]
+struct FleetMetrics {
+    reported: Option<u32>,
+    applied_bindings: Option<u32>,
+    applied_affinity: Option<u32>,
+    dropped: Option<u32>,
+    resyncs: Option<u32>,
+    binding_lag_ms: Option<u32>,
+    propagation_us: Option<u32>,
+    /// Read-through lookups by outcome: found, missed, failed.
+    lookups: [Option<u32>; 3],
+    shared: Option<u32>,
+}
+
+/// Outcomes of a read-through lookup (`attache.fleet.lookups.<outcome>`).
+const LOOKUP_OUTCOMES: [&str; 3] = ["found", "missed", "failed"];
 
 /// Tenants with their own queue-depth gauge per worker; the rest share `other`.
 const MAX_TENANT_GAUGES: usize = 64;
@@ -142,6 +162,17 @@ impl Metrics {
             disaggregated: define(MetricType::Counter, "attache.pd.disaggregated"),
             sticky_hits: define(MetricType::Counter, "attache.session.sticky_hits"),
             responses_learned: define(MetricType::Counter, "attache.session.responses_learned"),
+            fleet: FleetMetrics {
+                reported: define(MetricType::Counter, "attache.fleet.reported"),
+                applied_bindings: define(MetricType::Counter, "attache.fleet.applied.bindings"),
+                applied_affinity: define(MetricType::Counter, "attache.fleet.applied.affinity"),
+                dropped: define(MetricType::Counter, "attache.fleet.dropped"),
+                resyncs: define(MetricType::Counter, "attache.fleet.resyncs"),
+                binding_lag_ms: define(MetricType::Histogram, "attache.fleet.binding_lag_ms"),
+                propagation_us: define(MetricType::Histogram, "attache.fleet.propagation_us"),
+                shared: define(MetricType::Counter, "attache.fleet.shared"),
+                lookups: LOOKUP_OUTCOMES.map(|o| define(MetricType::Counter, &format!("attache.fleet.lookups.{o}"))),
+            },
             flow: FlowMetrics {
                 enqueued: define(MetricType::Counter, "attache.flow.enqueued"),
                 dispatched: define(MetricType::Counter, "attache.flow.dispatched"),
@@ -337,6 +368,51 @@ impl Metrics {
         if let Some(id) = self.index_seq {
             let _ = hostcalls::record_metric(id, seq);
         }
+    }
+
+    /// Entries reported to the host.
+    pub fn fleet_reported(&mut self, entries: usize) {
+        inc(self.fleet.reported, entries as i64);
+    }
+
+    /// Entries the host sent from other Envoys, applied here: bindings, affinity entries;
+    /// `lags_ms`: for each binding, its age (learned elsewhere to usable here);
+    /// `propagation_us`: the oldest report's arrival at the host to now.
+    pub fn fleet_applied(&mut self, bindings: usize, affinity: usize, lags_ms: &[u64], propagation_us: Option<u64>) {
+        inc(self.fleet.applied_bindings, bindings as i64);
+        inc(self.fleet.applied_affinity, affinity as i64);
+        if let Some(id) = self.fleet.binding_lag_ms {
+            for lag in lags_ms {
+                let _ = hostcalls::record_metric(id, *lag);
+            }
+        }
+        if let (Some(id), Some(us)) = (self.fleet.propagation_us, propagation_us) {
+            let _ = hostcalls::record_metric(id, us);
+        }
+    }
+
+    /// Fleet entries dropped: a full report batch or apply backlog.
+    pub fn fleet_dropped(&mut self, entries: usize) {
+        inc(self.fleet.dropped, entries as i64);
+    }
+
+    /// A read-through lookup ended: `found`, `missed` (the host had nothing within the wait) or
+    /// `failed` (no answer).
+    pub fn fleet_lookup(&mut self, outcome: &str) {
+        if let Some(i) = LOOKUP_OUTCOMES.iter().position(|o| *o == outcome) {
+            inc(self.fleet.lookups[i], 1);
+        }
+    }
+
+    /// A new binding was sent to the host at once (`attache.fleet.shared`), or could not be
+    /// (`attache.fleet.dropped`; the stream's next report still carries it).
+    pub fn fleet_shared(&mut self, sent: bool) {
+        inc(if sent { self.fleet.shared } else { self.fleet.dropped }, 1);
+    }
+
+    /// The stream reopened and this Envoy resent what it learned.
+    pub fn fleet_resync(&mut self) {
+        inc(self.fleet.resyncs, 1);
     }
 
     /// The configured tokenizer failed to load or gave other ids than the engine.

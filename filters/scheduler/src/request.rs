@@ -46,6 +46,16 @@ pub struct RequestState {
     pub session_token: Option<String>,
     /// A Responses API response: bind its id to the endpoint that served it.
     pub learn_response: Option<String>,
+    /// Waiting for the host's read-through of its `previous_response_id` (crate::lookup).
+    pub lookup: Option<Lookup>,
+}
+
+/// A request paused while the host looks up the binding its continuation needs.
+pub struct Lookup {
+    pub token: u32,
+    pub key: u64,
+    pub req: InferenceRequest,
+    pub body_len: usize,
 }
 
 impl RequestState {

@@ -12,6 +12,7 @@ use proxy_wasm::types::{ContextType, LogLevel};
 
 use crate::agent::Subscriber;
 use crate::config::{FilterConfig, Role, SubscribeConfig};
+use crate::fleet::FleetMember;
 use crate::hostcalls as host;
 use crate::http::SchedulerHttp;
 use crate::picker;
@@ -24,11 +25,13 @@ pub struct AttacheRoot {
     worker: Option<Rc<RefCell<Worker>>>,
     picker: Option<Rc<picker::Shared>>,
     subscriber: Option<Subscriber>,
+    /// This Envoy's side of the fleet exchange, on the subscriber's stream.
+    fleet: Option<FleetMember>,
 }
 
 impl AttacheRoot {
     pub fn new(context_id: u32) -> Self {
-        Self { context_id, role: Role::Scheduler, worker: None, picker: None, subscriber: None }
+        Self { context_id, role: Role::Scheduler, worker: None, picker: None, subscriber: None, fleet: None }
     }
 
     /// The worker's state (a scheduler's or an agent's), for tests.
@@ -44,6 +47,23 @@ impl AttacheRoot {
             .and_then(|b| String::from_utf8(b).ok())
             .unwrap_or_default();
         format!("{name}/{}", self.context_id)
+    }
+}
+
+impl AttacheRoot {
+    /// Open the host stream if it is not open: `Exchange` for a fleet member, else `Subscribe`.
+    fn open_stream(&mut self) {
+        let node = self.node();
+        let Some(sub) = self.subscriber.as_mut() else { return };
+        match self.fleet.as_mut() {
+            Some(f) => {
+                let mut hello = || f.hello(&node);
+                sub.ensure_open(&node, host::now_ms(), Some(&mut hello));
+            }
+            None => {
+                sub.ensure_open(&node, host::now_ms(), None);
+            }
+        }
     }
 }
 
@@ -63,6 +83,15 @@ impl Context for AttacheRoot {
                         w.metrics.snapshot(s.host_epoch, s.version);
                     }
                 }
+            }
+            Some(v1::update::Kind::Fleet(d)) => {
+                let (Some(fleet), Some(w)) = (self.fleet.as_mut(), &self.worker) else { return };
+                let Ok(mut w) = w.try_borrow_mut() else { return };
+                let w = &mut *w;
+                let (slots, ttl) = (w.config.sessions.slots, w.config.sessions.ttl_ms);
+                // Per worker: straight into this worker's table; agent: via its affinity log.
+                let table = (!fleet.is_agent() && w.affinity.capacity() > 0).then_some(&mut w.affinity);
+                fleet.apply(&d, slots, ttl, table, &mut w.metrics, now);
             }
             Some(v1::update::Kind::Index(d)) => {
                 let slots = self
@@ -124,6 +153,7 @@ impl RootContext for AttacheRoot {
         let affinity_tick =
             (config.role == Role::Scheduler && prefix.shared_slots > 0).then_some(prefix.shared_flush_ms.max(1));
         let scheduler = config.role == Role::Scheduler;
+        let fleet_cfg = config.fleet.clone();
         let worker = match Worker::new(config) {
             Ok(w) => w,
             Err(e) => {
@@ -135,10 +165,14 @@ impl RootContext for AttacheRoot {
         let mut tick_ms =
             [flow_tick, affinity_tick, scheduler.then_some(HOUSEKEEPING_TICK_MS)].into_iter().flatten().min();
         if let Some(cfg) = sub_cfg {
-            let mut sub = Subscriber::new(cfg);
+            let sub = Subscriber::new(cfg);
             tick_ms = Some(tick_ms.map_or(sub.tick_ms(), |t| t.min(sub.tick_ms())));
-            sub.ensure_open(&self.node(), host::now_ms());
+            if fleet_cfg.enabled {
+                tick_ms = tick_ms.map(|t| t.min(fleet_cfg.report_ms.max(1)));
+                self.fleet = Some(FleetMember::new(fleet_cfg, !scheduler));
+            }
             self.subscriber = Some(sub);
+            self.open_stream();
         }
         if let Some(ms) = tick_ms {
             let _ = proxy_wasm::hostcalls::set_tick_period(Duration::from_millis(ms));
@@ -147,20 +181,29 @@ impl RootContext for AttacheRoot {
     }
 
     fn on_tick(&mut self) {
-        if self.subscriber.is_some() {
-            let node = self.node();
-            if let Some(sub) = self.subscriber.as_mut() {
-                sub.ensure_open(&node, host::now_ms());
-            }
-        }
+        let now = host::now_ms();
+        self.open_stream();
+        let Some(w) = &self.worker else { return };
+        let Ok(mut w) = w.try_borrow_mut() else { return };
         if self.role == Role::Scheduler {
-            if let Some(w) = &self.worker {
-                if let Ok(mut w) = w.try_borrow_mut() {
-                    w.housekeep(host::now_ms());
-                    w.flush_affinity();
-                    if w.config.flow.enabled {
-                        crate::queue::tick(&mut w);
-                    }
+            w.housekeep(now);
+            let reports_itself = self.fleet.is_some();
+            let affinity = w.flush_affinity(now);
+            let bindings = w.flush_bindings(!reports_itself);
+            if let Some(f) = self.fleet.as_mut() {
+                f.collect(&affinity, &bindings, &mut w.metrics);
+            }
+            if w.config.flow.enabled {
+                crate::queue::tick(&mut w);
+            }
+        } else if let Some(f) = self.fleet.as_mut() {
+            f.collect_logs(&mut w.metrics);
+            f.drain_backlog();
+        }
+        if let (Some(f), Some(sub)) = (self.fleet.as_mut(), self.subscriber.as_mut()) {
+            for r in f.take_reports(now, &mut w.metrics) {
+                if !sub.send(&r) {
+                    break;
                 }
             }
         }
@@ -194,7 +237,7 @@ mod tests {
     use proxy_wasm::types::{Action, ContextType, LogLevel};
 
     use super::*;
-    use crate::testing::harness::{address, prompt, snapshot, Filter, Request, ROOT_ID};
+    use crate::testing::harness::{address, deliver, open_stream, prompt, snapshot, Filter, Request, ROOT_ID};
     use crate::testing::{advance_ms, metric, with};
 
     #[test]
@@ -262,24 +305,6 @@ mod tests {
         assert_eq!(ex.request_header(DESTINATION_HEADER).as_deref(), Some("10.0.0.9:1"));
     }
 
-    /// The agent's one open stream.
-    fn open_stream() -> crate::testing::GrpcStream {
-        let open: Vec<_> = with(|h| h.grpc_streams.iter().filter(|s| !s.closed).cloned().collect());
-        assert_eq!(open.len(), 1, "{open:?}");
-        open.into_iter().next().expect("one")
-    }
-
-    /// The host sends `update` on the agent's stream.
-    fn deliver(f: &mut Filter, update: v1::update::Kind) {
-        let bytes = v1::Update { kind: Some(update), sent_unix_ns: 0 }.encode_to_vec();
-        let token = open_stream().token;
-        with(|h| {
-            h.grpc_receive = bytes.clone();
-            h.current = f.id;
-        });
-        f.root.on_grpc_stream_message(token, bytes.len());
-    }
-
     #[test]
     fn an_agent_subscribes_and_publishes_snapshots_for_the_schedulers() {
         with(|h| {
@@ -290,15 +315,14 @@ mod tests {
         let s = open_stream();
         assert_eq!(
             (s.cluster.as_str(), s.service.as_str(), s.method.as_str()),
-            ("attache_host", "attache.v1.SnapshotService", "Subscribe")
+            ("attache_host", "attache.v1.SnapshotService", "Exchange")
         );
-        let (msg, end) = s.sent.first().cloned().expect("a subscribe request");
-        assert!(end, "the client half-closes");
-        assert_eq!(
-            v1::SubscribeRequest::decode(msg.as_slice()).map(|r| r.node),
-            Ok(format!("attache-agent/{ROOT_ID}"))
-        );
-        assert_eq!(with(|h| h.tick_period_ms), Some(500));
+        let (msg, end) = s.sent.first().cloned().expect("a first report");
+        assert!(!end, "the stream stays open both ways");
+        let hello = v1::Report::decode(msg.as_slice()).expect("a report");
+        assert_eq!(hello.node, format!("attache-agent/{ROOT_ID}"));
+        assert!(hello.envoy.starts_with("envoy-") && hello.resync, "{hello:?}");
+        assert_eq!(with(|h| h.tick_period_ms), Some(20), "the fleet's report period");
 
         deliver(&mut agent, v1::update::Kind::Full(snapshot(2)));
         assert!(with(|h| h.shared.contains_key(snapshot::SNAPSHOT_KEY)));
@@ -308,6 +332,17 @@ mod tests {
         assert!(ok);
         let ex = scheduler.send(Request::completion(&prompt("hi")));
         assert!([address(0), address(1)].contains(&ex.primary().expect("routed")));
+    }
+
+    #[test]
+    fn without_the_fleet_an_agent_only_subscribes() {
+        let _agent = Filter::configure(r#"{"role":"agent","fleet":{"enabled":false}}"#);
+        let s = open_stream();
+        assert_eq!(s.method, "Subscribe");
+        let (msg, end) = s.sent.first().cloned().expect("a subscribe request");
+        assert!(end, "the client half-closes");
+        assert!(v1::SubscribeRequest::decode(msg.as_slice()).is_ok());
+        assert_eq!(with(|h| h.tick_period_ms), Some(500));
     }
 
     #[test]
@@ -346,6 +381,7 @@ mod tests {
         assert_eq!(f.root.get_type(), Some(ContextType::HttpContext));
         assert_eq!(open_stream().cluster, "attache_host");
         assert_eq!(with(|h| h.tick_period_ms), Some(20), "its own tick is shorter than the stream's");
+        assert_eq!(open_stream().method, "Exchange");
         let mut s = snapshot(3);
         s.version = 9;
         deliver(&mut f, v1::update::Kind::Full(s));

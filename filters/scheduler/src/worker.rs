@@ -12,7 +12,7 @@ use crate::config::FilterConfig;
 use crate::flow_state::FlowState;
 use crate::hostcalls as host;
 use crate::metrics::Metrics;
-use crate::shared::affinity_log::AffinityLog;
+use crate::shared::entry_log::{self, Entry, EntryLog, PENDING_MAX};
 use crate::shared::snapshot::{self, SnapshotCache};
 
 /// State shared by one worker's HTTP contexts.
@@ -35,11 +35,18 @@ pub struct Worker {
     /// What this worker knows of every worker's decisions (its own at once, the others' from
     /// the affinity log at each tick), probed on the request path without a host call.
     pub affinity: AffinityTable,
-    /// This worker's side of the affinity log in shared data ([`crate::shared::affinity_log`]).
-    pub affinity_log: AffinityLog,
+    /// This worker's side of the affinity log in shared data ([`crate::shared::entry_log`]).
+    pub affinity_log: EntryLog,
     /// This worker's decisions not yet appended to its log: `(block hash, endpoint)`, written
     /// from the tick, off the request path.
     pub affinity_pending: Vec<(u64, String)>,
+    /// Session and Responses-id bindings this worker made since its last tick, for the fleet:
+    /// `(sticky key, expiry ms, endpoint)`.
+    pub bindings_pending: Vec<Entry>,
+    /// This worker's side of the binding log, which the agent reports to the host.
+    pub bindings_log: EntryLog,
+    /// This Envoy's fleet id, once a binding was shared.
+    pub envoy: Option<String>,
     /// When the host was last heard from, as of this worker's last tick (see [`Worker::housekeep`]).
     pub heard_ms: Option<u64>,
 }
@@ -75,17 +82,49 @@ impl Worker {
     }
 
     /// Append this worker's pending decisions to its affinity log, and learn the other
-    /// workers' new ones from theirs.
-    pub fn flush_affinity(&mut self) {
+    /// workers' new ones from theirs. Returns the decisions written.
+    pub fn flush_affinity(&mut self, now_ms: u64) -> Vec<(u64, String)> {
         if self.affinity.capacity() == 0 {
-            return;
+            return Vec::new();
         }
-        if !self.affinity_pending.is_empty() {
-            let batch = std::mem::take(&mut self.affinity_pending);
-            self.affinity_log.write(&batch);
+        let batch = std::mem::take(&mut self.affinity_pending);
+        if !batch.is_empty() {
+            let entries: Vec<Entry> = batch.iter().map(|(k, e)| (*k, now_ms, e.clone())).collect();
+            self.affinity_log.write(&entries);
         }
         let learned = self.affinity_log.read_into(&mut self.affinity);
         self.metrics.affinity_learned(learned);
+        batch
+    }
+
+    /// A session or Responses-id binding was made: keep it for the fleet (reported from the
+    /// tick). Past [`PENDING_MAX`] waiting, it is dropped and counted. A `new` binding (a key
+    /// not bound here before, or bound elsewhere) is also sent to the host at once: the next
+    /// turn may reach another replica before the next report.
+    pub fn bound(&mut self, key: u64, endpoint: &str, expires_ms: u64, new: bool) {
+        if !self.config.fleet.enabled {
+            return;
+        }
+        if new {
+            let envoy = self.envoy.get_or_insert_with(crate::shared::fleet::envoy_id);
+            let shared = crate::lookup::share(&self.config.fleet, envoy, key, endpoint, expires_ms);
+            self.metrics.fleet_shared(shared);
+        }
+        if self.bindings_pending.len() >= PENDING_MAX {
+            self.metrics.fleet_dropped(1);
+            return;
+        }
+        self.bindings_pending.push((key, expires_ms, endpoint.to_owned()));
+    }
+
+    /// Take the bindings made since the last tick, appending them to the binding log for the
+    /// agent when `for_agent` (a worker that reports itself does not need the log).
+    pub fn flush_bindings(&mut self, for_agent: bool) -> Vec<Entry> {
+        let batch = std::mem::take(&mut self.bindings_pending);
+        if for_agent && !batch.is_empty() {
+            self.bindings_log.write(&batch);
+        }
+        batch
     }
 }
 
@@ -100,8 +139,11 @@ impl Worker {
             tokenizer,
             flow: FlowState::new(config.flow.enabled),
             affinity: AffinityTable::new(config.scheduler.prefix.shared_slots),
-            affinity_log: AffinityLog::default(),
+            affinity_log: EntryLog::new(entry_log::AFFINITY),
             affinity_pending: Vec::new(),
+            bindings_pending: Vec::new(),
+            bindings_log: EntryLog::new(entry_log::BINDINGS),
+            envoy: None,
             heard_ms: None,
             state: SchedulerState::new(&config.scheduler),
             scheduler,

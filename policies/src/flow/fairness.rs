@@ -53,6 +53,10 @@ pub struct Board {
     pub usage: BTreeMap<String, f64>,
     /// Worker id → what it has waiting.
     pub workers: BTreeMap<String, Demand>,
+    /// The other Envoys' usage (fleet state from the host), decayed to when it was read. Not
+    /// in shared data: each worker adds it after reading the board.
+    #[serde(skip)]
+    pub remote: BTreeMap<String, f64>,
 }
 
 impl Board {
@@ -64,8 +68,9 @@ impl Board {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
+    /// The tenant's usage over the fleet: this Envoy's, plus the others' when known.
     pub fn usage(&self, tenant: &str) -> f64 {
-        self.usage.get(tenant).copied().unwrap_or(0.0)
+        self.usage.get(tenant).copied().unwrap_or(0.0) + self.remote.get(tenant).copied().unwrap_or(0.0)
     }
 
     /// Fold in one worker's tick: the tokens it dispatched per tenant since its last merge

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status, StreamType};
 
-use super::{try_with, GrpcStream, Headers, LocalResponse, Metric, MockHost};
+use super::{try_with, GrpcCall, GrpcStream, Headers, LocalResponse, Metric, MockHost};
 
 extern "C" {
     /// The SDK's allocator export (`malloc` in a Wasm build): what Envoy calls to put a value
@@ -455,20 +455,36 @@ pub unsafe extern "C" fn proxy_http_call(
 
 #[no_mangle]
 pub unsafe extern "C" fn proxy_grpc_call(
-    _upstream_data: *const u8,
-    _upstream_size: usize,
-    _service_name_data: *const u8,
-    _service_name_size: usize,
-    _method_name_data: *const u8,
-    _method_name_size: usize,
+    upstream_data: *const u8,
+    upstream_size: usize,
+    service_name_data: *const u8,
+    service_name_size: usize,
+    method_name_data: *const u8,
+    method_name_size: usize,
     _initial_metadata_data: *const u8,
     _initial_metadata_size: usize,
-    _message_data_data: *const u8,
-    _message_data_size: usize,
-    _timeout: u32,
-    _return_callout_id: *mut u32,
+    message_data_data: *const u8,
+    message_data_size: usize,
+    timeout: u32,
+    return_callout_id: *mut u32,
 ) -> Status {
-    Status::InternalFailure
+    let cluster = text(upstream_data, upstream_size);
+    let service = text(service_name_data, service_name_size);
+    let method = text(method_name_data, method_name_size);
+    let message = if message_data_data.is_null() {
+        Vec::new()
+    } else {
+        std::slice::from_raw_parts(message_data_data, message_data_size).to_vec()
+    };
+    status(try_with(|h| {
+        if h.grpc_unavailable {
+            return Status::InternalFailure;
+        }
+        let token = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+        h.grpc_calls.push(GrpcCall { token, cluster, service, method, message, timeout_ms: timeout });
+        put(return_callout_id, token);
+        Status::Ok
+    }))
 }
 
 /// gRPC stream tokens, unique in the process (the SDK's dispatcher refuses a token twice).

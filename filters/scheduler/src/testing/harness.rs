@@ -249,3 +249,22 @@ impl Exchange {
         self.http.on_log();
     }
 }
+
+/// The one open gRPC stream (the agent's, or a per-worker scheduler's).
+pub fn open_stream() -> crate::testing::GrpcStream {
+    let open: Vec<_> = with(|h| h.grpc_streams.iter().filter(|s| !s.closed).cloned().collect());
+    assert_eq!(open.len(), 1, "{open:?}");
+    open.into_iter().next().expect("one")
+}
+
+/// The host sends `update` on the open stream of `f`.
+pub fn deliver(f: &mut Filter, update: v1::update::Kind) {
+    use prost::Message;
+    let bytes = v1::Update { kind: Some(update), sent_unix_ns: 0 }.encode_to_vec();
+    let token = open_stream().token;
+    with(|h| {
+        h.grpc_receive = bytes.clone();
+        h.current = f.id;
+    });
+    proxy_wasm::traits::Context::on_grpc_stream_message(&mut f.root, token, bytes.len());
+}

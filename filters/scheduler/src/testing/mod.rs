@@ -62,6 +62,17 @@ pub struct Metric {
     pub samples: Vec<u64>,
 }
 
+/// A unary gRPC call the filter made.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpcCall {
+    pub token: u32,
+    pub cluster: String,
+    pub service: String,
+    pub method: String,
+    pub message: Vec<u8>,
+    pub timeout_ms: u32,
+}
+
 /// A gRPC stream the filter opened.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GrpcStream {
@@ -98,6 +109,8 @@ pub struct MockHost {
     /// The effective context: the one host calls act on.
     pub current: u32,
     pub grpc_streams: Vec<GrpcStream>,
+    /// Unary gRPC calls made (answered by the test).
+    pub grpc_calls: Vec<GrpcCall>,
     /// Make `open_grpc_stream` fail, as when the cluster is unknown.
     pub grpc_unavailable: bool,
     /// The gRPC receive buffer (the message being delivered).
@@ -126,6 +139,7 @@ impl Default for MockHost {
             streams: BTreeMap::new(),
             current: 0,
             grpc_streams: Vec::new(),
+            grpc_calls: Vec::new(),
             grpc_unavailable: false,
             grpc_receive: Vec::new(),
             grpc_status: (0, None),
