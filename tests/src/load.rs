@@ -38,12 +38,24 @@ pub async fn tenants_closed_loop(
     window: Duration,
     max_tokens: u64,
 ) -> (Vec<TenantStats>, LoadTally) {
+    let urls: Vec<Vec<String>> = clients.iter().map(|&n| vec![url.to_owned(); n]).collect();
+    tenants_closed_loop_on(&urls, warmup, window, max_tokens).await
+}
+
+/// [`tenants_closed_loop`] with each client's own URL: tenant `tenant-i` runs one client per
+/// URL in `urls[i]` (clients of one tenant spread over several gateway replicas).
+pub async fn tenants_closed_loop_on(
+    urls: &[Vec<String>],
+    warmup: Duration,
+    window: Duration,
+    max_tokens: u64,
+) -> (Vec<TenantStats>, LoadTally) {
     let start = Instant::now();
     let (from, until) = (start + warmup, start + warmup + window);
     let mut tasks = Vec::new();
-    for (ti, &n) in clients.iter().enumerate() {
-        for ci in 0..n {
-            let url = url.to_owned();
+    for (ti, tenant_urls) in urls.iter().enumerate() {
+        for (ci, url) in tenant_urls.iter().enumerate() {
+            let url = url.clone();
             tasks.push(tokio::spawn(async move {
                 let tenant = format!("tenant-{ti}");
                 let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap_or_default();
@@ -82,10 +94,10 @@ pub async fn tenants_closed_loop(
             }));
         }
     }
-    let mut stats: Vec<TenantStats> = clients
+    let mut stats: Vec<TenantStats> = urls
         .iter()
         .enumerate()
-        .map(|(i, &n)| TenantStats { tenant: format!("tenant-{i}"), clients: n, ..Default::default() })
+        .map(|(i, u)| TenantStats { tenant: format!("tenant-{i}"), clients: u.len(), ..Default::default() })
         .collect();
     let mut total = LoadTally::default();
     for t in tasks {

@@ -17,10 +17,12 @@ mod engines;
 mod envoy;
 mod epp_envoy;
 mod host;
+mod replicas;
 
 pub use engines::{ExternalEngine, SimOpts};
 pub use envoy::EnvoyKind;
 pub use epp_envoy::{validate_bootstrap, EppEnvoy, EppEnvoyOpts};
+pub use replicas::Replica;
 
 /// A running deployment: simulator, host and Envoy, on fresh ports.
 pub struct Stack {

@@ -38,6 +38,17 @@ impl Stack {
     /// Render `kind`'s bootstrap: `envoy/attache.yaml` as written or as one of its variants,
     /// or `envoy/round-robin.yaml`. [`Stack::envoy_template`] replaces the file.
     pub fn render_envoy(&self, kind: EnvoyKind, scheduler_config: &serde_json::Value) -> anyhow::Result<String> {
+        self.render_envoy_on(kind, scheduler_config, self.envoy_port, self.envoy_admin_port)
+    }
+
+    /// [`Stack::render_envoy`] for an Envoy listening on `port`, its admin on `admin_port`.
+    pub fn render_envoy_on(
+        &self,
+        kind: EnvoyKind,
+        scheduler_config: &serde_json::Value,
+        port: u16,
+        admin_port: u16,
+    ) -> anyhow::Result<String> {
         let (file, variant) = match kind {
             EnvoyKind::Attache => ("attache.yaml", Variant::AsWritten),
             EnvoyKind::AttacheOriginalDst => ("attache.yaml", Variant::OriginalDst),
@@ -49,8 +60,8 @@ impl Stack {
         let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
         let pool = Pool::Static(self.engine_addrs());
         let params = Params {
-            admin: loopback(self.envoy_admin_port),
-            listen: loopback(self.envoy_port),
+            admin: loopback(admin_port),
+            listen: loopback(port),
             host_grpc: loopback(self.host_grpc_port),
             wasm: &self.paths.wasm,
             scheduler_config,

@@ -1,0 +1,260 @@
+//! A fleet of gateway replicas: three real Envoy 1.40 processes (two workers each) on one host
+//! and one simulated pool, with a client that sends each turn to a different replica, as an L4
+//! balancer in front of a Deployment does. What one replica learns (session and Responses-id
+//! bindings, prefix affinity, tenant usage) reaches the others through the host.
+
+// A test crate is test code throughout, but clippy's allow-*-in-tests (clippy.toml) covers only
+// #[test] functions and #[cfg(test)] modules, not the helpers beside them.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::too_many_lines)]
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use attache_e2e::admin_http::http_get_blocking;
+use attache_e2e::stats::histogram_quantile;
+use attache_e2e::{EnvoyKind, Replica, SimOpts, Stack};
+use common::*;
+use serde_json::{json, Value};
+
+/// Wait until every replica's filters hold a snapshot of the host's with `ready` ready engines.
+fn wait_replicas(s: &Stack, replicas: &[Replica], ready: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let host: Value = http_get_blocking(s.host_admin_port, "/v1/snapshot")
+            .and_then(|b| serde_json::from_str(&b).ok())
+            .unwrap_or(Value::Null);
+        let n = host["endpoints"].as_array().map_or(0, |a| a.iter().filter(|e| e["ready"] == true).count());
+        let version = host["version"].as_u64().unwrap_or(0);
+        let seen = |r: &Replica| r.stat("wasmcustom.attache.snapshot.version") >= version;
+        if n == ready && version > 0 && replicas.iter().all(seen) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "replicas never saw {ready} ready engines");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn fleet_stack(name: &str, opts: SimOpts, cfg: &Value) -> (Stack, Vec<Replica>) {
+    let mut s = Stack::new(name).expect("stack");
+    let engines = usize::from(opts.engines);
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    let replicas = s.start_replicas(3, EnvoyKind::Attache, cfg, 2).expect("replicas");
+    wait_replicas(&s, &replicas, engines);
+    (s, replicas)
+}
+
+/// The default filter, except that no engine counts as saturated: a session then leaves its
+/// engine only if the replica it reaches does not know the binding (what these tests look
+/// for), never because its engine's queue grew (sessions.rs covers that).
+fn never_saturated() -> Value {
+    let mut cfg = Stack::default_scheduler_config();
+    cfg["scheduler"]["saturation"] = json!({"queue_threshold": 1.0e9, "kv_threshold": 2.0});
+    cfg
+}
+
+/// The largest of the replicas' cumulative `quantile` (`"P99"`) of histogram `name`.
+fn fleet_quantile(replicas: &[Replica], name: &str, quantile: &str) -> Option<f64> {
+    replicas.iter().filter_map(|r| histogram_quantile(&r.stats(), name, quantile)).reduce(f64::max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_and_responses_follow_their_engine_across_three_replicas() {
+    let opts = SimOpts { engines: 4, time_scale: 0.5, ..SimOpts::default() };
+    let (_s, replicas) = fleet_stack("fleet-sessions", opts, &never_saturated());
+    let urls: Vec<String> = replicas.iter().map(|r| r.url("")).collect();
+    let urls = Arc::new(urls);
+
+    // 12 sessions and 12 Responses chains, 6 turns each, all at once; turn t of conversation i
+    // goes to replica (i + t) % 3, straight after the previous turn's answer.
+    let mut tasks = Vec::new();
+    for i in 0..12usize {
+        let session_urls = urls.clone();
+        tasks.push(tokio::spawn(async move {
+            let urls = session_urls;
+            let http = fresh_client();
+            let id = format!("fleet-session-{i}");
+            let mut home = None;
+            let mut wrong = 0;
+            let mut shortest = Duration::MAX;
+            for t in 0..6 {
+                let url = format!("{}/v1/chat/completions", urls[(i + t) % 3]);
+                let body = chat(&format!("agent {i}"), &format!("turn {t} of task {i} {}", "x".repeat(t * 9)), 8);
+                let o = attache_e2e::client::post(&http, &url, body, &[("x-session-id", &id)]).await;
+                assert!(o.ok(), "session {i} turn {t}: {} {}", o.status, o.body);
+                shortest = shortest.min(o.total);
+                match home {
+                    None => home = o.engine_port,
+                    Some(h) => wrong += usize::from(o.engine_port != Some(h)),
+                }
+            }
+            ("session", wrong, 0, shortest)
+        }));
+        let urls = urls.clone();
+        tasks.push(tokio::spawn(async move {
+            let http = fresh_client();
+            let mut prev: Option<String> = None;
+            let mut home = None;
+            let (mut wrong, mut missing) = (0, 0);
+            for t in 0..6 {
+                let url = format!("{}/v1/responses", urls[(i + t) % 3]);
+                let mut b = json!({"model": MODEL, "input": format!("step {t} of job {i}"),
+                    "instructions": "You are a coding agent.", "max_output_tokens": 8});
+                if let Some(p) = &prev {
+                    b["previous_response_id"] = json!(p);
+                }
+                let o = attache_e2e::client::post(&http, &url, b.to_string().into_bytes(), &[]).await;
+                if o.status == 404 {
+                    missing += 1;
+                    break;
+                }
+                assert!(o.ok(), "chain {i} turn {t}: {} {}", o.status, o.body);
+                match home {
+                    None => home = o.engine_port,
+                    Some(h) => wrong += usize::from(o.engine_port != Some(h)),
+                }
+                prev = o.json()["id"].as_str().map(str::to_owned);
+            }
+            ("responses", wrong, missing, Duration::MAX)
+        }));
+    }
+    let (mut wrong_sessions, mut wrong_chains, mut not_found) = (0, 0, 0);
+    let mut shortest = Duration::MAX;
+    for t in tasks {
+        match t.await.expect("task") {
+            ("session", w, _, d) => {
+                wrong_sessions += w;
+                shortest = shortest.min(d);
+            }
+            (_, w, m, _) => {
+                wrong_chains += w;
+                not_found += m;
+            }
+        }
+    }
+    // Envoy merges histograms at its stats flush (every 5 s).
+    tokio::time::sleep(Duration::from_millis(5_500)).await;
+    let lag = |q| fleet_quantile(&replicas, "wasmcustom.attache.fleet.binding_lag_ms", q);
+    eprintln!("binding learned on one replica -> usable on another: p50 {:?} ms, p99 {:?} ms", lag("P50"), lag("P99"));
+    eprintln!("wrong session turns {wrong_sessions}, shortest turn {:?}", shortest);
+    let stat = |n: &str| replicas.iter().map(|r| r.stat(n)).sum::<u64>();
+    eprintln!(
+        "bindings applied from the fleet {}, read-through lookups found {} missed {} failed {}",
+        stat("wasmcustom.attache.fleet.applied.bindings"),
+        stat("wasmcustom.attache.fleet.lookups.found"),
+        stat("wasmcustom.attache.fleet.lookups.missed"),
+        stat("wasmcustom.attache.fleet.lookups.failed"),
+    );
+    assert_eq!(wrong_sessions, 0, "every session turn reaches its session's engine");
+    assert_eq!((not_found, wrong_chains), (0, 0), "every continuation finds its response: 0 404s");
+    assert!(stat("wasmcustom.attache.fleet.applied.bindings") > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_replica_fails_only_the_requests_in_flight_on_it() {
+    let opts = SimOpts { engines: 4, time_scale: 0.5, ..SimOpts::default() };
+    let (_s, mut replicas) = fleet_stack("fleet-kill", opts, &never_saturated());
+    let urls: Arc<Vec<String>> = Arc::new(replicas.iter().map(|r| r.url("/v1/chat/completions")).collect());
+    let dead = Arc::new(AtomicBool::new(false));
+    // Requests on replica 1 now, as the clients count them.
+    let on_1 = Arc::new(AtomicUsize::new(0));
+    // 12 sessions loop over the replicas (skipping replica 1 once it is dead) for 4 s; replica 1
+    // is killed at 1.5 s.
+    let mut tasks = Vec::new();
+    for i in 0..12usize {
+        let (urls, dead, on_1) = (urls.clone(), dead.clone(), on_1.clone());
+        tasks.push(tokio::spawn(async move {
+            let http = fresh_client();
+            let id = format!("kill-session-{i}");
+            let (mut home, mut wrong) = (None, 0);
+            let (mut failed_on_1, mut failed_elsewhere) = (0, 0);
+            let mut seq: Vec<String> = Vec::new();
+            let until = Instant::now() + Duration::from_secs(4);
+            let mut t = 0;
+            while Instant::now() < until {
+                let mut r = (i + t) % 3;
+                if r == 1 {
+                    // Counted before the check, so the killer's count includes every request
+                    // that passed it.
+                    on_1.fetch_add(1, Ordering::SeqCst);
+                    if dead.load(Ordering::SeqCst) {
+                        on_1.fetch_sub(1, Ordering::SeqCst);
+                        r = 2;
+                    }
+                }
+                let body = chat(&format!("agent {i}"), &format!("turn {t}"), 8);
+                let o = attache_e2e::client::post(&http, &urls[r], body, &[("x-session-id", &id)]).await;
+                if r == 1 {
+                    on_1.fetch_sub(1, Ordering::SeqCst);
+                }
+                t += 1;
+                if !o.ok() {
+                    if r == 1 {
+                        failed_on_1 += 1;
+                    } else {
+                        failed_elsewhere += 1;
+                    }
+                    continue;
+                }
+                seq.push(format!("{r}:{}", o.engine_port.unwrap_or(0)));
+                match home {
+                    None => home = o.engine_port,
+                    Some(h) => wrong += usize::from(o.engine_port != Some(h)),
+                }
+            }
+            if wrong > 0 {
+                eprintln!("session {i}: {wrong} of {t} turns off engine {home:?}: {}", seq.join(" "));
+            }
+            (failed_on_1, failed_elsewhere, wrong, t)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    dead.store(true, Ordering::SeqCst);
+    let inflight = on_1.load(Ordering::SeqCst);
+    let envoy_active = replicas[1].stat("http.inference.downstream_rq_active");
+    replicas[1].kill();
+    let (mut failed_1, mut failed_else, mut wrong, mut sent) = (0, 0, 0, 0);
+    for t in tasks {
+        let (a, b, c, d) = t.await.expect("task");
+        failed_1 += a;
+        failed_else += b;
+        wrong += c;
+        sent += d;
+    }
+    eprintln!(
+        "{sent} requests; {inflight} in flight on replica 1 when it was killed (Envoy: {envoy_active}), \
+         {failed_1} failed there, {failed_else} elsewhere; {wrong} turns off their session's engine"
+    );
+    assert_eq!(failed_else, 0, "no request on a live replica fails");
+    assert!(failed_1 <= inflight, "only requests in flight on the killed replica fail");
+    assert_eq!(wrong, 0, "sessions keep their engine on the surviving replicas");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_split_unevenly_over_replicas_are_served_fairly() {
+    // Tenant 0 has clients on every replica; tenants 1-3 each on one. Each replica alone would
+    // split its share evenly between its two tenants (tenant 0 would get half the pool).
+    let opts = SimOpts { engines: 2, max_num_seqs: 4, time_scale: 0.5, ..SimOpts::default() };
+    let mut s = Stack::new("fleet-fairness").expect("stack");
+    s.host_flow = Some(json!({"saturation": {"queue_threshold": 1.0, "kv_threshold": 0.8, "stale_ms": 1000}}));
+    s.start_sim(opts).expect("sim");
+    s.start_host().expect("host");
+    let mut cfg = Stack::default_scheduler_config();
+    cfg["flow"] = json!({"enabled": true});
+    let replicas = s.start_replicas(3, EnvoyKind::Attache, &cfg, 2).expect("replicas");
+    wait_replicas(&s, &replicas, 2);
+    let url = |r: usize| replicas[r].url("/v1/chat/completions");
+    let placement: Vec<Vec<String>> =
+        vec![(0..3).flat_map(|r| vec![url(r); 4]).collect(), vec![url(0); 4], vec![url(1); 4], vec![url(2); 4]];
+    let (stats, tally) =
+        attache_e2e::load::tenants_closed_loop_on(&placement, Duration::from_secs(3), Duration::from_secs(12), 24)
+            .await;
+    let jain = attache_e2e::load::jain(&stats);
+    eprintln!("Jain {jain:.3} over window tokens: {stats:#?}");
+    assert_eq!(tally.lost, 0, "{tally:?}");
+    assert!(stats.iter().all(|t| t.window_tokens > 0), "{stats:?}");
+    assert!(jain >= 0.95, "Jain's index over served tokens {jain:.3}: {stats:?}");
+}
