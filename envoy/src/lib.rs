@@ -70,8 +70,9 @@ pub struct Params<'a> {
     pub admin: SocketAddr,
     /// The inference listener.
     pub listen: SocketAddr,
-    /// The host's gRPC server (snapshots, ECDS, EDS).
-    pub host_grpc: SocketAddr,
+    /// The host replicas' gRPC servers (snapshots, ECDS, EDS): the `attache_host` cluster's
+    /// members. The snapshot agent fails over between them.
+    pub host_grpc: &'a [SocketAddr],
     /// The scheduler filter module.
     pub wasm: &'a Path,
     /// The scheduler filter's configuration (JSON).
@@ -168,8 +169,7 @@ const PLACEHOLDERS: &[&str] = &[
     "ADMIN_PORT",
     "LISTEN_ADDRESS",
     "LISTEN_PORT",
-    "HOST_GRPC_ADDRESS",
-    "HOST_GRPC_PORT",
+    "HOST_GRPC_ENDPOINTS",
     "WASM",
     "SCHEDULER_CONFIG",
 ];
@@ -227,8 +227,7 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         .replace("{{ADMIN_PORT}}", &p.admin.port().to_string())
         .replace("{{LISTEN_ADDRESS}}", &p.listen.ip().to_string())
         .replace("{{LISTEN_PORT}}", &p.listen.port().to_string())
-        .replace("{{HOST_GRPC_ADDRESS}}", &p.host_grpc.ip().to_string())
-        .replace("{{HOST_GRPC_PORT}}", &p.host_grpc.port().to_string())
+        .replace("{{HOST_GRPC_ENDPOINTS}}\n", &lb_endpoints(&p.host_grpc.iter().map(ToString::to_string).collect::<Vec<_>>())?)
         // Inside a double-quoted YAML scalar.
         .replace("{{WASM}}", &p.wasm.display().to_string().replace('\\', "\\\\").replace('"', "\\\""))
         .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler));
@@ -280,11 +279,14 @@ fn original_dst(pool: &mut Mapping) {
 mod tests {
     use super::*;
 
+    const HOST_GRPC: [SocketAddr; 1] =
+        [SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1)), 50051)];
+
     fn params<'a>(pool: &'a Pool, cfg: &'a serde_json::Value, slots: &'a [String]) -> Params<'a> {
         Params {
             admin: "127.0.0.1:9901".parse().unwrap(),
             listen: "0.0.0.0:8080".parse().unwrap(),
-            host_grpc: "127.0.0.1:50051".parse().unwrap(),
+            host_grpc: &HOST_GRPC,
             wasm: Path::new("/opt/attache/attache_scheduler_filter.wasm"),
             scheduler_config: cfg,
             pool,

@@ -44,6 +44,13 @@ pub struct FleetConfig {
     pub usage_half_life_ms: u64,
     /// Most changes one flush carries; past it a flush is split over several messages.
     pub max_delta_entries: usize,
+    /// The other host replicas' gRPC addresses (`ip:port`): this host follows each, so Envoys
+    /// on any replica see the whole fleet.
+    pub peers: Vec<String>,
+    /// A name resolving to every host replica (`<headless service>:<port>`), re-resolved every
+    /// `peers_refresh_ms`; this host's own addresses are left out.
+    pub peers_dns: Option<String>,
+    pub peers_refresh_ms: u64,
 }
 
 impl Default for FleetConfig {
@@ -58,6 +65,9 @@ impl Default for FleetConfig {
             envoy_stale_ms: 30_000,
             usage_half_life_ms: attache_policies::flow::FlowConfig::default().usage_half_life_ms,
             max_delta_entries: 16_384,
+            peers: Vec::new(),
+            peers_dns: None,
+            peers_refresh_ms: 5_000,
         }
     }
 }
@@ -333,6 +343,7 @@ impl Fleet {
 }
 
 /// Every other Envoy's usage, decayed to `now_ms` and summed per tenant.
+/// A peer host hears only this host's own Envoys' usage (it hears the other peers' from them).
 fn remote_usage(
     all: &HashMap<String, EnvoyUsage>,
     me: &str,
@@ -340,8 +351,9 @@ fn remote_usage(
     half_life_ms: u64,
 ) -> (HashMap<String, f64>, u64) {
     let mut sum: HashMap<String, f64> = HashMap::new();
+    let peer = crate::peers::is_peer(me);
     for (envoy, u) in all {
-        if envoy == me {
+        if envoy == me || (peer && crate::peers::is_peer(envoy)) {
             continue;
         }
         for (t, v) in &u.usage {
@@ -353,13 +365,15 @@ fn remote_usage(
 
 impl Batch {
     /// The messages for a subscriber of Envoy `envoy`: every other Envoy's changes, split at
-    /// `max` entries, and the others' usage when it changed. Empty: nothing for it.
+    /// `max` entries, and the others' usage when it changed. Empty: nothing for it. A peer host
+    /// gets only what this host's own Envoys reported.
     pub fn for_envoy(&self, envoy: &str, max: usize, half_life_ms: u64) -> Vec<v1::FleetDelta> {
         let max = max.max(1);
         let mut out: Vec<v1::FleetDelta> = Vec::new();
         let new = |oldest: u64| v1::FleetDelta { seq: self.seq, oldest_report_unix_us: oldest, ..Default::default() };
+        let peer = crate::peers::is_peer(envoy);
         for (from, p) in &self.parts {
-            if from == envoy {
+            if from == envoy || (peer && crate::peers::is_peer(from)) {
                 continue;
             }
             let full = |m: &v1::FleetDelta| m.bindings.len() + m.affinity_keys.len() >= max;

@@ -194,10 +194,11 @@ impl Gateway {
 
     /// Envoy's bootstrap: `envoy/attache.yaml` with the pool from the host's EDS.
     pub fn bootstrap(&self) -> Result<String, GatewayError> {
+        let host_grpc = [loopback_if_unspecified(self.host.grpc_listen)];
         let params = Params {
             admin: self.config.envoy_admin,
             listen: self.config.listen,
-            host_grpc: loopback_if_unspecified(self.host.grpc_listen),
+            host_grpc: &host_grpc,
             wasm: &self.wasm,
             scheduler_config: &self.config.scheduler,
             pool: &Pool::Eds,

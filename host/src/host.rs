@@ -71,6 +71,7 @@ impl Host {
         // Envoy's pool members, served over EDS (`attache gateway`; any Envoy may subscribe).
         let members = eds::Members::default();
         let fleet = crate::fleet::FleetFeed::spawn(cfg.fleet.clone());
+        crate::peers::spawn(fleet.clone(), host_name(&cfg, epoch), own_addresses(&cfg));
         let (no_policy_tx, grpc) =
             grpc_services(&cfg, policy.as_ref(), rx.clone(), &kv_index, &kv_changed, &members, &fleet);
         let grpc_listener = bind(cfg.grpc_listen).await?;
@@ -116,6 +117,21 @@ impl Host {
         };
         Ok(Host { serve: Box::pin(serve) })
     }
+}
+
+/// This host's name among its peers: the pod's name (or the gRPC address) and the start time.
+fn host_name(cfg: &HostConfig, epoch: u64) -> String {
+    let base = std::env::var("POD_NAME").unwrap_or_else(|_| cfg.grpc_listen.to_string());
+    format!("{base}-{epoch}")
+}
+
+/// The addresses other hosts reach this one's gRPC server at (left out of the peer list).
+fn own_addresses(cfg: &HostConfig) -> std::collections::BTreeSet<String> {
+    let mut own = std::collections::BTreeSet::from([cfg.grpc_listen.to_string()]);
+    if let Ok(ip) = std::env::var("POD_IP") {
+        own.insert(format!("{ip}:{}", cfg.grpc_listen.port()));
+    }
+    own
 }
 
 /// Validate the endpoints file (or reach the cluster's credentials) before any port is bound.

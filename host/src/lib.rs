@@ -13,6 +13,7 @@ pub mod host;
 pub mod kubernetes;
 pub mod kv_subscribe;
 pub mod model_list;
+pub mod peers;
 pub mod policy;
 pub mod push;
 pub mod scrape;

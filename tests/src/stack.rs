@@ -22,6 +22,7 @@ mod replicas;
 pub use engines::{ExternalEngine, SimOpts};
 pub use envoy::EnvoyKind;
 pub use epp_envoy::{validate_bootstrap, EppEnvoy, EppEnvoyOpts};
+pub use host::MoreHost;
 pub use replicas::Replica;
 
 /// A running deployment: simulator, host and Envoy, on fresh ports.
@@ -30,6 +31,8 @@ pub struct Stack {
     pub workdir: PathBuf,
     pub sim: Option<Proc>,
     pub host: Option<Proc>,
+    /// Host replicas beside `host` ([`Stack::start_more_host`]).
+    pub more_hosts: Vec<MoreHost>,
     pub envoy: Option<Proc>,
     pub sim_opts: SimOpts,
     pub sim_base_port: u16,
@@ -84,6 +87,7 @@ impl Stack {
             workdir,
             sim: None,
             host: None,
+            more_hosts: Vec::new(),
             envoy: None,
             sim_opts: SimOpts::default(),
             sim_base_port: 0,

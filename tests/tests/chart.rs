@@ -492,11 +492,12 @@ fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
         .filter(|n| !n.ends_with(".canary"))
         .map(str::to_owned)
         .collect();
+    // The address is the Service's name (a listed difference); the port is compared.
+    let host_grpc = [std::net::SocketAddr::from(([127, 0, 0, 1], host_socket["port_value"].as_u64().unwrap_or(0) as u16))];
     let params = attache_envoy::Params {
         admin: sockets(&chart["admin"]["address"]["socket_address"]),
         listen: sockets(&listener["address"]["socket_address"]),
-        // The address is the Service's name (a listed difference); the port is compared.
-        host_grpc: std::net::SocketAddr::from(([127, 0, 0, 1], host_socket["port_value"].as_u64().unwrap_or(0) as u16)),
+        host_grpc: &host_grpc,
         wasm: Path::new(wasm),
         // The chart's configuration goes in: the variant must then make it what the chart has.
         scheduler_config: &scheduler["configuration"]["value"],

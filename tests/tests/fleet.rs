@@ -19,31 +19,13 @@ use attache_e2e::{EnvoyKind, Replica, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};
 
-/// Wait until every replica's filters hold a snapshot of the host's with `ready` ready engines.
-fn wait_replicas(s: &Stack, replicas: &[Replica], ready: usize) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let host: Value = http_get_blocking(s.host_admin_port, "/v1/snapshot")
-            .and_then(|b| serde_json::from_str(&b).ok())
-            .unwrap_or(Value::Null);
-        let n = host["endpoints"].as_array().map_or(0, |a| a.iter().filter(|e| e["ready"] == true).count());
-        let version = host["version"].as_u64().unwrap_or(0);
-        let seen = |r: &Replica| r.stat("wasmcustom.attache.snapshot.version") >= version;
-        if n == ready && version > 0 && replicas.iter().all(seen) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "replicas never saw {ready} ready engines");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 fn fleet_stack(name: &str, opts: SimOpts, cfg: &Value) -> (Stack, Vec<Replica>) {
     let mut s = Stack::new(name).expect("stack");
     let engines = usize::from(opts.engines);
     s.start_sim(opts).expect("sim");
     s.start_host().expect("host");
     let replicas = s.start_replicas(3, EnvoyKind::Attache, cfg, 2).expect("replicas");
-    wait_replicas(&s, &replicas, engines);
+    s.wait_replicas(&replicas, engines, Duration::from_secs(20)).expect("snapshot");
     (s, replicas)
 }
 
@@ -245,7 +227,7 @@ async fn tenants_split_unevenly_over_replicas_are_served_fairly() {
     let mut cfg = Stack::default_scheduler_config();
     cfg["flow"] = json!({"enabled": true});
     let replicas = s.start_replicas(3, EnvoyKind::Attache, &cfg, 2).expect("replicas");
-    wait_replicas(&s, &replicas, 2);
+    s.wait_replicas(&replicas, 2, Duration::from_secs(20)).expect("snapshot");
     let url = |r: usize| replicas[r].url("/v1/chat/completions");
     let placement: Vec<Vec<String>> =
         vec![(0..3).flat_map(|r| vec![url(r); 4]).collect(), vec![url(0); 4], vec![url(1); 4], vec![url(2); 4]];
@@ -257,4 +239,153 @@ async fn tenants_split_unevenly_over_replicas_are_served_fairly() {
     assert_eq!(tally.lost, 0, "{tally:?}");
     assert!(stats.iter().all(|t| t.window_tokens > 0), "{stats:?}");
     assert!(jain >= 0.95, "Jain's index over served tokens {jain:.3}: {stats:?}");
+}
+
+/// A host's Prometheus sample `line` prefix (`name` or `name{labels}`), 0 if absent.
+fn host_metric(admin_port: u16, line: &str) -> f64 {
+    let text = http_get_blocking(admin_port, "/metrics").unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with(line) && l[line.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The host replica (index into `admin_ports`) that `n` subscribers are connected to, waiting
+/// up to 10 s for them to connect.
+fn subscribed_host(admin_ports: &[u16], n: f64) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let counts: Vec<f64> = admin_ports.iter().map(|p| host_metric(*p, "attache_host_subscribers")).collect();
+        if let Some(i) = counts.iter().position(|c| *c >= n) {
+            return i;
+        }
+        assert!(Instant::now() < deadline, "no host has the Envoy's stream: {counts:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Wait until the host on `admin_port` indexes `blocks` blocks of `tokens` on some engine.
+async fn wait_indexed_on(admin_port: u16, tokens: &[u32], blocks: u64) {
+    let url = format!("http://127.0.0.1:{admin_port}/v1/kv/match");
+    let body = json!({"model": MODEL, "token_ids": tokens, "block_size": 16}).to_string();
+    let http = fresh_client();
+    for _ in 0..100 {
+        let v = attache_e2e::client::post(&http, &url, body.clone().into_bytes(), &[]).await.json();
+        if v["endpoints"].as_array().is_some_and(|a| a.iter().any(|e| e["matched_blocks"].as_u64() >= Some(blocks))) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the host never indexed the blocks");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_host_takes_over_when_the_one_envoy_follows_dies() {
+    let mut s = Stack::new("fleet-host-ha").expect("stack");
+    s.start_sim(SimOpts { engines: 4, time_scale: 0.05, kv_events: true, ..SimOpts::default() }).expect("sim");
+    s.start_more_host().expect("second host");
+    s.start_host().expect("host");
+    let precise = json!({"role": "scheduler", "scheduler": {"precise": {"enabled": true}}});
+    s.start_envoy(EnvoyKind::Attache, &precise, 2).expect("envoy");
+    let admins = s.host_admin_ports();
+    let on = subscribed_host(&admins, 1.0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let snap: Value = http_get_blocking(admins[on], "/v1/snapshot")
+            .and_then(|b| serde_json::from_str(&b).ok())
+            .unwrap_or_default();
+        let ready = snap["endpoints"].as_array().map_or(0, |a| a.iter().filter(|e| e["ready"] == true).count());
+        let version = snap["version"].as_u64().unwrap_or(u64::MAX);
+        if ready == 4 && s.envoy_stat("wasmcustom.attache.snapshot.version") >= version {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the Envoy never had a snapshot with every engine");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let engines = s.engine_addrs();
+    let port_of = |a: &str| a.rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+
+    // Sessions bound before the kill (the surviving host hears them through its peer).
+    let http = fresh_client();
+    for i in 0..6 {
+        let o = send(&s, &http, chat("ha", &format!("before {i}"), 4), &[("x-session-id", &format!("ha-{i}"))]).await;
+        assert!(o.ok(), "{}", o.body);
+    }
+    // A request loop through Envoy for the whole test: none may fail.
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut loops = Vec::new();
+    for c in 0..4 {
+        let (stop, url) = (stop.clone(), s.url("/v1/chat/completions"));
+        loops.push(tokio::spawn(async move {
+            let http = fresh_client();
+            let (mut sent, mut failed) = (0, Vec::new());
+            while !stop.load(Ordering::SeqCst) {
+                let o = attache_e2e::client::post(&http, &url, chat("loop", &format!("{c} {sent}"), 4), &[]).await;
+                sent += 1;
+                if !o.ok() {
+                    failed.push(format!("{} {:?} {}", o.status, o.error, o.body));
+                }
+            }
+            (sent, failed)
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Kill the host the Envoy follows.
+    if on == 0 {
+        s.kill_host();
+    } else {
+        s.kill_more_host(on - 1);
+    }
+    let killed_at = Instant::now();
+    let survivor = admins[1 - on];
+    // A prompt cached on engine 2 directly after the kill: only the surviving host's KV-event
+    // index knows it, so routing it there is precise routing through the new host.
+    let tokens: Vec<u32> = (0..640u32).map(|t| 7_000 + t).collect();
+    let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 1}).to_string();
+    let o = attache_e2e::client::post(&http, &format!("http://{}/v1/completions", engines[2]), body.into_bytes(), &[]).await;
+    assert!(o.ok(), "{}", o.body);
+    wait_indexed_on(survivor, &tokens, 40).await;
+    let mut routed_after = None;
+    for variant in 0..200u32 {
+        let mut t = tokens.clone();
+        t.extend((0..20).map(|i| 50_000 + variant * 100 + i));
+        let body = json!({"model": MODEL, "prompt": t, "max_tokens": 2}).to_string();
+        let o = attache_e2e::client::post(&http, &s.url("/v1/completions"), body.into_bytes(), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        if o.engine_port == port_of(&engines[2]) {
+            routed_after = Some(killed_at.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let routed_after = routed_after.expect("the held prefix was never routed to its holder after the kill");
+    eprintln!("held prefix routed to its holder {routed_after:?} after the host was killed");
+    assert!(routed_after <= Duration::from_secs(1), "precise routing resumed after {routed_after:?}");
+    assert!(host_metric(survivor, "attache_host_subscribers") >= 1.0, "the Envoy follows the survivor");
+    // The sessions bound before the kill are still known to the fleet.
+    assert!(host_metric(survivor, "attache_host_fleet_entries{kind=\"binding\"}") >= 6.0);
+
+    // The killed host comes back: it rejoins, and relearns the fleet from its peer.
+    if on == 0 {
+        s.start_host().expect("restart");
+    } else {
+        s.restart_more_host(on - 1).expect("restart");
+    }
+    let back = admins[on];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while host_metric(back, "attache_host_fleet_entries{kind=\"binding\"}") < 6.0 {
+        assert!(Instant::now() < deadline, "the restarted host never relearned the fleet's bindings");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    let (mut sent, mut failed) = (0, Vec::new());
+    for l in loops {
+        let (n, f) = l.await.expect("loop");
+        sent += n;
+        failed.extend(f);
+    }
+    eprintln!("{sent} requests through the host's death and return, {} failed", failed.len());
+    assert!(failed.is_empty(), "{failed:?}");
 }

@@ -49,6 +49,25 @@ impl Replica {
 }
 
 impl Stack {
+    /// Wait until every replica's filters hold a snapshot of the host's with `ready` ready
+    /// engines.
+    pub fn wait_replicas(&self, replicas: &[Replica], ready: usize, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            let host: serde_json::Value = http_get_blocking(self.host_admin_port, "/v1/snapshot")
+                .and_then(|b| serde_json::from_str(&b).ok())
+                .unwrap_or_default();
+            let n = host["endpoints"].as_array().map_or(0, |a| a.iter().filter(|e| e["ready"] == true).count());
+            let version = host["version"].as_u64().unwrap_or(0);
+            let seen = |r: &Replica| r.stat("wasmcustom.attache.snapshot.version") >= version;
+            if n == ready && version > 0 && replicas.iter().all(seen) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("the replicas never saw a snapshot with {ready} ready engines")
+    }
+
     /// Start `n` Envoy replicas of `kind` with `concurrency` workers each, and wait until each
     /// is ready.
     pub fn start_replicas(
