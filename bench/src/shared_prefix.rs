@@ -149,13 +149,14 @@ fn arrivals(stages: &[Stage], interval_s: f64, seed: u64) -> Vec<(f64, usize)> {
     out
 }
 
-async fn drive(label: &str, stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64, usize)]) -> Vec<Sent> {
+/// Send the plan; request `n` goes to `urls[n % urls.len()]` (several gateway replicas behind
+/// a round-robin L4 balancer, or one gateway).
+async fn drive(label: &str, urls: &[String], a: &Args, prompts: &[Arc<Vec<u32>>], plan: &[(f64, usize)]) -> Vec<Sent> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(4096)
         .timeout(Duration::from_secs_f64(a.request_timeout_s * a.time_scale))
         .build()
         .unwrap_or_default();
-    let url = stack.url("/v1/completions");
     let start = tokio::time::Instant::now();
     let stages = plan.iter().map(|p| p.1).max().unwrap_or(0) + 1;
     let progress = crate::progress::Progress::start(label, plan.len(), stages, Duration::from_secs(10));
@@ -164,7 +165,8 @@ async fn drive(label: &str, stack: &Stack, a: &Args, prompts: &[Arc<Vec<u32>>], 
         tokio::time::sleep_until(start + Duration::from_secs_f64(t * a.time_scale)).await;
         progress.stage(stage);
         let prompt = prompts[n % prompts.len()].clone();
-        let (http, url, max_tokens, progress) = (http.clone(), url.clone(), a.output_tokens, progress.clone());
+        let url = urls.get(n % urls.len().max(1)).cloned().unwrap_or_default();
+        let (http, max_tokens, progress) = (http.clone(), a.output_tokens, progress.clone());
         handles.push(tokio::spawn(async move {
             let at = start.elapsed();
             let body = json!({"model": "tinyllama", "prompt": &*prompt, "max_tokens": max_tokens,
@@ -228,12 +230,18 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     let mut per_system: Vec<(String, Vec<StageSummary>)> = Vec::new();
     let mut propagation = serde_json::Map::new();
     let mut lag = serde_json::Map::new();
+    let mut fleet_propagation = serde_json::Map::new();
     for system in a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (kind, precise) = match system {
-            "round-robin" => (EnvoyKind::RoundRobin, false),
+        // `<system>-x<N>`: N gateway replicas on one host, requests spread over them.
+        let (base, replicas) = match system.rsplit_once("-x").and_then(|(b, n)| Some((b, n.parse::<usize>().ok()?))) {
+            Some((b, n)) if n >= 1 => (b, n),
+            _ => (system, 1),
+        };
+        let (kind, precise) = match base {
+            "round-robin" if replicas == 1 => (EnvoyKind::RoundRobin, false),
             "attache-approx" => (EnvoyKind::Attache, false),
             "attache-precise" => (EnvoyKind::Attache, true),
-            other => anyhow::bail!("unknown system {other}"),
+            _ => anyhow::bail!("unknown system {system}"),
         };
         let sim = SimOpts {
             engines: a.engines,
@@ -259,13 +267,21 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         if kind != EnvoyKind::RoundRobin {
             stack.start_host()?;
         }
-        stack.start_envoy(kind, &config, a.envoy_concurrency)?;
-        if kind != EnvoyKind::RoundRobin {
-            stack.wait_snapshot(usize::from(a.engines), Duration::from_secs(30))?;
-        }
+        let mut fleet = Vec::new();
+        let urls = if replicas > 1 {
+            fleet = stack.start_replicas(replicas, kind, &config, a.envoy_concurrency)?;
+            stack.wait_replicas(&fleet, usize::from(a.engines), Duration::from_secs(30))?;
+            fleet.iter().map(|r| r.url("/v1/completions")).collect()
+        } else {
+            stack.start_envoy(kind, &config, a.envoy_concurrency)?;
+            if kind != EnvoyKind::RoundRobin {
+                stack.wait_snapshot(usize::from(a.engines), Duration::from_secs(30))?;
+            }
+            vec![stack.url("/v1/completions")]
+        };
         let (q0, h0) = stack.prefix_counters().await?;
         let t0 = Instant::now();
-        let sent = drive(&format!("shared-prefix/{system}"), &stack, &a, &prompts, &plan).await;
+        let sent = drive(&format!("shared-prefix/{system}"), &urls, &a, &prompts, &plan).await;
         let (q1, h1) = stack.prefix_counters().await?;
         let lost_ms = stack.sim_lost_ms().await?;
         let engine_s = t0.elapsed().as_secs_f64() * f64::from(a.engines);
@@ -307,6 +323,18 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
                 propagation.insert(format!("{}_ms", q.to_lowercase()), json!(v));
             }
         }
+        if !fleet.is_empty() {
+            tokio::time::sleep(Duration::from_secs(6)).await;
+            let mut learned = 0;
+            for r in &fleet {
+                let stats = r.stats();
+                learned += attache_e2e::stats::stat_value(&stats, "wasmcustom.attache.fleet.applied.affinity");
+                let p99 = histogram_quantile(&stats, "wasmcustom.attache.fleet.propagation_us", "P99").map(|us| us / 1000.0);
+                fleet_propagation.insert(r.name.clone(), json!({"host_to_filter_p99_ms": p99}));
+            }
+            println!("    prefix-affinity entries learned from the other replicas: {learned}");
+            fleet_propagation.insert("affinity_entries_learned".into(), json!(learned));
+        }
         per_system.push((system.to_string(), per_stage));
         rows.push(row);
     }
@@ -341,6 +369,22 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             _ => println!("\nround-robin has no stage where it {label}"),
         }
     }
+    // A fleet against one gateway: every `<system>-x<N>` against its `<system>`.
+    for many in rows.iter().filter(|r| r.system.contains("-x")) {
+        let Some(one) = many.system.rsplit_once("-x").and_then(|(b, _)| row(b)) else { continue };
+        let hit = many.prefix_hit_rate / one.prefix_hit_rate;
+        let ttft = many.ttft_p50_ms / one.ttft_p50_ms;
+        println!(
+            "{} vs {}: prefix hit rate {:.3} vs {:.3} = {hit:.3}x (target >= 0.95x); ttft_p50 {:.1} vs {:.1} ms = {ttft:.3}x (target <= 1.1x)",
+            many.system, one.system, many.prefix_hit_rate, one.prefix_hit_rate, many.ttft_p50_ms, one.ttft_p50_ms
+        );
+        checks.insert(
+            format!("fleet_{}", many.system),
+            json!({"vs": one.system, "hit_rate_ratio": (hit * 1000.0).round() / 1000.0, "hit_target": 0.95,
+                   "ttft_p50_ratio": (ttft * 1000.0).round() / 1000.0, "ttft_target": 1.1,
+                   "met": hit >= 0.95 && ttft <= 1.1}),
+        );
+    }
     if let (Some(r), Some(p)) = (row("round-robin"), row("attache-precise")) {
         let ratio = p.output_tok_per_s / r.output_tok_per_s;
         println!(
@@ -354,7 +398,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     }
     let doc = json!({
         "scenario": "shared-prefix",
-        "command": "cargo xtask bench shared-prefix",
+        "command": format!("cargo xtask bench shared-prefix --systems {} --ladder {} --out {}", a.systems, a.ladder, a.out.display()),
         "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
         "config": {
             "engines": a.engines, "groups": a.groups, "per_group": a.per_group, "system_tokens": a.system_tokens,
@@ -372,7 +416,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "checks": checks,
         "propagation_attache_precise_real_ms": propagation,
         "simulator_lag_percent": lag,
+        "fleet": fleet_propagation,
     });
+    let title = format!("shared-prefix: {} (simulated time)", a.systems);
+    std::fs::write(a.out.with_extension("svg"), crate::compare::svg(&title, &per_system))?;
     crate::run::write_results(&a.out, doc)
 }
 
