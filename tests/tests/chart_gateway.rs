@@ -230,7 +230,7 @@ async fn the_charts_gateway_schedules_falls_back_and_rolls_out_as_rendered() {
         }
         ports.into_iter().collect()
     };
-    let host_dns = format!("{RELEASE}-attache-host.{NS}.svc.cluster.local");
+    let host_dns = format!("{RELEASE}-attache-host-peers.{NS}.svc.cluster.local");
     let container = &gateway["spec"]["template"]["spec"]["containers"][0];
     let args: Vec<String> =
         container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();

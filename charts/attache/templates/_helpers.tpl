@@ -63,6 +63,16 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* The host Service's cluster DNS name. */}}
+{{/* The headless Service that resolves to every host replica (peers, and the gateways' host
+cluster, which fails over between them). */}}
+{{- define "attache.hostPeersName" -}}
+{{- printf "%s-host-peers" (include "attache.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "attache.hostPeersFQDN" -}}
+{{- printf "%s.%s.svc.%s" (include "attache.hostPeersName" .) .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
 {{- define "attache.hostFQDN" -}}
 {{- printf "%s.%s.svc.%s" (include "attache.hostName" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
