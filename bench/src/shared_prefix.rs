@@ -329,7 +329,8 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
             for r in &fleet {
                 let stats = r.stats();
                 learned += attache_e2e::stats::stat_value(&stats, "wasmcustom.attache.fleet.applied.affinity");
-                let p99 = histogram_quantile(&stats, "wasmcustom.attache.fleet.propagation_us", "P99").map(|us| us / 1000.0);
+                let p99 =
+                    histogram_quantile(&stats, "wasmcustom.attache.fleet.propagation_us", "P99").map(|us| us / 1000.0);
                 fleet_propagation.insert(r.name.clone(), json!({"host_to_filter_p99_ms": p99}));
             }
             println!("    prefix-affinity entries learned from the other replicas: {learned}");

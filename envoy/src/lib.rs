@@ -227,7 +227,10 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         .replace("{{ADMIN_PORT}}", &p.admin.port().to_string())
         .replace("{{LISTEN_ADDRESS}}", &p.listen.ip().to_string())
         .replace("{{LISTEN_PORT}}", &p.listen.port().to_string())
-        .replace("{{HOST_GRPC_ENDPOINTS}}\n", &lb_endpoints(&p.host_grpc.iter().map(ToString::to_string).collect::<Vec<_>>())?)
+        .replace(
+            "{{HOST_GRPC_ENDPOINTS}}\n",
+            &lb_endpoints(&p.host_grpc.iter().map(ToString::to_string).collect::<Vec<_>>())?,
+        )
         // Inside a double-quoted YAML scalar.
         .replace("{{WASM}}", &p.wasm.display().to_string().replace('\\', "\\\\").replace('"', "\\\""))
         .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler));

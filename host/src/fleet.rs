@@ -72,6 +72,14 @@ impl Default for FleetConfig {
     }
 }
 
+/// The member-name prefix of a peer host's stream (crate::peers), and the origin of what it sent.
+pub const PEER_PREFIX: &str = "host:";
+
+/// Whether a member or origin name is a peer host's.
+pub fn is_peer(name: &str) -> bool {
+    name.starts_with(PEER_PREFIX)
+}
+
 /// Longest endpoint address accepted in a report.
 const MAX_ADDRESS: usize = 64;
 
@@ -351,9 +359,9 @@ fn remote_usage(
     half_life_ms: u64,
 ) -> (HashMap<String, f64>, u64) {
     let mut sum: HashMap<String, f64> = HashMap::new();
-    let peer = crate::peers::is_peer(me);
+    let peer = is_peer(me);
     for (envoy, u) in all {
-        if envoy == me || (peer && crate::peers::is_peer(envoy)) {
+        if envoy == me || (peer && is_peer(envoy)) {
             continue;
         }
         for (t, v) in &u.usage {
@@ -371,9 +379,9 @@ impl Batch {
         let max = max.max(1);
         let mut out: Vec<v1::FleetDelta> = Vec::new();
         let new = |oldest: u64| v1::FleetDelta { seq: self.seq, oldest_report_unix_us: oldest, ..Default::default() };
-        let peer = crate::peers::is_peer(envoy);
+        let peer = is_peer(envoy);
         for (from, p) in &self.parts {
-            if from == envoy || (peer && crate::peers::is_peer(from)) {
+            if from == envoy || (peer && is_peer(from)) {
                 continue;
             }
             let full = |m: &v1::FleetDelta| m.bindings.len() + m.affinity_keys.len() >= max;

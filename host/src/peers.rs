@@ -17,15 +17,7 @@ use attache_proto::v1::{self, update};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use crate::fleet::FleetFeed;
-
-/// The member-name prefix of a peer host's stream, and the origin of what it sent.
-pub const PEER_PREFIX: &str = "host:";
-
-/// Whether a member or origin name is a peer host's.
-pub fn is_peer(name: &str) -> bool {
-    name.starts_with(PEER_PREFIX)
-}
+use crate::fleet::{FleetFeed, PEER_PREFIX};
 
 /// Follow one peer until its stream ends; returns why.
 async fn follow(feed: &FleetFeed, me: &str, peer: &str) -> anyhow::Result<()> {

@@ -493,7 +493,8 @@ fn template_as_the_chart_fills_it(t: &Tools, chart: &Value) -> Value {
         .map(str::to_owned)
         .collect();
     // The address is the Service's name (a listed difference); the port is compared.
-    let host_grpc = [std::net::SocketAddr::from(([127, 0, 0, 1], host_socket["port_value"].as_u64().unwrap_or(0) as u16))];
+    let host_grpc =
+        [std::net::SocketAddr::from(([127, 0, 0, 1], host_socket["port_value"].as_u64().unwrap_or(0) as u16))];
     let params = attache_envoy::Params {
         admin: sockets(&chart["admin"]["address"]["socket_address"]),
         listen: sockets(&listener["address"]["socket_address"]),

@@ -344,7 +344,8 @@ async fn a_second_host_takes_over_when_the_one_envoy_follows_dies() {
     // index knows it, so routing it there is precise routing through the new host.
     let tokens: Vec<u32> = (0..640u32).map(|t| 7_000 + t).collect();
     let body = json!({"model": MODEL, "prompt": tokens, "max_tokens": 1}).to_string();
-    let o = attache_e2e::client::post(&http, &format!("http://{}/v1/completions", engines[2]), body.into_bytes(), &[]).await;
+    let o = attache_e2e::client::post(&http, &format!("http://{}/v1/completions", engines[2]), body.into_bytes(), &[])
+        .await;
     assert!(o.ok(), "{}", o.body);
     wait_indexed_on(survivor, &tokens, 40).await;
     let mut routed_after = None;

@@ -59,8 +59,10 @@ impl Stack {
         let tpl = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
         let pool = Pool::Static(self.engine_addrs());
-        let hosts: Vec<std::net::SocketAddr> =
-            std::iter::once(self.host_grpc_port).chain(self.more_hosts.iter().map(|h| h.grpc_port)).map(loopback).collect();
+        let hosts: Vec<std::net::SocketAddr> = std::iter::once(self.host_grpc_port)
+            .chain(self.more_hosts.iter().map(|h| h.grpc_port))
+            .map(loopback)
+            .collect();
         let params = Params {
             admin: loopback(admin_port),
             listen: loopback(port),

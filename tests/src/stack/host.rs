@@ -33,7 +33,11 @@ impl Stack {
     pub fn start_more_host(&mut self) -> anyhow::Result<usize> {
         let (grpc, admin) = (free_port(), free_port());
         let name = format!("host-{}", self.more_hosts.len() + 1);
-        self.more_hosts.push(MoreHost { proc: self.spawn_host(&name, grpc, admin)?, grpc_port: grpc, admin_port: admin });
+        self.more_hosts.push(MoreHost {
+            proc: self.spawn_host(&name, grpc, admin)?,
+            grpc_port: grpc,
+            admin_port: admin,
+        });
         Ok(self.more_hosts.len() - 1)
     }
 
