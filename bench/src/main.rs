@@ -9,6 +9,7 @@ mod epp;
 mod flow_control;
 mod kv_ingest;
 mod load;
+mod models;
 mod overhead;
 mod pd;
 mod peers;
@@ -63,6 +64,8 @@ enum Cmd {
     Peers(compare::Args),
     /// Sustained load: 2,000 concurrent streaming clients for 60 s; errors, latency, memory, CPU.
     Load(load::Args),
+    /// Many models behind one gateway: decision time against one model on as many engines.
+    Models(models::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -209,6 +212,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Epp(a) => epp::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
         Cmd::Load(a) => load::run(a).await,
+        Cmd::Models(a) => models::run(a).await,
         Cmd::Peers(a) => compare::run(a).await,
     }
 }

@@ -22,7 +22,8 @@ struct Args {
     /// Port of the first engine; engine i listens on base_port + i.
     #[arg(long, default_value_t = 18001)]
     base_port: u16,
-    /// Served model name.
+    /// Served model name. A comma-separated list gives engine i the i-th name, cycling
+    /// (`--engines 200 --model m0,...,m99`: 100 models of 2 engines each).
     #[arg(long, default_value = "tinyllama")]
     model: String,
     /// Tokens per KV block.
@@ -118,10 +119,13 @@ async fn main() -> anyhow::Result<()> {
         None => None,
     };
     let mut servers = Vec::new();
+    let models: Vec<&str> = a.model.split(',').map(str::trim).filter(|m| !m.is_empty()).collect();
+    anyhow::ensure!(!models.is_empty(), "--model names no model");
     for i in 0..a.engines {
         let port = a.base_port + i;
+        let model = models[usize::from(i) % models.len()].to_owned();
         let cfg = EngineConfig {
-            model: a.model.clone(),
+            model: model.clone(),
             block_size: a.block_size,
             num_gpu_blocks: a.num_gpu_blocks,
             max_num_seqs: a.max_num_seqs,
@@ -145,7 +149,7 @@ async fn main() -> anyhow::Result<()> {
             let pc = PublisherConfig {
                 endpoint,
                 replay_endpoint: base.map(|b| format!("tcp://*:{}", b + 1)),
-                topic: format!("kv@{}:{port}@{}", a.host, a.model),
+                topic: format!("kv@{}:{port}@{model}", a.host),
                 encoding: if a.kv_encoding == "array" { Encoding::Array } else { Encoding::Map },
                 buffer_steps: 10_000,
             };

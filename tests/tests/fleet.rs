@@ -390,3 +390,44 @@ async fn a_second_host_takes_over_when_the_one_envoy_follows_dies() {
     eprintln!("{sent} requests through the host's death and return, {} failed", failed.len());
     assert!(failed.is_empty(), "{failed:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_models_behind_one_gateway_each_reach_only_their_engines() {
+    // 100 base models of 2 engines each (the simulator gives engine i model i mod 100), one host
+    // and one Envoy, no process per model.
+    let models: Vec<String> = (0..100).map(|i| format!("model-{i:03}")).collect();
+    let mut s = Stack::new("fleet-models").expect("stack");
+    s.host_extra = Some(json!({"scrape_interval_ms": 1000, "unready_after_ms": 10000, "models_interval_ms": 0}));
+    s.start_sim(SimOpts { engines: 200, model: models.join(","), time_scale: 0.05, ..SimOpts::default() })
+        .expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+    s.wait_snapshot(200, Duration::from_secs(60)).expect("snapshot");
+    let engines = s.engine_addrs();
+    let model_of = |port: u16| {
+        let i = engines.iter().position(|e| e.ends_with(&format!(":{port}")))?;
+        models.get(i % models.len()).cloned()
+    };
+    // The pool-wide model list names every model.
+    let list: Value = reqwest::get(s.url("/v1/models")).await.expect("models").json().await.expect("json");
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(100), "{list}");
+    let http = fresh_client();
+    let mut wrong = Vec::new();
+    for m in &models {
+        for k in 0..2 {
+            let body =
+                attache_e2e::client::chat_body(m, "You are a helpful assistant.", &format!("{m} question {k}"), 4);
+            let o = send(&s, &http, body, &[]).await;
+            assert!(o.ok(), "{m}: {} {}", o.status, o.body);
+            let served = o.engine_port.and_then(model_of);
+            if served.as_deref() != Some(m.as_str()) {
+                wrong.push((m.clone(), served));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "requests served by another model's engine: {wrong:?}");
+    // A model no engine serves is refused with a reason, not sent anywhere.
+    let o = send(&s, &http, attache_e2e::client::chat_body("model-999", "s", "q", 4), &[]).await;
+    assert_eq!(o.status, 404, "{}", o.body);
+    assert!(o.body.contains("model-999"), "{}", o.body);
+}

@@ -194,7 +194,10 @@ impl Stack {
         for a in addrs {
             let index = self.engine_addrs().iter().position(|x| x == a).unwrap_or(usize::MAX);
             let role = self.endpoint_roles.get(index).map(String::as_str).unwrap_or("both");
-            let mut models = vec![self.sim_opts.model.clone()];
+            // `model` may list several, one per engine in turn (the simulator's `--model`).
+            let served: Vec<&str> = self.sim_opts.model.split(',').map(str::trim).collect();
+            let own = served.get(index % served.len().max(1)).copied().unwrap_or_default();
+            let mut models = vec![own.to_owned()];
             models.extend(self.sim_opts.lora_modules.iter().cloned());
             y.push_str(&format!(
                 "  - address: {a}\n    models: [{}]\n    role: {role}\n    engine: vllm\n",
