@@ -141,6 +141,9 @@ pub struct SchedulerConfig {
     /// its metrics and KV index are not trusted: scoring uses the filter's own in-flight load
     /// alone until the host is heard again. Three missed heartbeats by default; 0 disables.
     pub host_stale_ms: u64,
+    /// Large pools: score a shortlist (the candidates holding the request's prefix, session or
+    /// adapter, and the least loaded) instead of every candidate (crate::preselect).
+    pub preselect: crate::preselect::PreselectConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -154,6 +157,7 @@ impl Default for SchedulerConfig {
             max_body_bytes: 4 * 1024 * 1024,
             pd: crate::pd::PdConfig::default(),
             host_stale_ms: 3_000,
+            preselect: crate::preselect::PreselectConfig::default(),
         }
     }
 }

@@ -121,9 +121,32 @@ pub struct PoolState {
     /// When the engine metrics behind `saturation` were scraped, ms since the epoch.
     #[serde(default)]
     pub observed_ms: u64,
+    /// Lookups for pre-selection on large pools, built on first use ([`crate::preselect`]).
+    #[serde(skip)]
+    pub index: crate::preselect::IndexCell,
 }
 
 impl PoolState {
+    /// The pre-selection lookups for these endpoints.
+    pub fn index(&self) -> &crate::preselect::PoolIndex {
+        self.index.get_or_build(&self.endpoints)
+    }
+
+    /// Forget the lookups after editing `endpoints` in place.
+    pub fn reindex(&mut self) {
+        self.index = Default::default();
+    }
+
+    /// The position of the endpoint at `address`: a lookup on pools large enough to have
+    /// been indexed, a scan on small ones.
+    pub fn position(&self, address: &str) -> Option<usize> {
+        if self.endpoints.len() > 128 {
+            self.index().position(&self.endpoints, address)
+        } else {
+            self.endpoints.iter().position(|e| e.address == address)
+        }
+    }
+
     /// Whether any endpoint is ready to serve.
     pub fn has_ready(&self) -> bool {
         self.endpoints.iter().any(|e| e.ready)

@@ -27,6 +27,7 @@ pub mod plan;
 pub mod plugin_config;
 pub mod precise;
 pub mod prefix;
+pub mod preselect;
 pub mod profiles;
 pub mod prompt_tokens;
 pub mod request;

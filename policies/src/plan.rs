@@ -292,7 +292,7 @@ fn scoring_candidates(decision: &Decision, pool: &PoolState) -> Vec<scoring::Can
         .all
         .iter()
         .map(|s| {
-            let ep = pool.endpoints.iter().find(|e| e.address == s.address);
+            let ep = pool.position(&s.address).and_then(|i| pool.endpoints.get(i));
             let m = ep.and_then(|e| e.metrics.as_ref());
             scoring::Candidate {
                 address: s.address.clone(),

@@ -142,15 +142,23 @@ impl Scheduler {
             saturation: &self.config.saturation,
             exclude,
         };
-        let mut candidates = self.decode.filter(&filter_ctx(None))?;
-        if let Some(subset) = input.subset {
-            subset.restrict(&pool.endpoints, &mut candidates)?;
-        }
         let matches = if input.block_hashes.is_empty() {
             HashMap::new()
         } else {
             state.index.match_lengths(input.block_hashes, input.anchors)
         };
+        // Large pools: filter and score the endpoints that hold something the request needs
+        // and the least loaded others, not every one; the whole pool when that leaves none.
+        let shortlisted = crate::preselect::shortlist(&self.config.preselect, pool, input, &matches)
+            .and_then(|c| self.decode.filter_among(&filter_ctx(None), c).ok())
+            .filter(|c| !c.is_empty());
+        let mut candidates = match shortlisted {
+            Some(c) => c,
+            None => self.decode.filter(&filter_ctx(None))?,
+        };
+        if let Some(subset) = input.subset {
+            subset.restrict(&pool.endpoints, &mut candidates)?;
+        }
         let (all, cold) = self.run(&self.decode, pool, input, &matches, state).score(&candidates);
         let (tiers, sticky) = self.tiers(&all, input);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();

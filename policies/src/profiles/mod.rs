@@ -157,7 +157,15 @@ impl Profile {
 
     /// The candidates of a pool of `endpoints` that pass every filter, in pool order.
     pub fn filter(&self, ctx: &filters::FilterContext<'_>) -> Result<Vec<usize>, ScheduleError> {
-        let mut candidates: Vec<usize> = (0..ctx.endpoints.len()).collect();
+        self.filter_among(ctx, (0..ctx.endpoints.len()).collect())
+    }
+
+    /// Run the filters over `candidates` (positions in `ctx.endpoints`) only.
+    pub fn filter_among(
+        &self,
+        ctx: &filters::FilterContext<'_>,
+        mut candidates: Vec<usize>,
+    ) -> Result<Vec<usize>, ScheduleError> {
         for f in &self.filters {
             f.filter(ctx, &mut candidates)?;
         }

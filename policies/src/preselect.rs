@@ -1,0 +1,303 @@
+//! Pre-selection on large pools: score a shortlist rather than every endpoint.
+//!
+//! Filtering and scoring visit each candidate and allocate a row for it, so a request's cost
+//! grows with the pool. Past `above` endpoints the scheduler filters and scores only:
+//! - every endpoint that holds something the request needs: a prefix match (this worker's
+//!   index, the other workers' and replicas' affinity, or the precise KV index), the session's
+//!   sticky endpoint, or the request's LoRA adapter loaded;
+//! - and the `least_loaded` others with the least load (reported waiting + running, plus this
+//!   worker's own requests in flight), drawn from the `2 × least_loaded` least loaded by the
+//!   last snapshot plus `least_loaded` sampled at random (power-of-k), so equal loads spread.
+//!
+//! Those are the only endpoints any scorer could rank first that the shortlist can drop: one
+//! holding nothing the request needs wins on load alone, and the least loaded are kept. The
+//! lookups it needs ([`PoolIndex`]: address and id to position, each model's ready endpoints
+//! by load, each adapter's holders) are built once per pool version, so a request costs
+//! O(holders + least_loaded), not O(pool). Pools at or below `above` are scored whole, exactly
+//! as before, and so is any request the shortlist cannot serve (an unknown model, or a
+//! shortlist the filters empty, or a request restricted to a subset of the pool).
+
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+
+use crate::endpoint::{Endpoint, PoolState};
+use crate::profiles::SchedulingInput;
+
+/// `scheduler.preselect`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreselectConfig {
+    /// Shortlist when the pool has more endpoints than this; 0 never shortlists.
+    pub above: usize,
+    /// Endpoints kept for their load alone, besides those that hold something the request
+    /// needs.
+    pub least_loaded: usize,
+}
+
+impl Default for PreselectConfig {
+    fn default() -> Self {
+        Self { above: 128, least_loaded: 32 }
+    }
+}
+
+/// FNV-1a of an address: a fixed hash (hashbrown's default is seeded per instance).
+fn fixed_hash(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// splitmix64: spreads `seed ^ i` for tie-breaks and samples.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Per-pool lookups for the shortlist, built once per pool version.
+#[derive(Debug, Default)]
+pub struct PoolIndex {
+    /// Hash of the address -> positions (more than one only on a hash collision).
+    by_address: HashMap<u64, Vec<u32>>,
+    by_id: HashMap<u32, u32>,
+    /// Per model: the ready endpoints serving it, least reported load first.
+    by_load: HashMap<String, Vec<u32>>,
+    /// Per adapter: the endpoints with it loaded (running or waiting).
+    lora: HashMap<String, Vec<u32>>,
+}
+
+/// A snapshot's reported load: waiting + running (unknown counts as idle).
+fn reported(e: &Endpoint) -> f64 {
+    e.metrics.as_ref().map_or(0.0, |m| m.waiting + m.running)
+}
+
+impl PoolIndex {
+    pub fn build(endpoints: &[Endpoint]) -> Self {
+        let mut ix = PoolIndex::default();
+        for (i, e) in endpoints.iter().enumerate() {
+            let Ok(p) = u32::try_from(i) else { break };
+            ix.by_address.entry(fixed_hash(&e.address)).or_default().push(p);
+            ix.by_id.insert(e.id, p);
+            if e.ready {
+                for m in &e.models {
+                    ix.by_load.entry(m.clone()).or_default().push(p);
+                }
+            }
+            if let Some(l) = &e.lora {
+                for a in l.running.iter().chain(&l.waiting) {
+                    ix.lora.entry(a.clone()).or_default().push(p);
+                }
+            }
+        }
+        let load = |p: &u32| endpoints.get(*p as usize).map_or(f64::MAX, reported);
+        for list in ix.by_load.values_mut() {
+            list.sort_by(|a, b| load(a).total_cmp(&load(b)).then(a.cmp(b)));
+        }
+        ix
+    }
+
+    /// The position of the endpoint at `address`.
+    pub fn position(&self, endpoints: &[Endpoint], address: &str) -> Option<usize> {
+        self.by_address
+            .get(&fixed_hash(address))?
+            .iter()
+            .map(|&p| p as usize)
+            .find(|&p| endpoints.get(p).is_some_and(|e| e.address == address))
+    }
+}
+
+/// The per-pool index, built on first use after the pool changes. Cloning or comparing pools
+/// ignores it (it is derived from the endpoints); whoever edits `endpoints` in place resets it.
+#[derive(Default)]
+pub struct IndexCell(std::sync::OnceLock<PoolIndex>);
+
+impl IndexCell {
+    pub fn get_or_build(&self, endpoints: &[Endpoint]) -> &PoolIndex {
+        self.0.get_or_init(|| PoolIndex::build(endpoints))
+    }
+}
+
+impl Clone for IndexCell {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+impl PartialEq for IndexCell {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for IndexCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() { "IndexCell(built)" } else { "IndexCell(empty)" })
+    }
+}
+
+/// The shortlist for `input` on a pool larger than `cfg.above`, in pool order; `None` when the
+/// pool is small enough to score whole, or the model has no ready endpoint (the full path
+/// then explains why).
+pub fn shortlist(
+    cfg: &PreselectConfig,
+    pool: &PoolState,
+    input: &SchedulingInput<'_>,
+    matches: &HashMap<String, usize>,
+) -> Option<Vec<usize>> {
+    // A subset (the gateway's endpoint hint) restricts the pool first: score it whole.
+    if cfg.above == 0 || pool.endpoints.len() <= cfg.above || input.subset.is_some() {
+        return None;
+    }
+    let eps = &pool.endpoints;
+    let ix = pool.index();
+    let by_load = ix.by_load.get(input.model).filter(|l| !l.is_empty())?;
+    let k = cfg.least_loaded;
+    let mut keep: Vec<usize> = Vec::with_capacity(matches.len() + 2 * k + 8);
+    let at = |a: &str| ix.position(eps, a);
+    keep.extend(matches.keys().filter_map(|a| at(a)));
+    if let Some(extra) = input.extra_matches {
+        keep.extend(extra.keys().filter_map(|a| at(a)));
+    }
+    if let Some(p) = input.precise {
+        keep.extend(
+            p.iter().filter(|(_, (_, blocks))| *blocks > 0).filter_map(|(id, _)| ix.by_id.get(id)).map(|&p| p as usize),
+        );
+    }
+    if let Some(s) = input.sticky {
+        keep.extend(at(s));
+    }
+    if let Some(holders) = ix.lora.get(input.model) {
+        keep.extend(holders.iter().map(|&p| p as usize));
+    }
+    if k > 0 {
+        let own = |e: &Endpoint| f64::from(input.inflight.get(&e.address).copied().unwrap_or(0));
+        let n = by_load.len();
+        let sampled =
+            (0..k as u64).filter_map(|j| by_load.get((mix(input.seed ^ j.wrapping_mul(0x9E37)) % n as u64) as usize));
+        let mut pick: Vec<(f64, u64, usize)> = by_load
+            .iter()
+            .take(2 * k)
+            .chain(sampled)
+            .filter_map(|&p| {
+                eps.get(p as usize).map(|e| (reported(e) + own(e), mix(input.seed ^ u64::from(p)), p as usize))
+            })
+            .collect();
+        pick.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        pick.dedup_by_key(|x| x.2);
+        keep.extend(pick.iter().map(|x| x.2).take(k));
+    }
+    keep.sort_unstable();
+    keep.dedup();
+    Some(keep)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::{EndpointMetrics, LoraState};
+
+    fn pool(n: usize) -> PoolState {
+        let endpoints = (0..n)
+            .map(|i| Endpoint {
+                id: i as u32,
+                address: format!("10.0.{}.{}:8000", i / 256, i % 256),
+                models: vec!["m".into()],
+                ready: true,
+                metrics: Some(EndpointMetrics { waiting: 0.0, running: 10.0 + (i % 7) as f64, ..Default::default() }),
+                ..Default::default()
+            })
+            .collect();
+        PoolState { endpoints, ..Default::default() }
+    }
+
+    fn input<'a>(inflight: &'a HashMap<String, u32>) -> SchedulingInput<'a> {
+        SchedulingInput {
+            model: "m",
+            block_hashes: &[],
+            anchors: &[],
+            inflight,
+            inflight_tokens: None,
+            seed: 1,
+            extra_matches: None,
+            precise: None,
+            prompt_tokens: 100,
+            sticky: None,
+            load_only: false,
+            subset: None,
+        }
+    }
+
+    #[test]
+    fn a_small_pool_is_scored_whole() {
+        let p = pool(128);
+        let inflight = HashMap::new();
+        assert_eq!(shortlist(&PreselectConfig::default(), &p, &input(&inflight), &HashMap::new()), None);
+    }
+
+    #[test]
+    fn a_large_pool_keeps_every_holder_and_the_least_loaded() {
+        let mut p = pool(1_000);
+        // The idlest engines by what they report; this worker's own requests make 3 busy.
+        for i in [3, 500, 999] {
+            p.endpoints[i].metrics = Some(EndpointMetrics::default());
+        }
+        let mut inflight = HashMap::new();
+        inflight.insert(p.endpoints[3].address.clone(), 50);
+        p.endpoints[700].lora = Some(LoraState { running: vec!["m".into()], ..Default::default() });
+        let matches: HashMap<String, usize> = [(p.endpoints[10].address.clone(), 4)].into_iter().collect();
+        let extra: HashMap<String, usize> = [(p.endpoints[11].address.clone(), 2)].into_iter().collect();
+        let precise: HashMap<u32, (f64, usize)> = [(12, (0.5, 3)), (13, (0.0, 0))].into_iter().collect();
+        let mut inp = input(&inflight);
+        inp.extra_matches = Some(&extra);
+        inp.precise = Some(&precise);
+        let sticky = p.endpoints[14].address.clone();
+        inp.sticky = Some(&sticky);
+        let cfg = PreselectConfig { above: 128, least_loaded: 2 };
+        let c = shortlist(&cfg, &p, &inp, &matches);
+        assert_eq!(c, Some(vec![10, 11, 12, 14, 500, 700, 999]), "holders, then the two least loaded, in pool order");
+    }
+
+    #[test]
+    fn equal_loads_spread_over_the_pool() {
+        let mut p = pool(10_000);
+        for e in &mut p.endpoints {
+            e.metrics = Some(EndpointMetrics::default());
+        }
+        let inflight = HashMap::new();
+        let cfg = PreselectConfig { above: 128, least_loaded: 4 };
+        let mut seen = hashbrown::HashSet::new();
+        for seed in 0..200 {
+            let mut inp = input(&inflight);
+            inp.seed = seed;
+            let c = shortlist(&cfg, &p, &inp, &HashMap::new()).unwrap_or_default();
+            assert_eq!(c.len(), 4);
+            seen.extend(c);
+        }
+        // Two hundred requests on an idle pool reach far more than the 8 lowest positions.
+        assert!(seen.len() > 100, "{} distinct endpoints", seen.len());
+    }
+
+    #[test]
+    fn an_unknown_model_or_unready_pool_is_left_to_the_full_path() {
+        let mut p = pool(500);
+        let inflight = HashMap::new();
+        let mut inp = input(&inflight);
+        inp.model = "other";
+        assert_eq!(shortlist(&PreselectConfig::default(), &p, &inp, &HashMap::new()), None);
+        p.endpoints.iter_mut().for_each(|e| e.ready = false);
+        p.reindex();
+        assert_eq!(shortlist(&PreselectConfig::default(), &p, &input(&inflight), &HashMap::new()), None);
+    }
+
+    #[test]
+    fn a_shortlist_never_panics_on_odd_input() {
+        let p = pool(200);
+        let inflight = HashMap::new();
+        let matches: HashMap<String, usize> = [("nowhere:1".to_owned(), 3)].into_iter().collect();
+        for least in [0, 1, 199, 200, 10_000] {
+            let cfg = PreselectConfig { above: 10, least_loaded: least };
+            let c = shortlist(&cfg, &p, &input(&inflight), &matches).unwrap_or_default();
+            assert_eq!(c.len(), least.min(200));
+            assert!(c.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
+}
