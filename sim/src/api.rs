@@ -79,7 +79,7 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-fn now_s() -> u64 {
+pub(crate) fn now_s() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -508,7 +508,7 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-async fn non_stream(
+pub(crate) async fn non_stream(
     api: Api,
     model: String,
     mut rx: mpsc::UnboundedReceiver<TokenEvent>,
@@ -585,7 +585,12 @@ fn sse(v: &Value) -> Result<Bytes, Infallible> {
     Ok(Bytes::from(format!("data: {v}\n\n")))
 }
 
-fn stream(api: Api, model: String, mut rx: mpsc::UnboundedReceiver<TokenEvent>, include_usage: bool) -> Response {
+pub(crate) fn stream(
+    api: Api,
+    model: String,
+    mut rx: mpsc::UnboundedReceiver<TokenEvent>,
+    include_usage: bool,
+) -> Response {
     let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
     let created = now_s();
     let chat = api == Api::ChatCompletions;

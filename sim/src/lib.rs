@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod block_hash;
+pub mod cheap;
 pub mod config;
 pub mod engine;
 pub mod generate;
@@ -17,5 +18,6 @@ pub mod metrics;
 pub mod tokenizer;
 pub mod wire;
 
+pub use cheap::cheap_address;
 pub use config::EngineConfig;
 pub use engine::Engine;

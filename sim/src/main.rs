@@ -7,6 +7,7 @@ use clap::Parser;
 use tracing::info;
 
 use attache_sim::api::{self, AppState};
+use attache_sim::cheap;
 use attache_sim::kv_publish::{self, Encoding, PublisherConfig};
 use attache_sim::{Engine, EngineConfig};
 
@@ -92,6 +93,20 @@ struct Args {
     bos_token: String,
     #[arg(long, default_value = "</s>")]
     eos_token: String,
+    /// Cheap mode: serve `--engines` lightweight engines (up to 20,000 and more) from one
+    /// listener, engine i at 127.1.{i / 256}.{i % 256}:{base_port} (`attache_sim::cheap`).
+    #[arg(long)]
+    cheap: bool,
+    /// Cheap mode: the fraction of engines whose gauges change.
+    #[arg(long, default_value_t = 0.1, requires = "cheap")]
+    cheap_busy: f64,
+    /// Cheap mode: how often the busy engines' gauges change, in milliseconds.
+    #[arg(long, default_value_t = 50, requires = "cheap")]
+    cheap_churn_ms: u64,
+    /// Cheap mode: KV events a second, in all, published for the busy engines (with
+    /// `--kv-events-connect`).
+    #[arg(long, default_value_t = 1000.0, requires = "cheap")]
+    cheap_kv_events_per_s: f64,
 }
 
 #[tokio::main]
@@ -100,6 +115,9 @@ async fn main() -> anyhow::Result<()> {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let a = Args::parse();
+    if a.cheap {
+        return cheap(&a).await;
+    }
     let tokenizer = match &a.tokenizer {
         Some(p) => {
             let read = |p: &std::path::Path| {
@@ -173,5 +191,40 @@ async fn main() -> anyhow::Result<()> {
     for s in servers {
         s.await??;
     }
+    Ok(())
+}
+
+/// `--cheap`: every engine from one listener, one churn task and one KV-event publisher.
+async fn cheap(a: &Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.kv_events_port_base.is_none(),
+        "--kv-events-port-base (engines bind their PUB sockets) is not supported with --cheap; \
+         use --kv-events-connect tcp://HOST:PORT"
+    );
+    let models: Vec<String> = a.model.split(',').map(str::trim).filter(|m| !m.is_empty()).map(str::to_owned).collect();
+    anyhow::ensure!(!models.is_empty(), "--model names no model");
+    let pool = cheap::CheapPool::new(cheap::CheapConfig {
+        engines: usize::from(a.engines),
+        port: a.base_port,
+        models,
+        lora_adapters: a.lora_modules.clone(),
+        max_loras: a.max_loras.max(1),
+        block_size: a.block_size,
+        num_gpu_blocks: a.num_gpu_blocks,
+        max_model_len: a.max_model_len.min(a.block_size * a.num_gpu_blocks),
+        enable_prefix_caching: !a.no_prefix_caching,
+        busy_fraction: a.cheap_busy,
+    })?;
+    let _publisher = match &a.kv_events_connect {
+        Some(endpoint) => {
+            let encoding = if a.kv_encoding == "array" { Encoding::Array } else { Encoding::Map };
+            Some(cheap::spawn_kv_publisher(pool.clone(), endpoint, a.cheap_kv_events_per_s, encoding)?)
+        }
+        None => None,
+    };
+    cheap::spawn_churn(pool.clone(), std::time::Duration::from_millis(a.cheap_churn_ms));
+    let listener = tokio::net::TcpListener::bind(("0.0.0.0", a.base_port)).await?;
+    info!(port = a.base_port, engines = pool.len(), busy = pool.busy().len(), "cheap engines listening");
+    cheap::serve(pool, listener).await?;
     Ok(())
 }

@@ -41,6 +41,14 @@ impl Histogram {
             self.counts[i] += 1;
         }
     }
+    /// `n` observations of `v` at once.
+    pub fn observe_n(&mut self, v: f64, n: u64) {
+        self.sum += v * n as f64;
+        self.count += n;
+        if let Some(i) = self.buckets.iter().position(|b| v <= *b) {
+            self.counts[i] += n;
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
