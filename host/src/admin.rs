@@ -11,14 +11,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::watch;
 
 use crate::telemetry::KvCounters;
 use attache_kv::index::KvIndex;
 
 #[derive(Clone)]
 pub struct AdminState {
-    pub snapshots: watch::Receiver<Arc<v1::Snapshot>>,
+    pub snapshots: crate::push::SnapshotRx,
     pub kv_index: Arc<Mutex<KvIndex>>,
     pub kv_counters: Arc<KvCounters>,
     /// The endpoint picker, when it is on: its families join the exposition.

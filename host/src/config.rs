@@ -23,8 +23,13 @@ pub struct HostConfig {
     pub admin_token_file: Option<PathBuf>,
     /// Static endpoint file (see `discovery`). Re-read when it changes.
     pub endpoints_file: Option<PathBuf>,
-    /// How often each engine's `/metrics` is scraped.
+    /// How often each engine's `/metrics` is scraped while its metrics change.
     pub scrape_interval_ms: u64,
+    /// The longest scrape interval: each scrape that finds an engine's metrics unchanged
+    /// doubles its interval up to this; a change, a failure or a KV event from the engine
+    /// brings it back to `scrape_interval_ms`. Equal to `scrape_interval_ms` (or 0): fixed.
+    /// Must stay below `unready_after_ms`.
+    pub scrape_max_interval_ms: u64,
     /// Per-scrape timeout.
     pub scrape_timeout_ms: u64,
     /// How often each engine's `GET /v1/models` is read, for the LoRA adapters it has loaded
@@ -65,6 +70,7 @@ impl Default for HostConfig {
             endpoints_file: None,
             scrape_interval_ms: 50,
             scrape_timeout_ms: 500,
+            scrape_max_interval_ms: 800,
             models_interval_ms: 2_000,
             unready_after_ms: 2_000,
             publish_interval_ms: 50,
@@ -84,6 +90,10 @@ impl HostConfig {
     pub fn scrape_interval(&self) -> Duration {
         ms(self.scrape_interval_ms)
     }
+    /// The longest adaptive scrape interval (never below `scrape_interval_ms`).
+    pub fn scrape_max_interval(&self) -> Duration {
+        ms(self.scrape_max_interval_ms.max(self.scrape_interval_ms))
+    }
     pub fn scrape_timeout(&self) -> Duration {
         ms(self.scrape_timeout_ms)
     }
@@ -99,7 +109,14 @@ impl HostConfig {
     }
 
     pub fn from_yaml(text: &str) -> anyhow::Result<Self> {
-        Ok(serde_yaml::from_str(text)?)
+        let c: Self = serde_yaml::from_str(text)?;
+        anyhow::ensure!(
+            c.scrape_max_interval_ms.max(c.scrape_interval_ms) < c.unready_after_ms,
+            "scrape_max_interval_ms ({}) must stay below unready_after_ms ({}): an idle engine would turn unready between scrapes",
+            c.scrape_max_interval_ms,
+            c.unready_after_ms
+        );
+        Ok(c)
     }
 }
 

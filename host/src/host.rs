@@ -79,12 +79,13 @@ impl Host {
         info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
 
         // The precise index, fed by the engines' KV events.
-        let kv = KvSubscribers::new(kv_index.clone(), kv_changed.clone());
+        let activity = crate::scrape::Activity::default();
+        let kv = KvSubscribers::new(kv_index.clone(), kv_changed.clone()).with_activity(activity.clone());
         if let Some(b) = &cfg.kv_events_bind {
             kv.bind_collector(b).with_context(|| format!("binding the KV-event collector on {b}"))?;
         }
         let kv_counters = kv.counters.clone();
-        start_discovery(&cfg, source, client, state, kv, members.clone()).await;
+        start_discovery(&cfg, source, client, state, kv, activity, members.clone()).await;
         let (picker, epp) = match &cfg.epp {
             Some(e) => {
                 let metrics = Arc::new(epp::metrics::EppMetrics::default());
@@ -155,7 +156,7 @@ async fn discovery_source(cfg: &HostConfig) -> anyhow::Result<Source> {
 fn grpc_services(
     cfg: &HostConfig,
     policy: Option<&Arc<PolicyService>>,
-    rx: watch::Receiver<Arc<attache_proto::v1::Snapshot>>,
+    rx: push::SnapshotRx,
     kv_index: &Arc<Mutex<KvIndex>>,
     kv_changed: &Arc<Notify>,
     members: &eds::Members,
@@ -196,9 +197,11 @@ async fn start_discovery(
     client: reqwest::Client,
     state: Arc<RwLock<PoolState>>,
     kv: KvSubscribers,
+    activity: crate::scrape::Activity,
     members: eds::Members,
 ) {
     let scrapers = Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())
+        .adaptive(cfg.scrape_max_interval(), activity)
         .with_model_lists(cfg.models_interval())
         .with_engine_gone(kv.engine_gone());
     let mut sink = Sink::new(scrapers, kv, state.clone(), cfg.kv_events_bind.is_some(), members);

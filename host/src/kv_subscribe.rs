@@ -60,6 +60,8 @@ pub struct KvSubscribers {
     sources: Arc<RwLock<HashMap<String, EngineSource>>>,
     seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
     running: HashMap<String, Arc<AtomicBool>>,
+    /// Wakes an engine's scraper when its events arrive.
+    activity: crate::scrape::Activity,
 }
 
 /// Forgets what a dead engine held. Its KV cache died with its process; its event sequence
@@ -105,7 +107,14 @@ impl KvSubscribers {
             sources: Arc::default(),
             seqs: Arc::default(),
             running: HashMap::new(),
+            activity: crate::scrape::Activity::default(),
         }
+    }
+
+    /// Wake each engine's scraper when its events arrive (its metrics are about to change).
+    pub fn with_activity(mut self, activity: crate::scrape::Activity) -> Self {
+        self.activity = activity;
+        self
     }
 
     /// Follow exactly `sources`: start subscribers for new engines, stop those of engines that
@@ -149,6 +158,7 @@ impl KvSubscribers {
             counters: self.counters.clone(),
             sources: self.sources.clone(),
             seqs: self.seqs.clone(),
+            activity: self.activity.clone(),
         }
     }
 
@@ -194,6 +204,7 @@ struct Worker {
     counters: Arc<KvCounters>,
     sources: Arc<RwLock<HashMap<String, EngineSource>>>,
     seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
+    activity: crate::scrape::Activity,
 }
 
 impl Worker {
@@ -361,6 +372,7 @@ impl Worker {
         }
         drop(ix);
         self.changed.notify_one();
+        self.activity.wake(&src.address);
     }
 
     /// Fetch batches `from..until` from the engine's replay socket and apply them in order.

@@ -26,8 +26,49 @@ fn now_ns() -> u64 {
 }
 
 fn full(s: &v1::Snapshot) -> v1::Update {
-    crate::telemetry::metrics().snapshot_sent(prost::Message::encoded_len(s));
-    v1::Update { kind: Some(update::Kind::Full(s.clone())), sent_unix_ns: now_ns() }
+    let u = v1::Update { kind: Some(update::Kind::Full(s.clone())), sent_unix_ns: now_ns() };
+    crate::telemetry::metrics().snapshot_sent("full", prost::Message::encoded_len(&u));
+    u
+}
+
+fn delta(d: &v1::SnapshotDelta) -> v1::Update {
+    let u = v1::Update { kind: Some(update::Kind::Delta(d.clone())), sent_unix_ns: now_ns() };
+    crate::telemetry::metrics().snapshot_sent("delta", prost::Message::encoded_len(&u));
+    u
+}
+
+/// One published snapshot version: the whole snapshot, and what changed from the version
+/// before it (`None` for the first).
+#[derive(Debug, Default)]
+pub struct PublishedSnapshot {
+    pub snapshot: v1::Snapshot,
+    pub delta: Option<v1::SnapshotDelta>,
+}
+
+impl std::ops::Deref for PublishedSnapshot {
+    type Target = v1::Snapshot;
+    fn deref(&self) -> &v1::Snapshot {
+        &self.snapshot
+    }
+}
+
+impl From<v1::Snapshot> for PublishedSnapshot {
+    fn from(snapshot: v1::Snapshot) -> Self {
+        Self { snapshot, delta: None }
+    }
+}
+
+/// The newest published snapshot, for subscribers, the endpoint picker and the admin API.
+pub type SnapshotRx = watch::Receiver<Arc<PublishedSnapshot>>;
+
+/// The update that brings a subscriber from `sent` (what it last got) to `now`: the published
+/// delta when it follows on, else the whole snapshot (a subscriber that fell behind more than
+/// one version, or a new host epoch).
+fn next_update(sent: Option<(u64, u64)>, now: &PublishedSnapshot) -> v1::Update {
+    match (&now.delta, sent) {
+        (Some(d), Some((epoch, version))) if d.host_epoch == epoch && d.base_version == version => delta(d),
+        _ => full(&now.snapshot),
+    }
 }
 
 /// Counts an open snapshot stream for as long as it lives.
@@ -53,9 +94,10 @@ pub fn spawn_publisher(
     epoch: u64,
     interval: Duration,
     unready_after: Duration,
-) -> watch::Receiver<Arc<v1::Snapshot>> {
-    let initial = Arc::new(v1::Snapshot { version: 0, host_epoch: epoch, ..Default::default() });
-    let (tx, rx) = watch::channel(initial);
+) -> SnapshotRx {
+    let initial = v1::Snapshot { version: 0, host_epoch: epoch, ..Default::default() };
+    let (tx, rx) = watch::channel(Arc::new(PublishedSnapshot { snapshot: initial.clone(), delta: None }));
+    let mut prev = initial;
     tokio::spawn(async move {
         let mut version = 0u64;
         let mut seen_generation = u64::MAX;
@@ -77,9 +119,16 @@ pub fn spawn_publisher(
             drop(st);
             last_ready = ready;
             version += 1;
-            debug!(version, endpoints = snap.endpoints.len(), "publishing snapshot");
+            let d = attache_proto::delta::diff(&prev, &snap);
+            debug!(
+                version,
+                endpoints = snap.endpoints.len(),
+                changed = d.as_ref().map(|d| d.upserts.len() + d.removed.len()),
+                "publishing snapshot"
+            );
             crate::telemetry::metrics().snapshot_published(version);
-            if tx.send(Arc::new(snap)).is_err() {
+            prev = snap.clone();
+            if tx.send(Arc::new(PublishedSnapshot { snapshot: snap, delta: d })).is_err() {
                 break;
             }
         }
@@ -155,14 +204,14 @@ impl IndexFeed {
 
 /// The tonic service.
 pub struct Snapshots {
-    rx: watch::Receiver<Arc<v1::Snapshot>>,
+    rx: SnapshotRx,
     heartbeat: Duration,
     index: Option<IndexFeed>,
     fleet: Option<FleetFeed>,
 }
 
 impl Snapshots {
-    pub fn new(rx: watch::Receiver<Arc<v1::Snapshot>>, heartbeat: Duration) -> Self {
+    pub fn new(rx: SnapshotRx, heartbeat: Duration) -> Self {
         Self { rx, heartbeat, index: None, fleet: None }
     }
 
@@ -215,7 +264,7 @@ async fn send_all(tx: &Tx, msgs: impl IntoIterator<Item = v1::Update>) -> bool {
 
 /// What one subscriber is fed: snapshots, index deltas, fleet deltas (on `Exchange`), heartbeats.
 struct Feeds {
-    rx: watch::Receiver<Arc<v1::Snapshot>>,
+    rx: SnapshotRx,
     heartbeat: Duration,
     index: Option<IndexFeed>,
     /// The fleet and the subscriber's Envoy.
@@ -258,9 +307,10 @@ impl Feeds {
         let mut idx_rx = self.index.as_ref().map(|f| f.tx.subscribe());
         let mut fleet_rx = self.fleet.as_ref().map(|(f, _)| f.tx.subscribe());
         let first = self.rx.borrow_and_update().clone();
-        if tx.send(Ok(full(&first))).await.is_err() {
+        if tx.send(Ok(full(&first.snapshot))).await.is_err() {
             return;
         }
+        let mut sent = Some((first.host_epoch, first.version));
         let (msgs, mut idx_seq) = self.index_dump();
         if !send_all(&tx, msgs).await {
             return;
@@ -276,7 +326,9 @@ impl Feeds {
                 changed = self.rx.changed() => {
                     if changed.is_err() { break; }
                     let s = self.rx.borrow_and_update().clone();
-                    tx.send(Ok(full(&s))).await.is_ok()
+                    let u = next_update(sent, &s);
+                    sent = Some((s.host_epoch, s.version));
+                    tx.send(Ok(u)).await.is_ok()
                 }
                 d = recv_opt(&mut idx_rx) => match d {
                     Ok(d) if d.seq > idx_seq => {

@@ -41,6 +41,17 @@ fn saturation(endpoints: &[v1::Endpoint], cfg: &attache_policies::flow::Detector
 /// Weight of the newest TTFT sample in the endpoint's running mean.
 const TTFT_EWMA: f64 = 0.3;
 
+/// How far an engine's metrics are behind it (`metrics_age_ms` on the wire): 0 while its
+/// scrapes are on schedule (the last good one within two of its intervals), else the age of the
+/// last good scrape in whole 100 ms steps, so an endpoint's record changes (and goes out in a
+/// snapshot delta) only when its metrics or its lateness do.
+fn behind_ms(age: Duration, every: Option<Duration>) -> u64 {
+    match every {
+        Some(every) if age <= every.saturating_mul(2) => 0,
+        _ => (age.as_millis() as u64).div_ceil(100).saturating_mul(100),
+    }
+}
+
 /// What the host knows about one endpoint.
 #[derive(Debug, Clone)]
 pub struct EndpointState {
@@ -56,6 +67,8 @@ pub struct EndpointState {
     pub down: bool,
     /// What the engine's `GET /v1/models` listed last (base models, then LoRA adapters).
     pub listed_models: Vec<String>,
+    /// Its scraper's current interval (adaptive); `None` until it reports one.
+    pub scrape_every: Option<Duration>,
 }
 
 /// The whole pool, keyed by address.
@@ -105,6 +118,7 @@ impl PoolState {
                     ttft_ms: None,
                     down: false,
                     listed_models: Vec::new(),
+                    scrape_every: None,
                 },
             };
             next.insert(spec.address, st);
@@ -113,9 +127,11 @@ impl PoolState {
         self.generation += 1;
     }
 
-    pub fn record_scrape(&mut self, address: &str, result: Result<EngineMetrics, String>, now: Instant) {
+    /// Record one scrape of `address`. Returns whether what the filters see changed (the
+    /// scraper then keeps its interval short).
+    pub fn record_scrape(&mut self, address: &str, result: Result<EngineMetrics, String>, now: Instant) -> bool {
         let Some(e) = self.endpoints.get_mut(address) else {
-            return;
+            return false;
         };
         // Only a change of what the filters see bumps the generation; readiness that changes
         // with time alone (metrics ageing out) is caught by the publisher.
@@ -148,6 +164,14 @@ impl PoolState {
         };
         if changed {
             self.generation += 1;
+        }
+        changed
+    }
+
+    /// `address`'s scraper now scrapes it every `every`.
+    pub fn set_scrape_interval(&mut self, address: &str, every: Duration) {
+        if let Some(e) = self.endpoints.get_mut(address) {
+            e.scrape_every = Some(every);
         }
     }
 
@@ -195,7 +219,7 @@ impl PoolState {
                     waiting: m.waiting,
                     running: m.running,
                     kv_usage: m.kv_usage,
-                    metrics_age_ms: age.map(|a| a.as_millis() as u64).unwrap_or(u64::MAX),
+                    metrics_age_ms: age.map_or(u64::MAX, |a| behind_ms(a, e.scrape_every)),
                     block_size: m.block_size.unwrap_or(0),
                     num_gpu_blocks: m.num_gpu_blocks.unwrap_or(0),
                     engine: e.spec.engine.clone(),

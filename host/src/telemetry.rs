@@ -49,6 +49,8 @@ struct ScrapeStats {
     sum_s: f64,
     errors: BTreeMap<ScrapeError, u64>,
     last_ok: Option<Instant>,
+    /// The engine's current (adaptive) scrape interval.
+    interval_s: f64,
     /// When scraping started, for the age of an engine never scraped successfully.
     since: Option<Instant>,
 }
@@ -61,7 +63,8 @@ pub struct HostMetrics {
     kv_ingested: Mutex<BTreeMap<String, u64>>,
     snapshot_version: AtomicU64,
     snapshots_published: AtomicU64,
-    snapshot_bytes: AtomicU64,
+    /// Snapshot messages and bytes sent, by kind (`full`, `delta`).
+    snapshot_sent: Mutex<BTreeMap<&'static str, (u64, u64)>>,
     subscribers: AtomicI64,
     policy_transitions: Mutex<BTreeMap<String, u64>>,
     /// The rollout controller's reads of Envoy stats, by outcome (`ok`, `error`).
@@ -98,6 +101,13 @@ impl HostMetrics {
         }
     }
 
+    /// `endpoint`'s scrape interval is now `every`.
+    pub fn scrape_interval(&self, endpoint: &str, every: Duration) {
+        if let Some(s) = lock(&self.scrapes).get_mut(endpoint) {
+            s.interval_s = every.as_secs_f64();
+        }
+    }
+
     /// One scrape of `endpoint` took `took` and ended with `result`.
     pub fn scrape_done(&self, endpoint: &str, took: Duration, result: Result<(), ScrapeError>) {
         let mut all = lock(&self.scrapes);
@@ -129,9 +139,12 @@ impl HostMetrics {
         self.snapshots_published.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// `bytes` of snapshot went to one subscriber.
-    pub fn snapshot_sent(&self, bytes: usize) {
-        self.snapshot_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+    /// `bytes` of snapshot went to one subscriber, as a `full` snapshot or a `delta`.
+    pub fn snapshot_sent(&self, kind: &'static str, bytes: usize) {
+        let mut m = lock(&self.snapshot_sent);
+        let e = m.entry(kind).or_default();
+        e.0 += 1;
+        e.1 += bytes as u64;
     }
 
     /// A snapshot subscriber connected (`+1`) or left (`-1`).
@@ -218,6 +231,15 @@ fn render_scrapes(out: &mut String, m: &HostMetrics, now: Instant) {
         let age = s.last_ok.or(s.since).map(|t| now.saturating_duration_since(t).as_secs_f64()).unwrap_or(0.0);
         let _ = writeln!(out, "attache_host_scrape_age_seconds{{endpoint=\"{}\"}} {age:.3}", esc(ep));
     }
+    family(
+        out,
+        "attache_host_scrape_interval_seconds",
+        "gauge",
+        "The engine's current scrape interval: the base while its metrics change, up to the maximum while they do not.",
+    );
+    for (ep, s) in scrapes.iter() {
+        let _ = writeln!(out, "attache_host_scrape_interval_seconds{{endpoint=\"{}\"}} {:.3}", esc(ep), s.interval_s);
+    }
 }
 
 /// Endpoints by readiness, and the KV-event and precise-index families.
@@ -267,8 +289,25 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     let _ = writeln!(out, "attache_host_snapshot_version {}", m.snapshot_version.load(Ordering::Relaxed));
     family(out, "attache_host_snapshots_published_total", "counter", "Snapshot versions published.");
     let _ = writeln!(out, "attache_host_snapshots_published_total {}", m.snapshots_published.load(Ordering::Relaxed));
-    family(out, "attache_host_snapshot_bytes_total", "counter", "Encoded snapshot bytes sent to subscribers.");
-    let _ = writeln!(out, "attache_host_snapshot_bytes_total {}", m.snapshot_bytes.load(Ordering::Relaxed));
+    let sent = lock(&m.snapshot_sent).clone();
+    family(
+        out,
+        "attache_host_snapshot_messages_total",
+        "counter",
+        "Snapshot messages sent to subscribers, by kind (full, delta).",
+    );
+    for (kind, (n, _)) in &sent {
+        let _ = writeln!(out, "attache_host_snapshot_messages_total{{kind=\"{kind}\"}} {n}");
+    }
+    family(
+        out,
+        "attache_host_snapshot_bytes_total",
+        "counter",
+        "Encoded snapshot bytes sent to subscribers, by kind (full, delta).",
+    );
+    for (kind, (_, b)) in &sent {
+        let _ = writeln!(out, "attache_host_snapshot_bytes_total{{kind=\"{kind}\"}} {b}");
+    }
     family(out, "attache_host_subscribers", "gauge", "Open snapshot streams (Envoy agents or workers).");
     let _ = writeln!(out, "attache_host_subscribers {}", m.subscribers.load(Ordering::Relaxed).max(0));
 
@@ -334,7 +373,9 @@ mod tests {
         m.scrape_done("10.0.0.1:8000", Duration::from_millis(600), Err(ScrapeError::Timeout));
         m.kv_ingested("10.0.0.1:8000", 7);
         m.snapshot_published(4);
-        m.snapshot_sent(120);
+        m.snapshot_sent("full", 120);
+        m.snapshot_sent("delta", 30);
+        m.snapshot_sent("delta", 20);
         m.subscribers_add(1);
         m.policy_transition("rollback");
         let kv = KvCounters::default();
@@ -350,7 +391,9 @@ mod tests {
             "attache_host_kv_events_dropped_total{reason=\"decode_error\"} 2",
             "attache_host_kv_index_blocks 9",
             "attache_host_snapshot_version 4",
-            "attache_host_snapshot_bytes_total 120",
+            "attache_host_snapshot_bytes_total{kind=\"full\"} 120",
+            "attache_host_snapshot_bytes_total{kind=\"delta\"} 50",
+            "attache_host_snapshot_messages_total{kind=\"delta\"} 2",
             "attache_host_subscribers 1",
             "attache_host_policy_transitions_total{action=\"rollback\"} 1",
         ] {

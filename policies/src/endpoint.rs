@@ -137,6 +137,15 @@ impl PoolState {
         self.index = Default::default();
     }
 
+    /// Bring the lookups up to date after the endpoints at `positions` changed in place (same
+    /// addresses and ids): O(pool) moves of small integers, no rebuild. Lookups not built yet
+    /// stay unbuilt.
+    pub fn index_updated(&mut self, positions: &[usize]) {
+        if let Some(ix) = self.index.get_mut() {
+            ix.update(&self.endpoints, positions);
+        }
+    }
+
     /// The position of the endpoint at `address`: a lookup on pools large enough to have
     /// been indexed, a scan on small ones.
     pub fn position(&self, address: &str) -> Option<usize> {

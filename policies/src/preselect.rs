@@ -95,6 +95,53 @@ impl PoolIndex {
         ix
     }
 
+    /// Follow in-place changes to the endpoints at `changed` (their addresses and ids stay):
+    /// re-place them in each model's load order and in the adapters' holders.
+    pub fn update(&mut self, endpoints: &[Endpoint], changed: &[usize]) {
+        if changed.is_empty() {
+            return;
+        }
+        let changed: hashbrown::HashSet<u32> = changed.iter().filter_map(|&p| u32::try_from(p).ok()).collect();
+        let load = |p: u32| endpoints.get(p as usize).map_or(f64::MAX, reported);
+        for (model, list) in &mut self.by_load {
+            list.retain(|p| !changed.contains(p));
+            for &p in &changed {
+                let Some(e) = endpoints.get(p as usize) else { continue };
+                if e.ready && e.serves(model) {
+                    let l = load(p);
+                    let at = list.partition_point(|&q| load(q).total_cmp(&l).then(q.cmp(&p)).is_lt());
+                    list.insert(at, p);
+                }
+            }
+        }
+        // A model no list had yet (an endpoint started serving it).
+        for &p in &changed {
+            let Some(e) = endpoints.get(p as usize).filter(|e| e.ready) else { continue };
+            for m in &e.models {
+                if !self.by_load.contains_key(m) {
+                    self.by_load.insert(m.clone(), vec![p]);
+                }
+            }
+        }
+        for holders in self.lora.values_mut() {
+            holders.retain(|p| !changed.contains(p));
+        }
+        for &p in &changed {
+            let Some(l) = endpoints.get(p as usize).and_then(|e| e.lora.as_ref()) else { continue };
+            for a in l.running.iter().chain(&l.waiting) {
+                let holders = self.lora.entry(a.clone()).or_default();
+                if !holders.contains(&p) {
+                    holders.push(p);
+                }
+            }
+        }
+    }
+
+    /// The `k` ready endpoints serving `model` with the least reported load, least first.
+    pub fn least_loaded(&self, model: &str, k: usize) -> Vec<usize> {
+        self.by_load.get(model).map(|l| l.iter().take(k).map(|&p| p as usize).collect()).unwrap_or_default()
+    }
+
     /// The position of the endpoint at `address`.
     pub fn position(&self, endpoints: &[Endpoint], address: &str) -> Option<usize> {
         self.by_address
@@ -111,6 +158,10 @@ impl PoolIndex {
 pub struct IndexCell(std::sync::OnceLock<PoolIndex>);
 
 impl IndexCell {
+    pub fn get_mut(&mut self) -> Option<&mut PoolIndex> {
+        self.0.get_mut()
+    }
+
     pub fn get_or_build(&self, endpoints: &[Endpoint]) -> &PoolIndex {
         self.0.get_or_init(|| PoolIndex::build(endpoints))
     }

@@ -11,6 +11,7 @@ pub mod health {
     include!(concat!(env!("OUT_DIR"), "/grpc.health.v1.rs"));
 }
 
+pub mod delta;
 pub mod pool;
 
 pub use prost::Message;

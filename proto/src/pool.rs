@@ -10,39 +10,41 @@ use crate::v1;
 pub fn to_pool(s: &v1::Snapshot) -> PoolState {
     PoolState {
         version: s.version,
-        endpoints: s
-            .endpoints
-            .iter()
-            .map(|e| Endpoint {
-                id: e.id,
-                block_size: e.block_size,
-                address: e.address.clone(),
-                models: e.models.clone(),
-                role: Role::from_label(&e.role),
-                ready: e.ready,
-                metrics: e.has_metrics.then_some(EndpointMetrics {
-                    waiting: e.waiting,
-                    running: e.running,
-                    kv_usage: e.kv_usage,
-                    age_ms: e.metrics_age_ms,
-                    ttft_ms: e.ttft_ms,
-                }),
-                labels: {
-                    let mut l: Vec<(String, String)> = e.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                    l.sort();
-                    l
-                },
-                lora: (e.max_lora > 0).then(|| LoraState {
-                    running: e.lora_running.clone(),
-                    waiting: e.lora_waiting.clone(),
-                    max_lora: e.max_lora,
-                }),
-            })
-            .collect(),
+        endpoints: s.endpoints.iter().map(to_endpoint).collect(),
         saturation: s.saturation,
         dispatch_cost: s.dispatch_cost,
         observed_ms: s.observed_unix_ms,
         objectives: s.objectives.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+        ..PoolState::default()
+    }
+}
+
+/// Convert one wire endpoint.
+pub fn to_endpoint(e: &v1::Endpoint) -> Endpoint {
+    Endpoint {
+        id: e.id,
+        block_size: e.block_size,
+        address: e.address.clone(),
+        models: e.models.clone(),
+        role: Role::from_label(&e.role),
+        ready: e.ready,
+        metrics: e.has_metrics.then_some(EndpointMetrics {
+            waiting: e.waiting,
+            running: e.running,
+            kv_usage: e.kv_usage,
+            age_ms: e.metrics_age_ms,
+            ttft_ms: e.ttft_ms,
+        }),
+        labels: {
+            let mut l: Vec<(String, String)> = e.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            l.sort();
+            l
+        },
+        lora: (e.max_lora > 0).then(|| LoraState {
+            running: e.lora_running.clone(),
+            waiting: e.lora_waiting.clone(),
+            max_lora: e.max_lora,
+        }),
     }
 }
 

@@ -235,7 +235,7 @@ async fn the_host_serves_its_metrics_with_what_the_engines_published() {
     assert_eq!(get("attache_host_endpoints{state=\"unready\"}"), 1.0);
     assert!(get("attache_host_snapshot_version") >= 1.0);
     assert!(get("attache_host_snapshots_published_total") >= 1.0);
-    assert!(get("attache_host_snapshot_bytes_total") > 0.0);
+    assert!(get("attache_host_snapshot_bytes_total{kind=\"full\"}") > 0.0);
     assert!(get("attache_host_subscribers") >= 1.0, "Envoy's snapshot agent is subscribed");
     assert!(text.contains("# TYPE attache_host_policy_transitions_total counter"), "{text}");
     // The text parses as Prometheus exposition, every line of it.

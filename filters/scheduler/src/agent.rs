@@ -98,6 +98,13 @@ impl Subscriber {
         }
     }
 
+    /// Drop the stream (the next tick opens a new one, which starts with a full snapshot).
+    pub fn restart(&mut self) {
+        if let Some(t) = self.token.take() {
+            let _ = hostcalls::cancel_grpc_stream(t);
+        }
+    }
+
     pub fn on_close(&mut self, token: u32) {
         if self.token == Some(token) {
             let (code, msg) = hostcalls::get_grpc_status().unwrap_or((0, None));

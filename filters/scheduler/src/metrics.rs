@@ -24,6 +24,8 @@ pub struct Metrics {
     snapshot_version: Option<u32>,
     snapshot_epoch: Option<u32>,
     snapshot_updates: Option<u32>,
+    snapshot_deltas: Option<u32>,
+    snapshot_gaps: Option<u32>,
     host_silent_ms: Option<u32>,
     load_only: Option<u32>,
     index_entries: Option<u32>,
@@ -150,6 +152,8 @@ impl Metrics {
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
             snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
+            snapshot_deltas: define(MetricType::Counter, "attache.snapshot.deltas"),
+            snapshot_gaps: define(MetricType::Counter, "attache.snapshot.delta_gaps"),
             host_silent_ms: define(MetricType::Gauge, "attache.host.silent_ms"),
             load_only: define(MetricType::Counter, "attache.host.load_only_decisions"),
             affinity_learned: define(MetricType::Counter, "attache.affinity.learned"),
@@ -479,13 +483,22 @@ impl Metrics {
     }
 
     /// A new snapshot arrived (agent) or was loaded (worker).
-    pub fn snapshot(&mut self, epoch: u64, version: u64) {
+    /// A snapshot version arrived, whole or (`delta`) as the changes from the one before.
+    pub fn snapshot(&mut self, epoch: u64, version: u64, delta: bool) {
         for (id, v) in [(self.snapshot_version, version), (self.snapshot_epoch, epoch)] {
             if let Some(id) = id {
                 let _ = hostcalls::record_metric(id, v);
             }
         }
         inc(self.snapshot_updates, 1);
+        if delta {
+            inc(self.snapshot_deltas, 1);
+        }
+    }
+
+    /// A delta that did not follow the snapshot held (the stream restarts).
+    pub fn snapshot_gap(&mut self) {
+        inc(self.snapshot_gaps, 1);
     }
 }
 

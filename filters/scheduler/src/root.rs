@@ -27,11 +27,21 @@ pub struct AttacheRoot {
     subscriber: Option<Subscriber>,
     /// This Envoy's side of the fleet exchange, on the subscriber's stream.
     fleet: Option<FleetMember>,
+    /// The newest snapshot as the stream built it, and the deltas published after its base.
+    snapshots: snapshot::Publisher,
 }
 
 impl AttacheRoot {
     pub fn new(context_id: u32) -> Self {
-        Self { context_id, role: Role::Scheduler, worker: None, picker: None, subscriber: None, fleet: None }
+        Self {
+            context_id,
+            role: Role::Scheduler,
+            worker: None,
+            picker: None,
+            subscriber: None,
+            fleet: None,
+            snapshots: snapshot::Publisher::default(),
+        }
     }
 
     /// The worker's state (a scheduler's or an agent's), for tests.
@@ -51,6 +61,14 @@ impl AttacheRoot {
 }
 
 impl AttacheRoot {
+    fn with_metrics(&self, f: impl FnOnce(&mut crate::metrics::Metrics)) {
+        if let Some(w) = &self.worker {
+            if let Ok(mut w) = w.try_borrow_mut() {
+                f(&mut w.metrics);
+            }
+        }
+    }
+
     /// Open the host stream if it is not open: `Exchange` for a fleet member, else `Subscribe`.
     fn open_stream(&mut self) {
         let node = self.node();
@@ -75,15 +93,30 @@ impl Context for AttacheRoot {
         };
         match sub.on_message(token_id, message_size, now) {
             Some(v1::update::Kind::Full(s)) => {
-                if !snapshot::publish(&s) {
+                let at = (s.host_epoch, s.version);
+                if !self.snapshots.full(s) {
                     host::log(LogLevel::Error, "attache: could not write snapshot to shared data");
                 }
-                if let Some(w) = &self.worker {
-                    if let Ok(mut w) = w.try_borrow_mut() {
-                        w.metrics.snapshot(s.host_epoch, s.version);
-                    }
-                }
+                self.with_metrics(|m| m.snapshot(at.0, at.1, false));
             }
+            Some(v1::update::Kind::Delta(d)) => match self.snapshots.delta(&d) {
+                Ok((epoch, version)) => self.with_metrics(|m| m.snapshot(epoch, version, true)),
+                Err(snapshot::Refused::Gap) => {
+                    // Out of step with the host: restart the stream, which opens with a full
+                    // snapshot.
+                    host::log(
+                        LogLevel::Warn,
+                        &format!("attache: snapshot delta to {} does not follow; resubscribing", d.version),
+                    );
+                    if let Some(sub) = self.subscriber.as_mut() {
+                        sub.restart();
+                    }
+                    self.with_metrics(|m| m.snapshot_gap());
+                }
+                Err(snapshot::Refused::Write) => {
+                    host::log(LogLevel::Error, "attache: could not write snapshot delta to shared data");
+                }
+            },
             Some(v1::update::Kind::Fleet(d)) => {
                 let (Some(fleet), Some(w)) = (self.fleet.as_mut(), &self.worker) else { return };
                 let Ok(mut w) = w.try_borrow_mut() else { return };
@@ -332,6 +365,56 @@ mod tests {
         assert!(ok);
         let ex = scheduler.send(Request::completion(&prompt("hi")));
         assert!([address(0), address(1)].contains(&ex.primary().expect("routed")));
+    }
+
+    #[test]
+    fn schedulers_follow_snapshot_deltas_without_rereading_the_pool() {
+        let mut agent = Filter::configure(r#"{"role":"agent"}"#);
+        let first = open_stream();
+        let base = snapshot(2);
+        deliver(&mut agent, v1::update::Kind::Full(base.clone()));
+        let (scheduler, ok) = Filter::try_configure_as(2, "");
+        assert!(ok);
+        assert!(scheduler.send(Request::completion(&prompt("hi"))).primary().is_some());
+        // Version 2: endpoint 0 goes unready; only its record travels.
+        let mut next = base.clone();
+        next.version = 2;
+        next.endpoints[0].ready = false;
+        let d = attache_proto::delta::diff(&base, &next).expect("same epoch");
+        assert_eq!(d.upserts.len(), 1);
+        deliver(&mut agent, v1::update::Kind::Delta(d));
+        for i in 0..20 {
+            let ex = scheduler.send(Request::completion(&prompt(&format!("q{i}"))));
+            assert_eq!(ex.primary(), Some(address(1)), "the unready endpoint is avoided");
+        }
+        let w = scheduler.root.worker().expect("a worker");
+        let (applied, reads) = {
+            let w = w.borrow();
+            (w.cache.deltas_applied, w.cache.full_reads)
+        };
+        assert_eq!((applied, reads), (1, 1), "one whole read, then the delta alone");
+        assert_eq!(metric("attache.snapshot.deltas"), Some(1));
+        // Hundreds more fold the log into a new base; the scheduler stays current.
+        let mut prev = next;
+        for v in 3..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
+            let mut s = prev.clone();
+            s.version = v;
+            s.endpoints[1].waiting = v as f64;
+            s.endpoints[0].ready = v % 2 == 1;
+            deliver(&mut agent, v1::update::Kind::Delta(attache_proto::delta::diff(&prev, &s).expect("same epoch")));
+            prev = s;
+        }
+        let _ = scheduler.send(Request::completion(&prompt("after")));
+        assert_eq!(w.borrow().cache.pool.version, prev.version);
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&prev));
+        // A delta that does not follow: counted, and the stream restarts for a full snapshot.
+        let stray = v1::SnapshotDelta { version: 900, base_version: 800, host_epoch: 1, ..Default::default() };
+        deliver(&mut agent, v1::update::Kind::Delta(stray));
+        assert_eq!(metric("attache.snapshot.delta_gaps"), Some(1));
+        assert!(with(|h| h.grpc_streams.iter().any(|s| s.token == first.token && s.closed)));
+        agent.tick();
+        assert_ne!(open_stream().token, first.token);
+        assert_eq!(w.borrow().cache.pool.version, prev.version, "the stray delta changed nothing");
     }
 
     #[test]

@@ -19,9 +19,8 @@ use attache_policies::prompt_tokens::{self, PromptTokenizer};
 use attache_policies::request::{Api, InferenceRequest};
 use attache_policies::session::{self, Sticky, StickyStore};
 use attache_policies::{ErrorResponse, PoolState, ScheduleError, Scheduler, SchedulerState};
-use attache_proto::v1;
 use hashbrown::HashMap;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 use tracing::{debug, warn};
 
 use super::metrics::EppMetrics;
@@ -96,7 +95,7 @@ struct State {
 pub struct Picker {
     config: Arc<FilterConfig>,
     scheduler: Scheduler,
-    snapshots: watch::Receiver<Arc<v1::Snapshot>>,
+    snapshots: crate::push::SnapshotRx,
     kv: Option<Arc<Mutex<KvIndex>>>,
     tokenizer: Option<Mutex<PromptTokenizer>>,
     state: Mutex<State>,
@@ -126,7 +125,7 @@ impl Picker {
     /// the filter would refuse too.
     pub fn new(
         config: FilterConfig,
-        snapshots: watch::Receiver<Arc<v1::Snapshot>>,
+        snapshots: crate::push::SnapshotRx,
         kv: Arc<Mutex<KvIndex>>,
         metrics: Arc<EppMetrics>,
     ) -> anyhow::Result<Self> {

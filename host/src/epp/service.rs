@@ -206,7 +206,7 @@ mod tests {
 
     #[tokio::test]
     async fn readiness_waits_for_a_snapshot_and_unknown_services_are_not_found() {
-        let (tx, rx) = watch::channel(Arc::new(v1::Snapshot::default()));
+        let (tx, rx) = watch::channel(Arc::new(crate::push::PublishedSnapshot::default()));
         let kv = Arc::new(std::sync::Mutex::new(KvIndex::new(16)));
         let picker = Arc::new(Picker::new(FilterConfig::default(), rx, kv, Arc::new(EppMetrics::default())).unwrap());
         let h = HealthService { picker };
@@ -220,7 +220,7 @@ mod tests {
         assert_eq!(check("readiness").await.unwrap(), ServingStatus::NotServing as i32);
         assert_eq!(check(EXT_PROC_SERVICE).await.unwrap(), ServingStatus::NotServing as i32);
         assert_eq!(check("nope").await.unwrap_err().code(), tonic::Code::NotFound);
-        tx.send_replace(Arc::new(v1::Snapshot { version: 1, ..Default::default() }));
+        tx.send_replace(Arc::new(v1::Snapshot { version: 1, ..Default::default() }.into()));
         assert_eq!(check("readiness").await.unwrap(), ServingStatus::Serving as i32);
         let all = h.list(Request::new(HealthListRequest {})).await.unwrap().into_inner().statuses;
         assert_eq!(all.len(), 4);

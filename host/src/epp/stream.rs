@@ -365,8 +365,11 @@ mod tests {
         v1::Snapshot { version: 1, host_epoch: 1, endpoints, saturation: Some(0.0), ..Default::default() }
     }
 
-    fn picker_with(cfg: FilterConfig, snap: v1::Snapshot) -> (Arc<Picker>, watch::Sender<Arc<v1::Snapshot>>) {
-        let (tx, rx) = watch::channel(Arc::new(snap));
+    fn picker_with(
+        cfg: FilterConfig,
+        snap: v1::Snapshot,
+    ) -> (Arc<Picker>, watch::Sender<Arc<crate::push::PublishedSnapshot>>) {
+        let (tx, rx) = watch::channel(Arc::new(snap.into()));
         let kv = Arc::new(std::sync::Mutex::new(KvIndex::new(1024)));
         let p = Picker::new(cfg, rx, kv, Arc::new(EppMetrics::default())).unwrap();
         (Arc::new(p), tx)
