@@ -110,8 +110,9 @@ impl HostConfig {
 
     pub fn from_yaml(text: &str) -> anyhow::Result<Self> {
         let c: Self = serde_yaml::from_str(text)?;
+        let adaptive = c.scrape_max_interval_ms > c.scrape_interval_ms;
         anyhow::ensure!(
-            c.scrape_max_interval_ms.max(c.scrape_interval_ms) < c.unready_after_ms,
+            !adaptive || c.scrape_max_interval_ms < c.unready_after_ms,
             "scrape_max_interval_ms ({}) must stay below unready_after_ms ({}): an idle engine would turn unready between scrapes",
             c.scrape_max_interval_ms,
             c.unready_after_ms
@@ -137,5 +138,15 @@ mod tests {
         check("host-policy-auto-defaults", &attache_policies::canary::AutoPolicy::default());
         let text = serde_yaml::to_string(&HostConfig::default()).unwrap();
         assert_eq!(HostConfig::from_yaml(&text).unwrap().grpc_listen, HostConfig::default().grpc_listen);
+    }
+
+    #[test]
+    fn an_adaptive_interval_must_stay_below_unready_after() {
+        let e = HostConfig::from_yaml("scrape_max_interval_ms: 3000").unwrap_err().to_string();
+        assert!(e.contains("must stay below unready_after_ms (2000)"), "{e}");
+        // A fixed interval is the operator's to choose, however long.
+        let fixed = HostConfig::from_yaml("scrape_interval_ms: 3600000\nunready_after_ms: 3600000").unwrap();
+        assert_eq!(fixed.scrape_max_interval(), Duration::from_secs(3600));
+        assert!(HostConfig::from_yaml("scrape_max_interval_ms: 1500").is_ok());
     }
 }

@@ -70,8 +70,10 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Eng
             let mut every = base;
             let mut was_ok = true;
             let telemetry = crate::telemetry::metrics();
-            // Spread the first scrapes of a large pool over one interval.
-            let jitter = base.mul_f64(f64::from(crate::scrape::spread(&address)) / f64::from(u16::MAX));
+            // Spread the first scrapes of a large pool over one interval (at most 100 ms, so
+            // a long interval does not delay the first).
+            let jitter =
+                base.min(Duration::from_millis(100)).mul_f64(f64::from(spread(&address)) / f64::from(u16::MAX));
             tokio::time::sleep(jitter).await;
             loop {
                 let started = Instant::now();
