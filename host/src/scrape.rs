@@ -15,7 +15,7 @@ use tokio::task::JoinHandle;
 use tracing::{debug, warn, Instrument};
 
 use crate::kv_subscribe::EngineGone;
-use crate::state::PoolState;
+use crate::state::{Change, PoolState};
 use crate::telemetry::ScrapeError;
 
 /// Wakes an engine's scraper early: its KV events say it is working, so its metrics are
@@ -42,13 +42,13 @@ impl Activity {
     }
 }
 
-/// The next interval after a scrape: back to `base` when the metrics changed or the scrape
-/// failed, else doubled up to `max`.
-fn next_interval(now: Duration, base: Duration, max: Duration, changed: bool) -> Duration {
-    if changed {
-        base
-    } else {
-        now.saturating_mul(2).clamp(base, max.max(base))
+/// The next interval after a scrape: back to `base` when the load gauges changed or the scrape
+/// failed; kept when only counters moved (a request finished); else doubled up to `max`.
+fn next_interval(now: Duration, base: Duration, max: Duration, change: Change) -> Duration {
+    match change {
+        Change::Load => base,
+        Change::Counters => now,
+        Change::Nothing => now.saturating_mul(2).clamp(base, max.max(base)),
     }
 }
 
@@ -89,8 +89,8 @@ fn spawn(scrapers: &Scrapers, address: String, metrics_path: String, engine: Eng
                 was_ok = res.is_ok();
                 let failed = res.is_err();
                 let mut st = state.write().await;
-                let changed = st.record_scrape(&address, res, Instant::now());
-                every = next_interval(every, base, max, changed || failed);
+                let change = st.record_scrape(&address, res, Instant::now());
+                every = next_interval(every, base, max, if failed { Change::Load } else { change });
                 st.set_scrape_interval(&address, every);
                 if refused {
                     // Nothing listens: the engine is gone, not slow. Unready at once, so new
@@ -187,7 +187,9 @@ async fn scrape_once(
     if !resp.status().is_success() {
         return Err((format!("HTTP {}", resp.status()), ScrapeError::Status));
     }
-    let text = resp.text().await.map_err(|e| (e.to_string(), transport_error(&e)))?;
+    let body = resp.bytes().await.map_err(|e| (e.to_string(), transport_error(&e)))?;
+    // The exposition format is UTF-8: no charset sniffing, and no copy unless it is invalid.
+    let text = String::from_utf8_lossy(&body);
     prom::engine_metrics(&text, engine).map_err(|e| (e.to_string(), ScrapeError::Parse))
 }
 
@@ -274,17 +276,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_interval_doubles_while_nothing_changes_and_resets_on_a_change() {
+    fn the_interval_doubles_while_nothing_changes_and_resets_when_the_load_does() {
         let (base, max) = (Duration::from_millis(50), Duration::from_millis(800));
         let mut every = base;
         let mut seen = Vec::new();
         for _ in 0..6 {
-            every = next_interval(every, base, max, false);
+            every = next_interval(every, base, max, Change::Nothing);
             seen.push(every.as_millis());
         }
         assert_eq!(seen, vec![100, 200, 400, 800, 800, 800]);
-        assert_eq!(next_interval(every, base, max, true), base);
-        assert_eq!(next_interval(base, base, base, false), base, "max = base is a fixed interval");
+        assert_eq!(next_interval(every, base, max, Change::Counters), every, "a finished request keeps it");
+        assert_eq!(next_interval(every, base, max, Change::Load), base);
+        assert_eq!(next_interval(base, base, base, Change::Nothing), base, "max = base is a fixed interval");
     }
 
     #[tokio::test]

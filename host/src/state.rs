@@ -52,6 +52,15 @@ fn behind_ms(age: Duration, every: Option<Duration>) -> u64 {
     }
 }
 
+/// What a scrape changed: the load gauges (or readiness: a first or failed scrape), only
+/// counters (a request finished, the TTFT mean moved), or nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Load,
+    Counters,
+    Nothing,
+}
+
 /// What the host knows about one endpoint.
 #[derive(Debug, Clone)]
 pub struct EndpointState {
@@ -127,11 +136,21 @@ impl PoolState {
         self.generation += 1;
     }
 
-    /// Record one scrape of `address`. Returns whether what the filters see changed (the
-    /// scraper then keeps its interval short).
-    pub fn record_scrape(&mut self, address: &str, result: Result<EngineMetrics, String>, now: Instant) -> bool {
+    /// Record one scrape of `address`. Returns what changed, for the scraper's interval.
+    pub fn record_scrape(&mut self, address: &str, result: Result<EngineMetrics, String>, now: Instant) -> Change {
         let Some(e) = self.endpoints.get_mut(address) else {
-            return false;
+            return Change::Nothing;
+        };
+        let load = match (&result, &e.metrics) {
+            (Ok(m), Some(p)) => {
+                m.waiting != p.waiting
+                    || m.running != p.running
+                    || m.kv_usage != p.kv_usage
+                    || m.running_loras != p.running_loras
+                    || m.waiting_loras != p.waiting_loras
+                    || m.models != p.models
+            }
+            _ => true,
         };
         // Only a change of what the filters see bumps the generation; readiness that changes
         // with time alone (metrics ageing out) is caught by the publisher.
@@ -165,7 +184,11 @@ impl PoolState {
         if changed {
             self.generation += 1;
         }
-        changed
+        match (load, changed) {
+            (true, _) => Change::Load,
+            (false, true) => Change::Counters,
+            (false, false) => Change::Nothing,
+        }
     }
 
     /// `address`'s scraper now scrapes it every `every`.

@@ -72,6 +72,12 @@ fn parse_value(s: &str) -> Option<f64> {
 
 /// Parse a whole exposition.
 pub fn parse(text: &str) -> Exposition<'_> {
+    parse_only(text, |_| true)
+}
+
+/// Parse the samples whose metric name `keep` accepts; other lines are skipped unparsed (an
+/// engine's page is mostly histogram buckets a router does not read).
+pub fn parse_only<'a>(text: &'a str, keep: impl Fn(&str) -> bool) -> Exposition<'a> {
     let mut out = Exposition::default();
     for line in text.lines() {
         let line = line.trim();
@@ -83,6 +89,9 @@ pub fn parse(text: &str) -> Exposition<'_> {
             out.bad_lines += 1;
             continue;
         };
+        if !keep(name) {
+            continue;
+        }
         let rest = line.get(name_end..).unwrap_or("");
         let parsed = if let Some(r) = rest.strip_prefix('{') {
             parse_labels(r).and_then(|(labels, r)| parse_value(r).map(|v| (labels, v)))
@@ -137,8 +146,17 @@ fn first_present(exp: &Exposition<'_>, names: &[&'static str]) -> Option<Vec<f64
 
 /// Extract [`EngineMetrics`] under the names of `engine`'s profile.
 pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, MissingMetrics> {
-    let exp = parse(text);
     let names = engine.metrics();
+    let exp = parse_only(text, |n| {
+        names.waiting.contains(&n)
+            || names.running.contains(&n)
+            || names.kv_usage.contains(&n)
+            || n == names.cache_info
+            || n == names.prefix_cache_queries
+            || n == names.prefix_cache_hits
+            || n == names.lora_info
+            || n.strip_prefix(names.ttft).is_some_and(|r| r == "_sum" || r == "_count")
+    });
     let waiting = first_present(&exp, names.waiting);
     let running = first_present(&exp, names.running);
     let kv = first_present(&exp, names.kv_usage);
