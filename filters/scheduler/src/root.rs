@@ -19,6 +19,9 @@ use crate::picker;
 use crate::shared::{kv_table, snapshot};
 use crate::worker::{Worker, HOUSEKEEPING_TICK_MS};
 
+/// A scheduler worker takes new snapshot versions from its tick at least this often.
+const SNAPSHOT_TICK_MS: u64 = 20;
+
 pub struct AttacheRoot {
     context_id: u32,
     role: Role,
@@ -195,8 +198,11 @@ impl RootContext for AttacheRoot {
             }
         };
         self.worker = Some(Rc::new(RefCell::new(worker)));
-        let mut tick_ms =
-            [flow_tick, affinity_tick, scheduler.then_some(HOUSEKEEPING_TICK_MS)].into_iter().flatten().min();
+        let snapshot_tick = scheduler.then_some(SNAPSHOT_TICK_MS);
+        let mut tick_ms = [flow_tick, affinity_tick, snapshot_tick, scheduler.then_some(HOUSEKEEPING_TICK_MS)]
+            .into_iter()
+            .flatten()
+            .min();
         if let Some(cfg) = sub_cfg {
             let sub = Subscriber::new(cfg);
             tick_ms = Some(tick_ms.map_or(sub.tick_ms(), |t| t.min(sub.tick_ms())));
@@ -219,6 +225,9 @@ impl RootContext for AttacheRoot {
         let Some(w) = &self.worker else { return };
         let Ok(mut w) = w.try_borrow_mut() else { return };
         if self.role == Role::Scheduler {
+            // Take new snapshot versions here, between requests, so a request rarely pays for
+            // applying one (it still checks, and applies what arrived since this tick).
+            w.cache.refresh(now);
             w.housekeep(now);
             let reports_itself = self.fleet.is_some();
             let affinity = w.flush_affinity(now);
@@ -284,7 +293,8 @@ mod tests {
         assert_eq!(metric("attache.requests.scheduled"), Some(0), "metrics defined");
         let (_, ok) = Filter::try_configure_as(2, r#"{"scheduler":{"prefix":{"shared_slots":0}}}"#);
         assert!(ok);
-        assert_eq!(with(|h| h.tick_period_ms), Some(HOUSEKEEPING_TICK_MS as u32), "housekeeping alone");
+        assert_eq!(with(|h| h.tick_period_ms), Some(SNAPSHOT_TICK_MS as u32), "taking snapshots, below housekeeping");
+        assert!(SNAPSHOT_TICK_MS < HOUSEKEEPING_TICK_MS);
     }
 
     #[test]
@@ -383,30 +393,50 @@ mod tests {
         let d = attache_proto::delta::diff(&base, &next).expect("same epoch");
         assert_eq!(d.upserts.len(), 1);
         deliver(&mut agent, v1::update::Kind::Delta(d));
+        let w = scheduler.root.worker().expect("a worker");
+        let mut scheduler = scheduler;
+        scheduler.tick();
+        assert_eq!(w.borrow().cache.pool.version, 2, "taken on the scheduler's tick, before any request");
         for i in 0..20 {
             let ex = scheduler.send(Request::completion(&prompt(&format!("q{i}"))));
             assert_eq!(ex.primary(), Some(address(1)), "the unready endpoint is avoided");
         }
-        let w = scheduler.root.worker().expect("a worker");
         let (applied, reads) = {
             let w = w.borrow();
             (w.cache.deltas_applied, w.cache.full_reads)
         };
         assert_eq!((applied, reads), (1, 1), "one whole read, then the delta alone");
         assert_eq!(metric("attache.snapshot.deltas"), Some(1));
-        // Hundreds more fold the log into a new base; the scheduler stays current.
+        // Hundreds more fold the log into a new base; a scheduler that keeps up (a few
+        // versions behind at most) never reads the base, and one far behind does.
         let mut prev = next;
-        for v in 3..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
+        let mut next_delta = |agent: &mut Filter, v: u64| {
             let mut s = prev.clone();
             s.version = v;
             s.endpoints[1].waiting = v as f64;
             s.endpoints[0].ready = v % 2 == 1;
-            deliver(&mut agent, v1::update::Kind::Delta(attache_proto::delta::diff(&prev, &s).expect("same epoch")));
+            deliver(agent, v1::update::Kind::Delta(attache_proto::delta::diff(&prev, &s).expect("same epoch")));
             prev = s;
+            prev.clone()
+        };
+        let mut last = base.clone();
+        for v in 3..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
+            last = next_delta(&mut agent, v);
+            if v % 3 == 0 {
+                let _ = scheduler.send(Request::completion(&prompt(&format!("keeping up {v}"))));
+            }
         }
         let _ = scheduler.send(Request::completion(&prompt("after")));
-        assert_eq!(w.borrow().cache.pool.version, prev.version);
-        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&prev));
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&last));
+        assert_eq!(w.borrow().cache.full_reads, 1, "the fold kept the deltas it needed");
+        let far = snapshot::LOG_MAX_ENTRIES as u64 + 11;
+        for v in far..far + 2 * snapshot::LOG_MAX_ENTRIES as u64 {
+            last = next_delta(&mut agent, v);
+        }
+        let _ = scheduler.send(Request::completion(&prompt("far behind")));
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&last));
+        assert_eq!(w.borrow().cache.full_reads, 2, "too far behind: the base");
+        let prev = last;
         // A delta that does not follow: counted, and the stream restarts for a full snapshot.
         let stray = v1::SnapshotDelta { version: 900, base_version: 800, host_epoch: 1, ..Default::default() };
         deliver(&mut agent, v1::update::Kind::Delta(stray));

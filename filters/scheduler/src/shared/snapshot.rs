@@ -9,7 +9,8 @@
 //! they apply the deltas they lack, skipping those they have by the frame's version alone, and
 //! read the whole base only when they fell behind it (a 1 MB shared-data read costs ~90 µs
 //! and decoding 10,000 endpoints far more; `reference/envoy-wasm.md` §9.7). The agent folds
-//! the deltas into a new base once they pass [`LOG_MAX_BYTES`] or [`LOG_MAX_ENTRIES`].
+//! the deltas into a new base once they pass [`LOG_MAX_BYTES`] or [`LOG_MAX_ENTRIES`], keeping
+//! the newest in the log so that workers a few versions behind need not read the base.
 
 use attache_policies::PoolState;
 use attache_proto::v1;
@@ -20,9 +21,12 @@ use crate::hostcalls as host;
 
 pub const SNAPSHOT_KEY: &str = "attache.snapshot";
 pub const DELTAS_KEY: &str = "attache.snapshot.deltas";
-/// The delta log is folded into a new base past this many bytes or entries.
+/// The delta log is folded into a new base past this many bytes or entries since the last one.
 pub const LOG_MAX_BYTES: usize = 256 * 1024;
 pub const LOG_MAX_ENTRIES: usize = 512;
+/// What stays in the log when it is folded: the newest deltas, for workers a little behind.
+pub const LOG_KEEP_BYTES: usize = 64 * 1024;
+pub const LOG_KEEP_ENTRIES: usize = 64;
 pub const VERSION_KEY: &str = "attache.snapshot.version";
 /// Written (empty) after every snapshot: its CAS token, which Envoy advances on every write,
 /// says whether anything changed. An empty value costs a worker one host call per request
@@ -61,41 +65,57 @@ pub enum Refused {
     Write,
 }
 
-/// The agent's copy of the newest snapshot and the delta log it published after its base.
+/// The agent's copy of the newest snapshot and the delta log it published with its base.
 #[derive(Default)]
 pub struct Publisher {
     current: Option<v1::Snapshot>,
-    log: Vec<u8>,
-    entries: usize,
+    /// (version, framed delta), oldest first.
+    frames: std::collections::VecDeque<(u64, Vec<u8>)>,
+    bytes: usize,
+    /// Deltas since the base was written.
+    since_base: usize,
 }
 
 impl Publisher {
-    /// A whole snapshot: the new base.
+    /// A whole snapshot: the new base, with an empty log.
     pub fn full(&mut self, s: v1::Snapshot) -> bool {
-        self.log.clear();
-        self.entries = 0;
+        self.frames.clear();
+        self.bytes = 0;
+        self.since_base = 0;
         let ok = publish(&s);
         self.current = Some(s);
         ok
     }
 
-    /// A delta: applied to the held snapshot and appended to the log (or folded into a new
-    /// base when the log is long). Returns the new snapshot's (epoch, version).
+    /// A delta: applied to the held snapshot and appended to the log. Past [`LOG_MAX_BYTES`]
+    /// or [`LOG_MAX_ENTRIES`] since the base, the held snapshot becomes the new base; the
+    /// newest deltas stay in the log ([`LOG_KEEP_BYTES`], [`LOG_KEEP_ENTRIES`]), so workers a
+    /// few versions behind still catch up by them. Returns the new snapshot's (epoch, version).
     pub fn delta(&mut self, d: &v1::SnapshotDelta) -> Result<(u64, u64), Refused> {
         let cur = self.current.as_mut().ok_or(Refused::Gap)?;
         attache_proto::delta::apply(cur, d).map_err(|_| Refused::Gap)?;
         let at = (cur.host_epoch, cur.version);
-        let bytes = d.encode_to_vec();
-        if self.log.len() + bytes.len() > LOG_MAX_BYTES || self.entries >= LOG_MAX_ENTRIES {
-            let s = cur.clone();
-            return if self.full(s) { Ok(at) } else { Err(Refused::Write) };
-        }
-        self.log.extend_from_slice(&d.version.to_be_bytes());
-        self.log.extend_from_slice(&(bytes.len() as u32).to_be_bytes());
-        self.log.extend_from_slice(&bytes);
-        self.entries += 1;
+        let body = d.encode_to_vec();
+        let mut frame = Vec::with_capacity(12 + body.len());
+        frame.extend_from_slice(&d.version.to_be_bytes());
+        frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&body);
+        self.bytes += frame.len();
+        self.frames.push_back((d.version, frame));
+        self.since_base += 1;
         let key = version_key(cur);
-        let ok = host::set_shared_data(DELTAS_KEY, &self.log)
+        let mut ok = true;
+        if self.bytes > LOG_MAX_BYTES || self.since_base >= LOG_MAX_ENTRIES {
+            while self.bytes > LOG_KEEP_BYTES || self.frames.len() > LOG_KEEP_ENTRIES {
+                let Some((_, f)) = self.frames.pop_front() else { break };
+                self.bytes -= f.len();
+            }
+            self.since_base = 0;
+            ok &= host::set_shared_data(SNAPSHOT_KEY, &cur.encode_to_vec());
+        }
+        let log: Vec<u8> = self.frames.iter().flat_map(|(_, f)| f.iter().copied()).collect();
+        ok = ok
+            && host::set_shared_data(DELTAS_KEY, &log)
             && host::set_shared_data(VERSION_KEY, &key)
             && host::set_shared_data(CHANGED_KEY, &[]);
         if ok {
@@ -226,6 +246,10 @@ impl SnapshotCache {
         };
         self.full_reads += 1;
         self.pool = to_pool(&s);
+        // Build a large pool's pre-selection lookups here, not in the next decision.
+        if self.pool.endpoints.len() > attache_policies::preselect::PreselectConfig::default().above {
+            let _ = self.pool.index();
+        }
         self.at = Some((s.host_epoch, s.version));
         self.updated_ms = now_ms;
         let _ = self.follow(s.host_epoch, s.version);
