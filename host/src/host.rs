@@ -64,7 +64,9 @@ impl Host {
         let kv_index = Arc::new(Mutex::new(KvIndex::new(cfg.kv_index_capacity)));
         // Policy modules: refuse to start on a bad trust store or token rather than run without.
         let policy = match cfg.policy.clone() {
-            Some(p) => Some(PolicyService::open(p).context("starting the policy service")?),
+            Some(p) => {
+                Some(PolicyService::open(p, &host_name(&cfg, epoch)).await.context("starting the policy service")?)
+            }
             None => None,
         };
         let kv_changed = Arc::new(Notify::new());

@@ -69,6 +69,10 @@ pub struct HostMetrics {
     policy_transitions: Mutex<BTreeMap<String, u64>>,
     /// The rollout controller's reads of Envoy stats, by outcome (`ok`, `error`).
     policy_stats_reads: Mutex<BTreeMap<&'static str, u64>>,
+    /// Whether this replica acts as the rollout controller (policy state in Kubernetes), and
+    /// writes of the shared policy state refused because another replica wrote first.
+    policy_leader: AtomicI64,
+    policy_conflicts: AtomicU64,
     /// Reads of engines' `/v1/models`, by outcome (`ok`, `error`).
     model_list_reads: Mutex<BTreeMap<&'static str, u64>>,
 }
@@ -163,6 +167,16 @@ impl HostMetrics {
     }
 
     /// The rollout controller read one Envoy's stats (`ok`) or could not (`error`).
+    /// This replica started (`true`) or stopped acting as the rollout controller.
+    pub fn policy_leader(&self, leader: bool) {
+        self.policy_leader.store(i64::from(leader), Ordering::Relaxed);
+    }
+
+    /// A write of the shared policy state lost a race with another replica.
+    pub fn policy_conflict(&self) {
+        self.policy_conflicts.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn policy_stats_read(&self, outcome: &'static str) {
         *lock(&self.policy_stats_reads).entry(outcome).or_default() += 1;
     }
@@ -311,6 +325,20 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     family(out, "attache_host_subscribers", "gauge", "Open snapshot streams (Envoy agents or workers).");
     let _ = writeln!(out, "attache_host_subscribers {}", m.subscribers.load(Ordering::Relaxed).max(0));
 
+    family(
+        out,
+        "attache_host_policy_controller_leader",
+        "gauge",
+        "1 while this replica holds the rollout controller Lease (policy state in Kubernetes), else 0.",
+    );
+    let _ = writeln!(out, "attache_host_policy_controller_leader {}", m.policy_leader.load(Ordering::Relaxed));
+    family(
+        out,
+        "attache_host_policy_state_conflicts_total",
+        "counter",
+        "Writes of the shared policy state refused because another replica wrote first (retried or answered 409).",
+    );
+    let _ = writeln!(out, "attache_host_policy_state_conflicts_total {}", m.policy_conflicts.load(Ordering::Relaxed));
     family(out, "attache_host_policy_transitions_total", "counter", "Policy slot transitions, by action.");
     for (action, n) in lock(&m.policy_transitions).iter() {
         let _ = writeln!(out, "attache_host_policy_transitions_total{{action=\"{}\"}} {n}", esc(action));

@@ -5,6 +5,12 @@
 //! events resumed from a `resourceVersion`, for core (`/api/v1/...`) and grouped
 //! (`/apis/{group}/{version}/...`) resources, namespaced or across all namespaces.
 //!
+//! It also serves single objects for the writers (the host keeps its policy state in
+//! ConfigMaps and elects its rollout controller with a Lease): `GET` by name, `POST` (create;
+//! `409 AlreadyExists`), `PUT` (replace, with `metadata.resourceVersion` as a precondition:
+//! `409 Conflict` when another writer got there first, as optimistic concurrency works in the
+//! real API) and `DELETE`. Every version written stays readable through [`FakeApiServer::history`].
+//!
 //! It does *not* check RBAC, admission, schemas, field or label selectors, or server-side
 //! apply; the tests that use it test the host's client, not Kubernetes. The knobs tests need:
 //! [`FakeApiServer::break_watches`] (the server ends every open watch, as an API server restart
@@ -49,6 +55,8 @@ struct Data {
     compacted: u64,
     lists: BTreeMap<String, u64>,
     watches: BTreeMap<String, u64>,
+    /// Every version of every object written through the API or `apply`, oldest first.
+    history: Vec<Value>,
     kinds: BTreeMap<String, String>,
 }
 
@@ -76,17 +84,27 @@ fn plural_of(kind: &str) -> String {
     format!("{}s", kind.to_ascii_lowercase())
 }
 
-/// `(apiVersion, namespace, plural)` from an API path, or None.
+/// `(apiVersion, namespace, plural)` from a collection path, or None.
 fn route(path: &str) -> Option<(String, Option<String>, String)> {
+    match object_route(path)? {
+        (gv, ns, plural, None) => Some((gv, ns, plural)),
+        _ => None,
+    }
+}
+
+/// `(apiVersion, namespace, plural, name)` from a collection or object path, or None.
+fn object_route(path: &str) -> Option<(String, Option<String>, String, Option<String>)> {
     let seg: Vec<&str> = path.trim_matches('/').split('/').collect();
     let (gv, rest) = match seg.as_slice() {
         ["api", v, rest @ ..] => ((*v).to_string(), rest),
         ["apis", g, v, rest @ ..] => (format!("{g}/{v}"), rest),
         _ => return None,
     };
+    let s = |v: &&str| (*v).to_string();
     match rest {
-        [plural] => Some((gv, None, (*plural).to_string())),
-        ["namespaces", ns, plural] => Some((gv, Some((*ns).to_string()), (*plural).to_string())),
+        [plural] => Some((gv, None, s(plural), None)),
+        ["namespaces", ns, plural] => Some((gv, Some(s(ns)), s(plural), None)),
+        ["namespaces", ns, plural, name] => Some((gv, Some(s(ns)), s(plural), Some(s(name)))),
         _ => None,
     }
 }
@@ -132,8 +150,34 @@ impl FakeApiServer {
         Ok(path)
     }
 
-    fn record(&self, kind: &'static str, mut object: Value, delete: bool) {
-        let mut d = self.inner.data.lock().unwrap_or_else(|e| e.into_inner());
+    fn record(&self, kind: &'static str, object: Value, delete: bool) {
+        record(&self.inner, kind, object, delete);
+    }
+
+    /// Every version written of the object `plural/name` (any namespace), oldest first, each
+    /// with the `metadata.resourceVersion` it got.
+    pub fn history(&self, plural: &str, name: &str) -> Vec<Value> {
+        let d = self.inner.data.lock().unwrap_or_else(|e| e.into_inner());
+        d.history
+            .iter()
+            .filter(|o| {
+                o["kind"].as_str().map(plural_of).as_deref() == Some(plural) && o["metadata"]["name"] == json!(name)
+            })
+            .cloned()
+            .collect()
+    }
+
+    /// The object `plural/name` in `ns` now, if it exists.
+    pub fn get(&self, api_version: &str, plural: &str, ns: &str, name: &str) -> Option<Value> {
+        let d = self.inner.data.lock().unwrap_or_else(|e| e.into_inner());
+        d.objects.get(&(api_version.into(), plural.into(), ns.into(), name.into())).cloned()
+    }
+}
+
+/// Store a new version of `object` (or delete it) and tell the watchers; returns it as stored.
+fn record(inner: &Inner, kind: &'static str, mut object: Value, delete: bool) -> Value {
+    {
+        let mut d = inner.data.lock().unwrap_or_else(|e| e.into_inner());
         d.rv += 1;
         let rv = d.rv;
         let api_version = object["apiVersion"].as_str().unwrap_or("v1").to_string();
@@ -146,7 +190,7 @@ impl FakeApiServer {
         let kind = if delete {
             match d.objects.remove(&key) {
                 Some(old) => object = old,
-                None => return,
+                None => return object,
             }
             "DELETED"
         } else if d.objects.contains_key(&key) {
@@ -161,12 +205,16 @@ impl FakeApiServer {
         }
         if !delete {
             d.objects.insert(key, object.clone());
+            d.history.push(object.clone());
         }
-        let ev = Stored { rv, api_version, plural, ns, kind, object };
+        let ev = Stored { rv, api_version, plural, ns, kind, object: object.clone() };
         d.log.push(ev.clone());
-        let _ = self.inner.events.send(ev);
+        let _ = inner.events.send(ev);
+        object
     }
+}
 
+impl FakeApiServer {
     /// Create or replace an object (it needs `apiVersion`, `kind`, `metadata.name`).
     pub fn apply(&self, object: Value) {
         self.record("MODIFIED", object, false);
@@ -218,6 +266,11 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         .is_some_and(|v| v == format!("Bearer {TOKEN}"));
     if !authorized {
         return (StatusCode::UNAUTHORIZED, axum::Json(status(401, "Unauthorized", "Unauthorized"))).into_response();
+    }
+    if let Some((gv, Some(ns), plural, name)) = object_route(req.uri().path()) {
+        if name.is_some() || req.method() != axum::http::Method::GET {
+            return write(&inner, req, gv, ns, plural, name).await;
+        }
     }
     let Some((gv, ns, plural)) = route(req.uri().path()) else {
         return (
@@ -310,6 +363,54 @@ async fn handle(State(inner): State<Arc<Inner>>, req: Request) -> Response {
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+fn reply(code: StatusCode, body: Value) -> Response {
+    (code, axum::Json(body)).into_response()
+}
+
+/// One object: read, create, replace (resourceVersion-checked) or delete.
+async fn write(inner: &Inner, req: Request, gv: String, ns: String, plural: String, name: Option<String>) -> Response {
+    let method = req.method().clone();
+    let body = axum::body::to_bytes(req.into_body(), 8 << 20).await.unwrap_or_default();
+    let sent: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let name = name.or_else(|| sent["metadata"]["name"].as_str().map(str::to_owned)).unwrap_or_default();
+    let key = (gv.clone(), plural.clone(), ns.clone(), name.clone());
+    let current = inner.data.lock().unwrap_or_else(|e| e.into_inner()).objects.get(&key).cloned();
+    let not_found = || reply(StatusCode::NOT_FOUND, status(404, "NotFound", &format!("{plural} \"{name}\" not found")));
+    let mut object = sent.clone();
+    if object.is_object() {
+        object["metadata"]["namespace"] = json!(ns);
+    }
+    match method.as_str() {
+        "GET" => current.map_or_else(not_found, |o| reply(StatusCode::OK, o)),
+        "POST" if current.is_some() => {
+            reply(StatusCode::CONFLICT, status(409, "AlreadyExists", &format!("{plural} \"{name}\" already exists")))
+        }
+        "POST" => {
+            object["metadata"]["resourceVersion"] = Value::Null;
+            reply(StatusCode::CREATED, record(inner, "ADDED", object, false))
+        }
+        "PUT" => {
+            let Some(current) = current else { return not_found() };
+            let want = sent["metadata"]["resourceVersion"].as_str().unwrap_or_default();
+            if !want.is_empty() && Some(want) != current["metadata"]["resourceVersion"].as_str() {
+                let msg = format!(
+                    "Operation cannot be fulfilled on {plural} \"{name}\": the object has been modified; please apply your changes to the latest version and try again"
+                );
+                return reply(StatusCode::CONFLICT, status(409, "Conflict", &msg));
+            }
+            reply(StatusCode::OK, record(inner, "MODIFIED", object, false))
+        }
+        "DELETE" => match current {
+            Some(o) => {
+                record(inner, "DELETED", o, true);
+                reply(StatusCode::OK, status(200, "", "deleted"))
+            }
+            None => not_found(),
+        },
+        _ => reply(StatusCode::METHOD_NOT_ALLOWED, status(405, "MethodNotAllowed", "method not allowed")),
+    }
 }
 
 /// A pod as the kubelet reports it: labels, annotations, pod IP, and the `Ready` condition.

@@ -28,4 +28,4 @@ pub mod stack;
 pub mod stats;
 
 pub use paths::Paths;
-pub use stack::{EnvoyKind, EppEnvoy, EppEnvoyOpts, Replica, SimOpts, Stack};
+pub use stack::{CheapOpts, EnvoyKind, EppEnvoy, EppEnvoyOpts, Replica, SimOpts, Stack};

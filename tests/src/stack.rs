@@ -19,7 +19,7 @@ mod epp_envoy;
 mod host;
 mod replicas;
 
-pub use engines::{ExternalEngine, SimOpts};
+pub use engines::{CheapOpts, ExternalEngine, SimOpts};
 pub use envoy::EnvoyKind;
 pub use epp_envoy::{validate_bootstrap, EppEnvoy, EppEnvoyOpts};
 pub use host::MoreHost;

@@ -182,11 +182,7 @@ fn rendered_configs_are_accepted_by_the_host_and_by_envoy() {
     let t = tools();
     for values in [None, Some(t.chart().join("ci/pd-values.yaml"))] {
         let d = docs(
-            &t.render(
-                values.as_deref(),
-                &["policy.enabled=true", "host.replicas=1", "policy.trustedKeysConfigMap=keys"],
-            )
-            .expect("render"),
+            &t.render(values.as_deref(), &["policy.enabled=true", "policy.trustedKeysConfigMap=keys"]).expect("render"),
         );
         let host_cm =
             of_kind(&d, "ConfigMap").into_iter().find(|c| c["data"]["host.yaml"].is_string()).expect("host ConfigMap");
@@ -194,7 +190,35 @@ fn rendered_configs_are_accepted_by_the_host_and_by_envoy() {
             .expect("the host parses the chart's host.yaml");
         let k = cfg.kubernetes.expect("kubernetes discovery configured");
         assert_eq!(k.namespace.as_deref(), Some("ml"), "watches the release namespace by default");
-        assert!(cfg.policy.is_some());
+        // The policy state is shared through the Kubernetes API, so two host replicas may run
+        // it: no Recreate, a disruption budget, and a Role that writes only the policy's own
+        // objects.
+        let host_name = host_cm["metadata"]["name"].as_str().unwrap_or_default().to_owned();
+        let full = host_name.strip_suffix("-host").expect("<fullname>-host");
+        let policy = cfg.policy.expect("policy configured");
+        let shared = policy.kubernetes.expect("policy state in Kubernetes by default");
+        assert_eq!((shared.namespace.as_deref(), shared.name.clone()), (Some("ml"), format!("{full}-policy")));
+        let host = of_kind(&d, "Deployment")
+            .into_iter()
+            .find(|x| x["metadata"]["name"] == host_name)
+            .expect("host Deployment");
+        assert_eq!(host["spec"]["replicas"], 2);
+        assert!(host["spec"]["strategy"]["type"] != "Recreate", "{}", host["spec"]["strategy"]);
+        assert!(of_kind(&d, "PodDisruptionBudget").iter().any(|p| p["metadata"]["name"] == host_name));
+        let role = of_kind(&d, "Role")
+            .into_iter()
+            .find(|r| r["metadata"]["name"] == format!("{host_name}-policy"))
+            .expect("the policy state's Role");
+        let named: Vec<&Value> =
+            role["rules"].as_array().expect("rules").iter().filter(|r| r["resourceNames"].is_array()).collect();
+        assert_eq!(named.len(), 2, "the state ConfigMap and the Lease, by name: {role}");
+        for rule in role["rules"].as_array().expect("rules") {
+            let verbs: Vec<&str> = rule["verbs"].as_array().expect("verbs").iter().filter_map(Value::as_str).collect();
+            assert!(!verbs.contains(&"delete") && !verbs.contains(&"patch") && !verbs.contains(&"watch"), "{rule}");
+            if verbs.contains(&"update") {
+                assert!(rule["resourceNames"].is_array(), "updates only named objects: {rule}");
+            }
+        }
         // The admin API listens on the pod network, so it must carry a token (the host refuses
         // to start otherwise), mounted from the chart's Secret.
         assert_eq!(cfg.admin_token_file.as_deref(), Some(std::path::Path::new("/etc/attache/admin/token")));
@@ -552,7 +576,10 @@ fn misconfigurations_fail_with_clear_messages() {
             "envoyGateway.scheduler.sha256 is required",
         ),
         (&["policy.slots={Bad-Slot}"], "is not a slot name"),
-        (&["policy.enabled=true", "policy.trustedKeysConfigMap=b"], "policy.enabled needs host.replicas=1"),
+        (
+            &["policy.enabled=true", "policy.trustedKeysConfigMap=b", "policy.stateIn=disk"],
+            "policy.stateIn=disk needs host.replicas=1",
+        ),
         (&["pool.create=true"], "pool.selector is required"),
         (&["epp.failureMode=FailSometimes"], "epp.failureMode must be FailClose or FailOpen"),
         (

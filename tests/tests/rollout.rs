@@ -55,9 +55,14 @@ fn manual() -> Value {
 
 /// Run the `attache` CLI against this stack's host; (success, stdout, stderr).
 async fn cli(p: &PolicyStack, args: &[&str]) -> (bool, String, String) {
+    cli_on(p, p.s.host_admin_port, args).await
+}
+
+/// Run the `attache` CLI against the host whose admin API is on `port`.
+async fn cli_on(p: &PolicyStack, port: u16, args: &[&str]) -> (bool, String, String) {
     let mut cmd = Command::new(&p.s.paths.host_bin);
     cmd.arg("policy").args(args);
-    let server = format!("http://127.0.0.1:{}", p.s.host_admin_port);
+    let server = format!("http://127.0.0.1:{port}");
     if ["upload", "list", "rollout", "promote", "rollback", "status"].contains(&args[0]) {
         cmd.args(["--server", &server]).env("ATTACHE_ADMIN_TOKEN", TOKEN);
     }
@@ -95,7 +100,11 @@ async fn upload(p: &PolicyStack, slot: &str, version: &str, file: &std::path::Pa
 }
 
 async fn status(p: &PolicyStack) -> Value {
-    let (ok, out, err) = cli(p, &["status"]).await;
+    status_on(p, p.s.host_admin_port).await
+}
+
+async fn status_on(p: &PolicyStack, port: u16) -> Value {
+    let (ok, out, err) = cli_on(p, port, &["status"]).await;
     assert!(ok, "status: {err}");
     serde_json::from_str(&out).expect("status JSON")
 }
@@ -543,4 +552,151 @@ async fn a_healthy_canary_is_promoted_by_the_controller() {
     assert!(wait_served(&load, at, Duration::from_secs(10), |r| r.scorers == stable).await.is_some());
     let served = load.finish().await;
     assert!(failures(&served).is_empty(), "{:?}", failures(&served));
+}
+
+/// `attache_host_policy_controller_leader` on the host whose admin API is on `port` (None if
+/// it does not answer).
+fn leader_gauge(port: u16) -> Option<f64> {
+    let page = attache_e2e::admin_http::http_get_blocking(port, "/metrics")?;
+    Some(attache_e2e::stats::stat_line(&page, "attache_host_policy_controller_leader"))
+}
+
+/// Two host replicas keep the policy state in the (stand-in) Kubernetes API and elect the
+/// rollout controller with a Lease. A canary started before the controller's host is killed
+/// is promoted by the other replica after it, with the request loop failing nothing; the
+/// killed host restarts, takes the shared state, and never acts as a second controller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_started_before_the_controller_host_dies_completes_after_it() {
+    let api = attache_e2e::fake_kube::FakeApiServer::start().await.expect("stand-in API server");
+    let mut s = Stack::new("policy-ha").expect("stack");
+    let keys = s.workdir.join("keys");
+    let token_file = s.workdir.join("admin.token");
+    std::fs::write(&token_file, TOKEN).expect("token");
+    let out = Command::new(&s.paths.host_bin).args(["policy", "keygen", "--out"]).arg(&keys).output().expect("keygen");
+    assert!(out.status.success(), "keygen: {}", String::from_utf8_lossy(&out.stderr));
+    let lease_ms = 1_500;
+    s.host_policy = Some(json!({
+        "store_dir": s.workdir.join("policies"),
+        "trust": keys.join("attache.pub"),
+        "admin_token_file": token_file,
+        "envoy_admin": [format!("http://127.0.0.1:{}", s.envoy_admin_port)],
+        "auto": {"enabled": true, "promote": true, "interval_ms": 200, "min_requests": 40, "min_duration_ms": 5_000,
+                 "max_added_latency_ms": 1000},
+        "kubernetes": {"kubeconfig": api.kubeconfig(&s.workdir).expect("kubeconfig"), "namespace": "attache",
+                       "name": "attache-policy", "sync_ms": 200, "lease_ms": lease_ms},
+    }));
+    s.scorer_slots = vec!["slo".into()];
+    s.start_sim(small_pool()).expect("sim");
+    // The stack's own host first: it takes the Lease. The second replica is known to Envoy
+    // but down while Envoy connects, so Envoy's streams go to the first: the controller is
+    // the host the Envoy follows.
+    s.start_host().expect("host");
+    s.start_more_host().expect("second host");
+    s.kill_more_host(0);
+    let (first, second) = (s.host_admin_port, s.host_admin_ports()[1]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while leader_gauge(first) != Some(1.0) {
+        assert!(Instant::now() < deadline, "the first host never took the controller lease");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    s.start_envoy(attache_e2e::EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+    let http = fresh_client();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !send(&s, &http, chat("warm-up", "hi", 2), &[]).await.ok() {
+        assert!(Instant::now() < deadline, "the gateway never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.restart_more_host(0).expect("second host back");
+    let subscribers = |port: u16| {
+        attache_e2e::admin_http::http_get_blocking(port, "/metrics")
+            .map(|p| attache_e2e::stats::stat_line(&p, "attache_host_subscribers"))
+    };
+    assert!(subscribers(first) >= Some(1.0), "the Envoy follows the first host");
+    let mut p = PolicyStack { s, keys };
+    let slo = signed(&p, "attache_scorer_slo_ttft").await;
+    let v1 = upload(&p, "slo", "v1", &slo, json!({})).await;
+    let load = Load::start(&p.s, 4, 200);
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", "v1", "--canary", "30%"]).await;
+    assert!(ok, "{err}");
+    let st = status_on(&p, second).await;
+    let replica = |st: &Value| st["state"]["replica"].as_str().unwrap_or_default().to_owned();
+    let (first_id, second_id) = (replica(&status(&p).await), replica(&st));
+    assert_eq!(st["state"]["in"], "kubernetes");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    // The canary is in flight on both replicas; kill the controller the Envoy follows.
+    assert!(status_on(&p, second).await["slots"]["slo"]["canary"].is_object(), "the second host has the canary");
+    assert_eq!(leader_gauge(second), Some(0.0), "one controller");
+    p.s.kill_host();
+    let killed = Instant::now();
+
+    let deadline = killed + Duration::from_secs(30);
+    let promoted = loop {
+        let st = status_on(&p, second).await;
+        let t = st["transitions"].as_array().and_then(|a| a.last().cloned()).unwrap_or_default();
+        if t["action"] == "promote" {
+            break t;
+        }
+        assert!(t["action"] != "rollback", "a healthy canary was rolled back: {t}");
+        assert!(Instant::now() < deadline, "the canary never completed after the kill: {st}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(promoted["by"], "controller");
+    assert_eq!(promoted["host"], second_id, "promoted by the surviving replica");
+    println!("canary promoted by {second_id} {:.1} s after {first_id} was killed", killed.elapsed().as_secs_f64());
+    let stable = format!("slo=stable@{}", short(&v1));
+    assert!(wait_served(&load, Instant::now(), Duration::from_secs(10), |r| r.scorers == stable).await.is_some());
+
+    // The killed host comes back: it takes the shared state, and the controller stays single.
+    p.s.start_host().expect("restart");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let st = status_on(&p, first).await;
+        if st["slots"]["slo"]["stable"]["sha256"] == json!(v1) && st["state"]["version"].is_string() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the restarted host never took the shared state: {st}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let until = Instant::now() + Duration::from_millis(3 * lease_ms);
+    let mut samples = 0;
+    while Instant::now() < until {
+        let (a, b) = (leader_gauge(first).unwrap_or(0.0), leader_gauge(second).unwrap_or(0.0));
+        assert!(a + b <= 1.0, "two controllers at once");
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(leader_gauge(second), Some(1.0), "the survivor keeps the lease");
+    let served = load.finish().await;
+    assert!(failures(&served).is_empty(), "{:?}", failures(&served));
+
+    // The Lease's history, as the API server kept it: holders follow one another, each taking
+    // over only after the last one's lease ran out.
+    let history = api.history("leases", "attache-policy-controller");
+    let mut holders: Vec<(String, i64, i64)> = Vec::new(); // holder, acquired, last renewed (ms)
+    let ms = |v: &Value| {
+        v.as_str().and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok()).map_or(0, |t| t.as_millisecond())
+    };
+    for l in &history {
+        let holder = l["spec"]["holderIdentity"].as_str().unwrap_or_default().to_owned();
+        let renewed = ms(&l["spec"]["renewTime"]);
+        match holders.last_mut() {
+            Some(h) if h.0 == holder => h.2 = renewed,
+            _ => holders.push((holder, ms(&l["spec"]["acquireTime"]), renewed)),
+        }
+    }
+    assert_eq!(
+        holders.iter().map(|h| h.0.as_str()).collect::<Vec<_>>(),
+        vec![first_id.as_str(), second_id.as_str()],
+        "the lease passed once, from the killed host to the survivor"
+    );
+    for w in holders.windows(2) {
+        assert!(
+            w[1].1 - w[0].2 >= lease_ms as i64,
+            "{} took over {} ms after {}'s last renewal",
+            w[1].0,
+            w[1].1 - w[0].2,
+            w[0].0
+        );
+    }
+    println!("{samples} samples of both replicas' leader gauges: never two controllers; lease holders {holders:?}");
 }

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-pub use watch::{spawn, Discovered};
+pub use watch::{client_from as client, spawn, Discovered};
 
 /// `kubernetes:` in the host configuration.
 #[derive(Debug, Clone, serde::Serialize, Deserialize)]

@@ -50,7 +50,13 @@ pub struct WatchStats {
 }
 
 async fn client(cfg: &KubernetesConfig) -> anyhow::Result<Client> {
-    let config = match &cfg.kubeconfig {
+    super::client(cfg.kubeconfig.as_deref()).await
+}
+
+/// A client from `kubeconfig`, else the pod's service account, `$KUBECONFIG` or
+/// `~/.kube/config`.
+pub async fn client_from(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<Client> {
+    let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;

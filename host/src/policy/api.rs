@@ -76,9 +76,11 @@ async fn upload(
         })?,
     };
     // Verification and admission are CPU work (wasmtime compiles the module).
-    let record = tokio::task::spawn_blocking(move || svc.upload(&q.slot, &q.version, &params, &body))
+    let blocking = svc.clone();
+    let record = tokio::task::spawn_blocking(move || blocking.upload(&q.slot, &q.version, &params, &body))
         .await
         .map_err(|e| ApiError { status: 500, code: "internal", message: e.to_string() })??;
+    svc.share_module(&record).await?;
     Ok((StatusCode::CREATED, Json(json!(record))))
 }
 
@@ -135,16 +137,10 @@ async fn rollout(
     Ok(Json(json!({"transition": t})))
 }
 
-/// `promote` or `rollback` on an operator's request.
-async fn transition(
-    svc: &PolicyService,
-    slot: &str,
-    body: &Bytes,
-    op: fn(&PolicyService, &str, &str, &str) -> Result<super::rollout::Transition, ApiError>,
-) -> Result<Json<Value>, ApiError> {
+/// The reason an operator gave, or a default.
+fn reason(body: &Bytes) -> Result<String, ApiError> {
     let b: ReasonBody = json_body(body)?;
-    let reason = if b.reason.is_empty() { "operator request".to_owned() } else { b.reason };
-    Ok(Json(json!({"transition": op(svc, slot, "operator", &reason)?})))
+    Ok(if b.reason.is_empty() { "operator request".to_owned() } else { b.reason })
 }
 
 async fn promote(
@@ -152,7 +148,8 @@ async fn promote(
     Path(slot): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    transition(&svc, &slot, &body, PolicyService::promote).await
+    let t = svc.promote(&slot, "operator", &reason(&body)?).await?;
+    Ok(Json(json!({"transition": t})))
 }
 
 async fn rollback(
@@ -160,7 +157,8 @@ async fn rollback(
     Path(slot): Path<String>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    transition(&svc, &slot, &body, PolicyService::rollback).await
+    let t = svc.rollback(&slot, "operator", &reason(&body)?).await?;
+    Ok(Json(json!({"transition": t})))
 }
 
 async fn status(State(svc): State<Arc<PolicyService>>) -> Json<Value> {

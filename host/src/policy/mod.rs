@@ -8,6 +8,7 @@ pub mod api;
 pub mod controller;
 pub mod ecds;
 pub mod envoys;
+pub mod kube_state;
 pub mod rollout;
 pub mod service;
 pub mod signing;

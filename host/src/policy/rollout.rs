@@ -59,6 +59,9 @@ pub struct Transition {
     pub from: Option<String>,
     pub to: Option<String>,
     pub reason: String,
+    /// The host replica that made it (policy state in Kubernetes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -185,6 +188,7 @@ impl RolloutState {
             from: s.stable.as_ref().map(label),
             to: Some(label(&module)),
             reason: format!("canary at {percent}%"),
+            host: None,
         };
         s.canary = Some(Canary { deployed: module, percent, started_unix_ms: now_ms() });
         self.revision += 1;
@@ -209,6 +213,7 @@ impl RolloutState {
             from,
             to: Some(label(&c.deployed)),
             reason: reason.into(),
+            host: None,
         };
         s.stable = Some(c.deployed);
         self.revision += 1;
@@ -227,6 +232,7 @@ impl RolloutState {
                 from: Some(label(&c.deployed)),
                 to: s.stable.as_ref().map(label),
                 reason: reason.into(),
+                host: None,
             }
         } else {
             let prev = s.previous.pop().ok_or_else(|| RolloutError::NothingToRollBack(slot.into()))?;
@@ -239,6 +245,7 @@ impl RolloutState {
                 from,
                 to: Some(label(&prev)),
                 reason: reason.into(),
+                host: None,
             };
             s.stable = Some(prev);
             t
@@ -276,6 +283,24 @@ impl RolloutFiles {
         std::fs::rename(&tmp, &path)?;
         let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("transitions.jsonl"))?;
         writeln!(f, "{}", serde_json::to_string(t).map_err(std::io::Error::other)?)
+    }
+
+    /// Replace the state and the transition log with the shared ones (a replica's cache of
+    /// the policy state in Kubernetes).
+    pub fn mirror(&self, state: &RolloutState, transitions: &[Transition]) -> std::io::Result<()> {
+        std::fs::create_dir_all(&self.dir)?;
+        let write = |name: &str, bytes: &[u8]| {
+            let path = self.dir.join(name);
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, bytes)?;
+            std::fs::rename(&tmp, &path)
+        };
+        write("rollout.json", &serde_json::to_vec_pretty(state).map_err(std::io::Error::other)?)?;
+        let mut log = Vec::new();
+        for t in transitions {
+            writeln!(log, "{}", serde_json::to_string(t).map_err(std::io::Error::other)?)?;
+        }
+        write("transitions.jsonl", &log)
     }
 
     /// The newest `n` transitions, oldest first.

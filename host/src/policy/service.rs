@@ -17,6 +17,7 @@ use super::admission::{self, AdmissionConfig};
 use super::controller::{self as ctl, Controller, Counters, PerEnvoy};
 use super::ecds::{self, Acks, Published};
 use super::envoys::Envoys;
+use super::kube_state::{KubeState, PolicyKubernetes, WriteError};
 use super::rollout::{self, Deployed, RolloutError, RolloutFiles, RolloutState, Transition};
 use super::signing::TrustStore;
 use super::store::{ModuleRecord, ModuleStore, UploadError};
@@ -50,6 +51,11 @@ pub struct PolicyConfig {
     /// 507 `store_full`; uploading a module already stored always works).
     #[serde(default = "default_max_modules")]
     pub max_modules: usize,
+    /// Keep the module store, rollout state and transitions in the Kubernetes API (ConfigMaps)
+    /// and elect the rollout controller with a Lease, so that two or more host replicas share
+    /// them (`policy::kube_state`). `store_dir` is then a local cache.
+    #[serde(default)]
+    pub kubernetes: Option<PolicyKubernetes>,
 }
 
 fn default_max_modules() -> usize {
@@ -138,6 +144,10 @@ impl From<RolloutError> for ApiError {
 
 pub struct PolicyService {
     pub cfg: PolicyConfig,
+    /// The shared state in the Kubernetes API, when configured.
+    kube: Option<KubeState>,
+    /// The shared state's transitions and version, as last read or written (Kubernetes mode).
+    shared: Mutex<(Vec<Transition>, Option<String>)>,
     store: ModuleStore,
     trust: TrustStore,
     files: RolloutFiles,
@@ -154,7 +164,9 @@ pub struct PolicyService {
 }
 
 impl PolicyService {
-    pub fn open(cfg: PolicyConfig) -> anyhow::Result<Arc<Self>> {
+    /// Open the store and the rollout state; with `policy.kubernetes`, connect to the shared
+    /// state as `identity` and take it (the first replica there seeds it with its own).
+    pub async fn open(cfg: PolicyConfig, identity: &str) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context;
         let token = crate::admin_auth::BearerToken::load(cfg.admin_token_file.as_deref())
             .context("the policy API's bearer token")?
@@ -165,8 +177,14 @@ impl PolicyService {
             .with_max_modules(cfg.max_modules);
         let files = RolloutFiles::new(&cfg.store_dir);
         let state = files.load().context("loading the rollout state")?;
+        let kube = match &cfg.kubernetes {
+            Some(k) => Some(KubeState::connect(k.clone(), identity.to_owned()).await?),
+            None => None,
+        };
         let (published, _) = watch::channel(Arc::new(Published::default()));
         let svc = Arc::new(Self {
+            kube,
+            shared: Mutex::new((Vec::new(), None)),
             store,
             trust,
             files,
@@ -179,8 +197,130 @@ impl PolicyService {
             http: reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?,
             cfg,
         });
+        if svc.kube.is_some() {
+            svc.import_modules().await.context("importing the shared policy modules")?;
+            let first = svc.sync().await.context("reading the shared policy state")?;
+            if !first {
+                info!("no shared policy state yet; seeding it from this replica's");
+                let (state, transitions) =
+                    (svc.lock().clone(), svc.files.transitions(super::kube_state::KEEP_TRANSITIONS));
+                if let Some(k) = &svc.kube {
+                    match k.write(&state, &transitions, None).await {
+                        Ok(v) => *svc.shared() = (transitions, Some(v)),
+                        // Another replica seeded it first: take theirs.
+                        Err(WriteError::Conflict) => {
+                            svc.sync().await?;
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+        }
         svc.publish()?;
         Ok(svc)
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, (Vec<Transition>, Option<String>)> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Import every shared module version this replica's store lacks (signatures checked).
+    async fn import_modules(&self) -> anyhow::Result<usize> {
+        let Some(k) = &self.kube else { return Ok(0) };
+        let have = self.store.history(None)?;
+        let mut n = 0;
+        for (record, bytes) in k.modules().await? {
+            if have.iter().any(|h| h.sha256 == record.sha256 && h.version == record.version && h.slot == record.slot) {
+                continue;
+            }
+            match self.store.import(&self.trust, &record, &bytes) {
+                Ok(()) => n += 1,
+                Err(e) => warn!(slot = %record.slot, version = %record.version, error = %e, "shared module refused"),
+            }
+        }
+        if n > 0 {
+            info!(modules = n, "imported shared policy modules");
+        }
+        Ok(n)
+    }
+
+    /// Read the shared state; when it moved, take it (importing any module it deploys that
+    /// this replica lacks) and republish ECDS. Returns whether a shared state exists. Without
+    /// `policy.kubernetes`, does nothing.
+    async fn sync(&self) -> anyhow::Result<bool> {
+        let Some(k) = &self.kube else { return Ok(false) };
+        let shared = k.read().await?;
+        if shared.version.is_none() {
+            return Ok(false);
+        }
+        if shared.version == self.shared().1 {
+            return Ok(true);
+        }
+        let missing = shared.state.filters().iter().any(|f| !self.store.module_path(&f.deployed.sha256).exists());
+        if missing {
+            self.import_modules().await?;
+        }
+        if let Err(e) = self.files.mirror(&shared.state, &shared.transitions) {
+            warn!(error = %e, "could not mirror the shared policy state to the local store");
+        }
+        let changed = {
+            let mut st = self.lock();
+            let changed = st.revision != shared.state.revision || st.slots != shared.state.slots;
+            *st = shared.state;
+            changed
+        };
+        *self.shared() = (shared.transitions, shared.version);
+        if changed {
+            info!("took the shared policy state");
+            self.publish()?;
+        }
+        Ok(true)
+    }
+
+    /// Apply `op` to the rollout state: on this replica's files, or on the shared state (read
+    /// at once, written back only if nobody wrote in between: else 409 `conflict`).
+    async fn change(
+        &self,
+        op: impl FnOnce(&mut RolloutState) -> Result<Transition, RolloutError>,
+    ) -> Result<Transition, ApiError> {
+        let Some(k) = &self.kube else {
+            let t = op(&mut self.lock())?;
+            self.record(&t);
+            return Ok(t);
+        };
+        let unavailable = |e: String| ApiError::new(503, "state_unavailable", e);
+        self.sync().await.map_err(|e| unavailable(format!("{e:#}")))?;
+        let (next, mut t) = {
+            let mut next = self.lock().clone();
+            let t = op(&mut next)?;
+            (next, t)
+        };
+        t.host = Some(k.identity().to_owned());
+        let (mut transitions, version) = self.shared().clone();
+        transitions.push(t.clone());
+        match k.write(&next, &transitions, version.as_deref()).await {
+            Ok(v) => {
+                if let Err(e) = self.files.mirror(&next, &transitions) {
+                    warn!(error = %e, "could not mirror the shared policy state to the local store");
+                }
+                *self.lock() = next;
+                *self.shared() = (transitions, Some(v));
+                self.announce(&t);
+                Ok(t)
+            }
+            Err(WriteError::Conflict) => {
+                let _ = self.sync().await;
+                Err(ApiError::new(409, "conflict", WriteError::Conflict))
+            }
+            Err(e) => Err(unavailable(e.to_string())),
+        }
+    }
+
+    /// Store an uploaded module version where every replica finds it (Kubernetes mode).
+    pub async fn share_module(&self, record: &ModuleRecord) -> Result<(), ApiError> {
+        let Some(k) = &self.kube else { return Ok(()) };
+        let bytes = self.store.load(&record.sha256).map_err(|e| ApiError::new(500, "store_error", e))?;
+        k.put_module(record, &bytes).await.map_err(|e| ApiError::new(503, "state_unavailable", format!("{e:#}")))
     }
 
     pub fn subscribe(&self) -> watch::Receiver<Arc<Published>> {
@@ -235,6 +375,17 @@ impl PolicyService {
         if !rollout::valid_slot(slot) {
             return Err(RolloutError::BadSlot(slot.into()).into());
         }
+        if self.kube.is_some() && bytes.len() > super::kube_state::MAX_MODULE_BYTES {
+            return Err(ApiError::new(
+                413,
+                "module_too_large",
+                format!(
+                    "{} bytes: with the policy state in Kubernetes a module is kept in a ConfigMap, at most {} bytes",
+                    bytes.len(),
+                    super::kube_state::MAX_MODULE_BYTES
+                ),
+            ));
+        }
         let adm = self.admission_for(slot, params);
         let record = self.store.upload(&self.trust, &adm, slot, version, params, bytes).map_err(ApiError::from);
         let record = match record {
@@ -252,19 +403,29 @@ impl PolicyService {
         self.store.history(slot).map_err(|e| ApiError::new(500, "store_error", e))
     }
 
-    fn record(&self, t: &Transition) {
-        info!(slot = %t.slot, action = %t.action, by = %t.by, from = ?t.from, to = ?t.to, reason = %t.reason, "rollout transition");
+    /// Log and count a transition.
+    fn announce(&self, t: &Transition) {
+        info!(slot = %t.slot, action = %t.action, by = %t.by, host = ?t.host, from = ?t.from, to = ?t.to, reason = %t.reason, "rollout transition");
         crate::telemetry::metrics().policy_transition(&t.action);
-        if let Err(e) = self.files.save(&self.lock(), t) {
-            warn!(error = %e, "could not persist the rollout state");
-        }
         if let Err(e) = self.publish() {
             warn!(error = %e, "could not publish the rollout state");
         }
     }
 
+    /// Persist a transition to this replica's files, then announce it.
+    fn record(&self, t: &Transition) {
+        if let Err(e) = self.files.save(&self.lock(), t) {
+            warn!(error = %e, "could not persist the rollout state");
+        }
+        self.announce(t);
+    }
+
     /// Start a canary of a stored module (by sha256 or version label) in `slot`.
     pub async fn rollout(&self, slot: &str, module: &str, percent: f64, weight: f64) -> Result<Transition, ApiError> {
+        if self.kube.is_some() {
+            // A version uploaded through another replica.
+            self.import_modules().await.map_err(|e| ApiError::new(503, "state_unavailable", format!("{e:#}")))?;
+        }
         let history = self.modules(Some(slot))?;
         let rec = history.iter().rev().find(|r| r.sha256 == module || r.version == module).ok_or_else(|| {
             ApiError::new(404, "not_found", format!("no module {module:?} uploaded for slot {slot:?}"))
@@ -273,28 +434,20 @@ impl PolicyService {
             Deployed { sha256: rec.sha256.clone(), version: rec.version.clone(), weight, params: rec.params.clone() };
         // The canary is judged on what happens after this instant.
         let counters = self.read_counters().await;
-        let t = {
-            let mut st = self.lock();
-            let t = st.rollout(slot, deployed, percent)?;
-            if let (Some(c), Some(counters)) = (st.slots.get(slot).and_then(|s| s.canary.as_ref()), counters) {
-                self.controller().start(slot, c.started_unix_ms, &counters);
-            }
-            t
-        };
-        self.record(&t);
+        let t = self.change(|st| st.rollout(slot, deployed, percent)).await?;
+        let started = self.lock().slots.get(slot).and_then(|s| s.canary.as_ref()).map(|c| c.started_unix_ms);
+        if let (Some(started), Some(counters)) = (started, counters) {
+            self.controller().start(slot, started, &counters);
+        }
         Ok(t)
     }
 
-    pub fn promote(&self, slot: &str, by: &str, reason: &str) -> Result<Transition, ApiError> {
-        let t = self.lock().promote(slot, by, reason)?;
-        self.record(&t);
-        Ok(t)
+    pub async fn promote(&self, slot: &str, by: &str, reason: &str) -> Result<Transition, ApiError> {
+        self.change(|st| st.promote(slot, by, reason)).await
     }
 
-    pub fn rollback(&self, slot: &str, by: &str, reason: &str) -> Result<Transition, ApiError> {
-        let t = self.lock().rollback(slot, by, reason)?;
-        self.record(&t);
-        Ok(t)
+    pub async fn rollback(&self, slot: &str, by: &str, reason: &str) -> Result<Transition, ApiError> {
+        self.change(|st| st.rollback(slot, by, reason)).await
     }
 
     /// The Envoys whose stats the controller reads: `envoy_admin` when it lists any, else
@@ -333,8 +486,12 @@ impl PolicyService {
         (!per.is_empty()).then_some(per)
     }
 
-    /// One controller pass: judge every canary and act on the verdicts.
+    /// One controller pass: judge every canary and act on the verdicts. With the state in
+    /// Kubernetes, only the replica holding the controller Lease acts.
     pub async fn evaluate(&self) {
+        if self.kube.as_ref().is_some_and(|k| !k.may_act()) {
+            return;
+        }
         let Some(counters) = self.read_counters().await else {
             return;
         };
@@ -343,9 +500,15 @@ impl PolicyService {
             self.controller().judge(&state, &counters, &self.cfg.auto, rollout::now_ms())
         };
         for (slot, verdict) in verdicts {
+            // The Lease may have lapsed while the stats were read.
+            if self.kube.as_ref().is_some_and(|k| !k.may_act()) {
+                return;
+            }
             let result = match verdict {
-                Verdict::Rollback(reason) => Some(self.rollback(&slot, "controller", &reason)),
-                Verdict::Promote(reason) if self.cfg.auto.promote => Some(self.promote(&slot, "controller", &reason)),
+                Verdict::Rollback(reason) => Some(self.rollback(&slot, "controller", &reason).await),
+                Verdict::Promote(reason) if self.cfg.auto.promote => {
+                    Some(self.promote(&slot, "controller", &reason).await)
+                }
                 _ => None,
             };
             if let Some(Err(e)) = result {
@@ -354,8 +517,41 @@ impl PolicyService {
         }
     }
 
-    /// Run the controller until the process ends.
+    /// Run the background work until the process ends: with the state in Kubernetes, follow
+    /// it and campaign for the controller Lease; the controller, if enabled.
     pub fn spawn_controller(self: &Arc<Self>) {
+        if let Some(k) = &self.kube {
+            let (sync_ms, lease_ms) = (k.config().sync_ms.max(50), k.config().lease_ms.max(300));
+            let svc = self.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(sync_ms.min(lease_ms / 3)));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let (mut last_campaign, mut last_sync, mut last_import) = (None::<std::time::Instant>, None, None);
+                loop {
+                    tick.tick().await;
+                    let Some(k) = &svc.kube else { return };
+                    let due = |last: Option<std::time::Instant>, every: u64| {
+                        last.is_none_or(|t| t.elapsed() >= Duration::from_millis(every))
+                    };
+                    if due(last_campaign, lease_ms / 3) {
+                        last_campaign = Some(std::time::Instant::now());
+                        k.campaign().await;
+                    }
+                    if due(last_import, 10_000) {
+                        last_import = Some(std::time::Instant::now());
+                        if let Err(e) = svc.import_modules().await {
+                            warn!(error = %format!("{e:#}"), "importing shared policy modules");
+                        }
+                    }
+                    if due(last_sync, sync_ms) {
+                        last_sync = Some(std::time::Instant::now());
+                        if let Err(e) = svc.sync().await {
+                            warn!(error = %format!("{e:#}"), "reading the shared policy state");
+                        }
+                    }
+                }
+            });
+        }
         if !self.cfg.auto.enabled {
             info!("rollout controller off (auto.enabled false)");
             return;
@@ -402,6 +598,10 @@ impl PolicyService {
             "stats_from": self.stats_targets().into_iter().map(|(_, url)| url).collect::<Vec<_>>(),
             "transitions": self.files.transitions(50),
             "auto": {"enabled": self.cfg.auto.enabled, "promote": self.cfg.auto.promote},
+            "state": match &self.kube {
+                Some(k) => json!({"in": "kubernetes", "version": self.shared().1, "replica": k.identity(), "controller": k.may_act()}),
+                None => json!({"in": "files", "dir": self.cfg.store_dir}),
+            },
         })
     }
 }

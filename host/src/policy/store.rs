@@ -131,6 +131,37 @@ impl ModuleStore {
         Ok(record)
     }
 
+    /// Take a module version uploaded through another host replica (policy state in
+    /// Kubernetes): its signature is verified again and must give the recorded digest; the
+    /// uploading replica admitted it under the same configuration.
+    pub fn import(&self, trust: &TrustStore, record: &ModuleRecord, bytes: &[u8]) -> Result<(), UploadError> {
+        if !valid_name(&record.slot) || !valid_name(&record.version) {
+            return Err(UploadError::InvalidName(format!("{:?} / {:?}", record.slot, record.version)));
+        }
+        let verified = trust.verify(bytes)?;
+        if verified.sha256 != record.sha256 {
+            return Err(UploadError::Signature(SignatureError::Malformed(format!(
+                "the shared module's digest is {}, its record says {}",
+                verified.sha256, record.sha256
+            ))));
+        }
+        let path = self.module_path(&verified.sha256);
+        if !path.exists() {
+            if self.module_count()? >= self.max_modules {
+                return Err(UploadError::StoreFull {
+                    max: self.max_modules,
+                    dir: self.dir.join("modules").display().to_string(),
+                });
+            }
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, bytes)?;
+            std::fs::rename(&tmp, &path)?;
+        }
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join("history.jsonl"))?;
+        writeln!(f, "{}", serde_json::to_string(record).map_err(std::io::Error::other)?)?;
+        Ok(())
+    }
+
     /// Every upload, oldest first (optionally for one slot).
     pub fn history(&self, slot: Option<&str>) -> std::io::Result<Vec<ModuleRecord>> {
         let text = match std::fs::read_to_string(self.dir.join("history.jsonl")) {

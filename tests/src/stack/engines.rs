@@ -39,6 +39,19 @@ pub struct SimOpts {
     /// LoRA adapters every engine serves, and how many each can run at once.
     pub lora_modules: Vec<String>,
     pub max_loras: usize,
+    /// The simulator's cheap mode (thousands of engines; `attache_sim::cheap`): engine i at
+    /// `cheap_address(i, port)`, KV events (with `kv_events`) sent to the host's collector.
+    pub cheap: Option<CheapOpts>,
+}
+
+/// The simulator's cheap mode: which engines churn, and how many KV events they publish.
+#[derive(Debug, Clone)]
+pub struct CheapOpts {
+    /// Fraction of engines whose load gauges change every `churn_ms`.
+    pub busy: f64,
+    pub churn_ms: u64,
+    /// KV events per second over the whole pool (from the busy engines).
+    pub kv_events_per_s: u64,
 }
 
 impl Default for SimOpts {
@@ -60,6 +73,7 @@ impl Default for SimOpts {
             decode_scale: 1.0,
             lora_modules: Vec::new(),
             max_loras: 1,
+            cheap: None,
         }
     }
 }
@@ -77,8 +91,15 @@ impl Stack {
     /// Engine addresses (`127.0.0.1:port`): the simulated ones, then any external ones.
     pub fn engine_addrs(&self) -> Vec<String> {
         let sims = if self.sim_base_port == 0 { 0 } else { self.sim_opts.engines };
+        let cheap = self.sim_opts.cheap.is_some();
         (0..sims)
-            .map(|i| format!("127.0.0.1:{}", self.sim_base_port + i))
+            .map(|i| {
+                if cheap {
+                    attache_sim::cheap_address(usize::from(i), self.sim_base_port).to_string()
+                } else {
+                    format!("127.0.0.1:{}", self.sim_base_port + i)
+                }
+            })
             .chain(self.external.iter().map(|e| e.address.clone()))
             .collect()
     }
@@ -168,10 +189,33 @@ impl Stack {
             p.kill();
         }
         if self.sim_base_port == 0 || self.sim_opts.engines != opts.engines {
-            self.sim_base_port = free_port_range(opts.engines);
+            self.sim_base_port = if opts.cheap.is_some() { free_port() } else { free_port_range(opts.engines) };
         }
         self.sim_opts = opts.clone();
         let mut cmd = self.sim_command(&opts, opts.engines, self.sim_base_port);
+        if let Some(c) = &opts.cheap {
+            cmd.arg("--cheap")
+                .arg("--cheap-busy")
+                .arg(c.busy.to_string())
+                .arg("--cheap-churn-ms")
+                .arg(c.churn_ms.to_string())
+                .arg("--cheap-kv-events-per-s")
+                .arg(c.kv_events_per_s.to_string());
+            if opts.kv_events {
+                // One PUB socket for the pool, connected to the host's collector.
+                if self.kv_base_port == 0 {
+                    self.kv_base_port = free_port();
+                }
+                cmd.arg("--kv-events-connect").arg(format!("tcp://127.0.0.1:{}", self.kv_base_port));
+            }
+            let p = self.spawn("sim", &mut cmd)?;
+            self.sim = Some(p);
+            let port = self.sim_base_port;
+            if !wait_until(Duration::from_secs(20), || port_open(port)) {
+                bail!("simulator did not listen on {port}; see {}", self.workdir.join("sim.log").display());
+            }
+            return self.write_endpoints(&self.engine_addrs());
+        }
         if opts.kv_events {
             if self.kv_base_port == 0 {
                 self.kv_base_port = free_port_range(2 * opts.engines);
@@ -191,11 +235,14 @@ impl Stack {
     /// Write the host's static endpoints file.
     pub fn write_endpoints(&self, addrs: &[String]) -> anyhow::Result<()> {
         let mut y = String::from("endpoints:\n");
+        let all = self.engine_addrs();
+        let position: std::collections::HashMap<&str, usize> =
+            all.iter().enumerate().map(|(i, a)| (a.as_str(), i)).collect();
+        // `model` may list several, one per engine in turn (the simulator's `--model`).
+        let served: Vec<&str> = self.sim_opts.model.split(',').map(str::trim).collect();
         for a in addrs {
-            let index = self.engine_addrs().iter().position(|x| x == a).unwrap_or(usize::MAX);
+            let index = position.get(a.as_str()).copied().unwrap_or(usize::MAX);
             let role = self.endpoint_roles.get(index).map(String::as_str).unwrap_or("both");
-            // `model` may list several, one per engine in turn (the simulator's `--model`).
-            let served: Vec<&str> = self.sim_opts.model.split(',').map(str::trim).collect();
             let own = served.get(index % served.len().max(1)).copied().unwrap_or_default();
             let mut models = vec![own.to_owned()];
             models.extend(self.sim_opts.lora_modules.iter().cloned());
@@ -215,9 +262,9 @@ impl Stack {
                     }
                     y.push_str("}\n");
                 }
-            } else if self.sim_opts.kv_events {
+            } else if self.sim_opts.kv_events && self.sim_opts.cheap.is_none() {
                 // Engine i of the simulator publishes on kv_base_port + 2i.
-                let i = self.engine_addrs().iter().position(|x| x == a).unwrap_or(0) as u16;
+                let i = index.min(usize::from(u16::MAX)) as u16;
                 let p = self.kv_base_port + 2 * i;
                 y.push_str(&format!(
                     "    kv_events: {{publisher: \"tcp://127.0.0.1:{p}\", replay: \"tcp://127.0.0.1:{}\"}}\n",

@@ -82,13 +82,21 @@ impl Stack {
             || self.host_epp.is_some()
             || self.host_extra.is_some()
             || !peers.is_empty()
+            || self.cheap_kv_collector().is_some()
         {
             let mut config = self.host_extra.clone().unwrap_or_else(|| serde_json::json!({}));
+            if let Some(c) = self.cheap_kv_collector() {
+                config["kv_events_bind"] = serde_json::json!(c);
+            }
             if !peers.is_empty() {
                 config["fleet"]["peers"] = serde_json::json!(peers);
             }
             if let Some(policy) = &self.host_policy {
                 config["policy"] = policy.clone();
+                // Each replica keeps its own store (with the state in Kubernetes, a cache).
+                if let (true, Some(dir)) = (name != "host", policy["store_dir"].as_str()) {
+                    config["policy"]["store_dir"] = serde_json::json!(format!("{dir}-{name}"));
+                }
             }
             if let Some(flow) = &self.host_flow {
                 config["flow"] = flow.clone();
@@ -125,6 +133,13 @@ impl Stack {
             bail!("{name} did not listen; see {}", self.workdir.join(format!("{name}.log")).display());
         }
         Ok(p)
+    }
+
+    /// Where the host binds its KV-event collector for the simulator's cheap mode, whose one
+    /// publisher connects to it.
+    fn cheap_kv_collector(&self) -> Option<String> {
+        (self.sim_opts.cheap.is_some() && self.sim_opts.kv_events && self.kv_base_port != 0)
+            .then(|| format!("tcp://127.0.0.1:{}", self.kv_base_port))
     }
 
     pub fn kill_host(&mut self) {
