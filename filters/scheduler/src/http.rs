@@ -79,7 +79,7 @@ impl SchedulerHttp {
             return Action::Continue;
         };
         let w = &mut *guard;
-        w.cache.refresh(now);
+        w.cache.refresh_for_request(now);
         stages::mark(Stage::SnapshotCheck);
         let Ok(mut st) = self.st.try_borrow_mut() else {
             return Action::Continue;

@@ -227,7 +227,7 @@ impl RootContext for AttacheRoot {
         if self.role == Role::Scheduler {
             // Take new snapshot versions here, between requests, so a request rarely pays for
             // applying one (it still checks, and applies what arrived since this tick).
-            w.cache.refresh(now);
+            w.cache.refresh_on_tick(now);
             w.housekeep(now);
             let reports_itself = self.fleet.is_some();
             let affinity = w.flush_affinity(now);
@@ -419,21 +419,32 @@ mod tests {
             prev = s;
             prev.clone()
         };
-        let mut last = base.clone();
-        for v in 3..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
+        // While the tick runs, a request leaves the new version to it.
+        let v3 = next_delta(&mut agent, 3);
+        let _ = scheduler.send(Request::completion(&prompt("between ticks")));
+        assert_eq!(w.borrow().cache.pool.version, 2, "the request left version 3 to the tick");
+        scheduler.tick();
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v3));
+        // A tick that stalls past REQUEST_REFRESH_AFTER_MS: the request takes it itself.
+        let v4 = next_delta(&mut agent, 4);
+        advance_ms(snapshot::REQUEST_REFRESH_AFTER_MS + 1);
+        let _ = scheduler.send(Request::completion(&prompt("no tick lately")));
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v4));
+        let mut last = v4;
+        for v in 5..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
             last = next_delta(&mut agent, v);
             if v % 3 == 0 {
-                let _ = scheduler.send(Request::completion(&prompt(&format!("keeping up {v}"))));
+                scheduler.tick();
             }
         }
-        let _ = scheduler.send(Request::completion(&prompt("after")));
+        scheduler.tick();
         assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&last));
         assert_eq!(w.borrow().cache.full_reads, 1, "the fold kept the deltas it needed");
         let far = snapshot::LOG_MAX_ENTRIES as u64 + 11;
         for v in far..far + 2 * snapshot::LOG_MAX_ENTRIES as u64 {
             last = next_delta(&mut agent, v);
         }
-        let _ = scheduler.send(Request::completion(&prompt("far behind")));
+        scheduler.tick();
         assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&last));
         assert_eq!(w.borrow().cache.full_reads, 2, "too far behind: the base");
         let prev = last;

@@ -158,6 +158,8 @@ impl Stack {
                     let seen_epoch = stat_value(&stats, "wasmcustom.attache.snapshot.host_epoch");
                     let seen_version = stat_value(&stats, "wasmcustom.attache.snapshot.version");
                     if ready == want_ready && version > 0 && seen_epoch == epoch && seen_version >= version {
+                        // The agent has it; each scheduler worker takes it on its next tick (20 ms).
+                        std::thread::sleep(Duration::from_millis(50));
                         return Ok(version);
                     }
                 }

@@ -177,7 +177,14 @@ pub struct SnapshotCache {
     /// Versions taken as deltas, and whole snapshots read.
     pub deltas_applied: u64,
     pub full_reads: u64,
+    /// When the worker's tick last took new versions.
+    ticked_ms: Option<u64>,
 }
+
+/// A request takes new snapshot versions itself only when the worker's tick has not for this
+/// long (two snapshot ticks): otherwise it schedules on the pool as of the last tick, at most
+/// one tick old, and leaves the work of applying a version to the tick.
+pub const REQUEST_REFRESH_AFTER_MS: u64 = 40;
 
 fn parse_key(k: &[u8]) -> Option<(u64, u64)> {
     let e = u64::from_be_bytes(<[u8; 8]>::try_from(k.get(..8)?).ok()?);
@@ -186,6 +193,22 @@ fn parse_key(k: &[u8]) -> Option<(u64, u64)> {
 }
 
 impl SnapshotCache {
+    /// From the worker's tick: take new versions.
+    pub fn refresh_on_tick(&mut self, now_ms: u64) -> bool {
+        self.ticked_ms = Some(now_ms);
+        self.refresh(now_ms)
+    }
+
+    /// From a request: take new versions only if there is no ready endpoint yet or the tick
+    /// has not run for [`REQUEST_REFRESH_AFTER_MS`].
+    pub fn refresh_for_request(&mut self, now_ms: u64) -> bool {
+        let ticking = self.ticked_ms.is_some_and(|t| now_ms.saturating_sub(t) <= REQUEST_REFRESH_AFTER_MS);
+        if ticking && self.at.is_some() && self.pool.has_ready() {
+            return false;
+        }
+        self.refresh(now_ms)
+    }
+
     /// Catch up with the newest snapshot if the version key moved: by the deltas this worker
     /// lacks when it is on the base's chain, else by reading the base and its deltas. Returns
     /// true if the pool changed.
