@@ -145,13 +145,12 @@ async fn the_charts_gateway_schedules_falls_back_and_rolls_out_as_rendered() {
     let victim = s.start_extra_engine().expect("an engine in its own process");
     let engine_ports: Vec<u16> = s.engine_addrs().iter().filter_map(|a| a.rsplit(':').next()?.parse().ok()).collect();
 
-    // The chart, rendered with the policy service (one slot), two gateway replicas and an
-    // InferencePool over the engines' ports.
+    // The chart, rendered with the policy service (one slot, its state in the API server), two
+    // gateway replicas and an InferencePool over the engines' ports.
     let ports_set =
         format!("pool.targetPorts={{{}}}", engine_ports.iter().map(u16::to_string).collect::<Vec<_>>().join(","));
     let sets = [
         "policy.enabled=true",
-        "host.replicas=1",
         "policy.trustedKeysConfigMap=keys",
         "policy.slots={slo}",
         "policy.auto.enabled=true",
@@ -204,6 +203,7 @@ async fn the_charts_gateway_schedules_falls_back_and_rolls_out_as_rendered() {
     host["policy"]["trust"] = json!(keys);
     host["policy"]["store_dir"] = json!(s.workdir.join("store"));
     host["kubernetes"]["kubeconfig"] = json!(api.kubeconfig(&s.workdir).expect("kubeconfig"));
+    host["policy"]["kubernetes"]["kubeconfig"] = json!(api.kubeconfig(&s.workdir).expect("kubeconfig"));
     let host_file = s.workdir.join("host.yaml");
     std::fs::write(&host_file, host.to_string()).expect("host config");
     let p = s
