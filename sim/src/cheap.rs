@@ -132,11 +132,6 @@ const SEED_INIT: u64 = 0x1417_0000_0000_0002;
 const SEED_CHURN: u64 = 0xc4a2_0000_0000_0003;
 const SEED_KV: u64 = 0x4b56_0000_0000_0004;
 
-/// A uniform number in [0, 1) from a hash.
-fn unit(h: u64) -> f64 {
-    (h >> 11) as f64 / (1u64 << 53) as f64
-}
-
 impl CheapPool {
     pub fn new(cfg: CheapConfig) -> anyhow::Result<Arc<Self>> {
         anyhow::ensure!(!cfg.models.is_empty(), "cheap mode: no model");
@@ -174,10 +169,13 @@ impl CheapPool {
                 s
             })
             .collect();
-        let busy = (0..cfg.engines)
-            .filter(|i| unit(mix(SEED_BUSY ^ *i as u64)) < cfg.busy_fraction)
-            .map(|i| i as u32)
-            .collect();
+        // Exactly round(fraction × engines) busy engines, spread over the pool by a hash (so a
+        // pool of 10,000 at 0.0001 has one, not "about one").
+        let want = (cfg.busy_fraction * cfg.engines as f64).round() as usize;
+        let mut ranked: Vec<(u64, u32)> = (0..cfg.engines).map(|i| (mix(SEED_BUSY ^ i as u64), i as u32)).collect();
+        ranked.sort_unstable();
+        let mut busy: Vec<u32> = ranked.into_iter().take(want).map(|(_, i)| i).collect();
+        busy.sort_unstable();
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         Ok(Arc::new(Self { cfg, configs, engines, busy, tick: AtomicU64::new(0), created }))
     }
