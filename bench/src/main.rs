@@ -17,6 +17,7 @@ mod policy;
 mod procstat;
 mod progress;
 mod run;
+mod scale;
 mod scenario;
 mod shared_prefix;
 mod up;
@@ -66,6 +67,9 @@ enum Cmd {
     Load(load::Args),
     /// Many models behind one gateway: decision time against one model on as many engines.
     Models(models::Args),
+    /// Pools of 100, 1,000 and 10,000 endpoints: decision time, snapshot bytes, Envoy memory,
+    /// host CPU and memory, KV-event propagation.
+    Scale(scale::Args),
     /// Host KV-event ingest rate on one core, and index bytes per entry.
     KvIngest {
         #[arg(long, default_value = "bench/results/kv-ingest.json")]
@@ -213,6 +217,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Agents(a) => agents::run(a).await,
         Cmd::Load(a) => load::run(a).await,
         Cmd::Models(a) => models::run(a).await,
+        Cmd::Scale(a) => scale::run(a).await,
         Cmd::Peers(a) => compare::run(a).await,
     }
 }

@@ -98,6 +98,13 @@ pub fn write_results(out: &std::path::Path, mut doc: serde_json::Value) -> anyho
         .output()
         .ok()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()));
+    if doc.get("build").is_none() {
+        doc["build"] = serde_json::json!(std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()));
+    }
     doc["machine"] =
         serde_json::json!(format!("{} cores", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)));
     if let Some(dir) = out.parent() {
