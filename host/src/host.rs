@@ -81,7 +81,7 @@ impl Host {
         info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
 
         // The precise index, fed by the engines' KV events.
-        let activity = crate::scrape::Activity::default();
+        let activity = crate::activity::Activity::default();
         let kv = KvSubscribers::new(kv_index.clone(), kv_changed.clone()).with_activity(activity.clone());
         if let Some(b) = &cfg.kv_events_bind {
             kv.bind_collector(b).with_context(|| format!("binding the KV-event collector on {b}"))?;
@@ -199,7 +199,7 @@ async fn start_discovery(
     client: reqwest::Client,
     state: Arc<RwLock<PoolState>>,
     kv: KvSubscribers,
-    activity: crate::scrape::Activity,
+    activity: crate::activity::Activity,
     members: eds::Members,
 ) {
     let scrapers = Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())

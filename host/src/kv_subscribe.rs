@@ -61,7 +61,7 @@ pub struct KvSubscribers {
     seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
     running: HashMap<String, Arc<AtomicBool>>,
     /// Wakes an engine's scraper when its events arrive.
-    activity: crate::scrape::Activity,
+    activity: crate::activity::Activity,
 }
 
 /// Forgets what a dead engine held. Its KV cache died with its process; its event sequence
@@ -107,12 +107,12 @@ impl KvSubscribers {
             sources: Arc::default(),
             seqs: Arc::default(),
             running: HashMap::new(),
-            activity: crate::scrape::Activity::default(),
+            activity: crate::activity::Activity::default(),
         }
     }
 
     /// Wake each engine's scraper when its events arrive (its metrics are about to change).
-    pub fn with_activity(mut self, activity: crate::scrape::Activity) -> Self {
+    pub fn with_activity(mut self, activity: crate::activity::Activity) -> Self {
         self.activity = activity;
         self
     }
@@ -204,7 +204,7 @@ struct Worker {
     counters: Arc<KvCounters>,
     sources: Arc<RwLock<HashMap<String, EngineSource>>>,
     seqs: Arc<Mutex<HashMap<u16, SeqState>>>,
-    activity: crate::scrape::Activity,
+    activity: crate::activity::Activity,
 }
 
 impl Worker {

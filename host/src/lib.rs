@@ -1,5 +1,6 @@
 //! The Attaché host service: discovery, metrics scraping, pool state and the snapshot stream.
 
+pub mod activity;
 pub mod admin;
 pub mod admin_auth;
 pub mod config;

@@ -10,37 +10,14 @@ use std::time::{Duration, Instant};
 
 use attache_kv::engine::Engine;
 use attache_kv::prom;
-use tokio::sync::{Notify, RwLock};
+use tokio::sync::RwLock;
 use tokio::task::JoinHandle;
 use tracing::{debug, warn, Instrument};
 
+use crate::activity::Activity;
 use crate::kv_subscribe::EngineGone;
 use crate::state::{Change, PoolState};
 use crate::telemetry::ScrapeError;
-
-/// Wakes an engine's scraper early: its KV events say it is working, so its metrics are
-/// about to change.
-#[derive(Clone, Default)]
-pub struct Activity(Arc<std::sync::RwLock<std::collections::HashMap<String, Arc<Notify>>>>);
-
-impl Activity {
-    /// The engine at `address` did something (cheap when its scraper is already fast).
-    pub fn wake(&self, address: &str) {
-        if let Some(n) = self.0.read().unwrap_or_else(|p| p.into_inner()).get(address) {
-            n.notify_one();
-        }
-    }
-
-    fn register(&self, address: &str) -> Arc<Notify> {
-        let n = Arc::new(Notify::new());
-        self.0.write().unwrap_or_else(|p| p.into_inner()).insert(address.to_owned(), n.clone());
-        n
-    }
-
-    fn forget(&self, address: &str) {
-        self.0.write().unwrap_or_else(|p| p.into_inner()).remove(address);
-    }
-}
 
 /// The next interval after a scrape: back to `base` when the load gauges changed or the scrape
 /// failed; kept when only counters moved (a request finished); else doubled up to `max`.
@@ -288,18 +265,5 @@ mod tests {
         assert_eq!(next_interval(every, base, max, Change::Counters), every, "a finished request keeps it");
         assert_eq!(next_interval(every, base, max, Change::Load), base);
         assert_eq!(next_interval(base, base, base, Change::Nothing), base, "max = base is a fixed interval");
-    }
-
-    #[tokio::test]
-    async fn a_kv_event_wakes_only_its_engines_scraper() {
-        let a = Activity::default();
-        let (x, y) = (a.register("10.0.0.1:8000"), a.register("10.0.0.2:8000"));
-        a.wake("10.0.0.1:8000");
-        a.wake("10.0.0.9:8000");
-        tokio::time::timeout(Duration::from_millis(100), x.notified()).await.expect("woken");
-        assert!(tokio::time::timeout(Duration::from_millis(20), y.notified()).await.is_err());
-        a.forget("10.0.0.1:8000");
-        a.wake("10.0.0.1:8000");
-        assert!(tokio::time::timeout(Duration::from_millis(20), x.notified()).await.is_err(), "forgotten");
     }
 }

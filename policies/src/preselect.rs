@@ -20,7 +20,7 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::endpoint::{Endpoint, PoolState};
+use crate::endpoint::{reported, Endpoint, PoolState};
 use crate::profiles::SchedulingInput;
 
 /// `scheduler.preselect`.
@@ -40,149 +40,12 @@ impl Default for PreselectConfig {
     }
 }
 
-/// FNV-1a of an address: a fixed hash (hashbrown's default is seeded per instance).
-fn fixed_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
 /// splitmix64: spreads `seed ^ i` for tie-breaks and samples.
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
-}
-
-/// Per-pool lookups for the shortlist, built once per pool version.
-#[derive(Debug, Default)]
-pub struct PoolIndex {
-    /// Hash of the address -> positions (more than one only on a hash collision).
-    by_address: HashMap<u64, Vec<u32>>,
-    by_id: HashMap<u32, u32>,
-    /// Per model: the ready endpoints serving it, least reported load first.
-    by_load: HashMap<String, Vec<u32>>,
-    /// Per adapter: the endpoints with it loaded (running or waiting).
-    lora: HashMap<String, Vec<u32>>,
-}
-
-/// A snapshot's reported load: waiting + running (unknown counts as idle).
-fn reported(e: &Endpoint) -> f64 {
-    e.metrics.as_ref().map_or(0.0, |m| m.waiting + m.running)
-}
-
-impl PoolIndex {
-    pub fn build(endpoints: &[Endpoint]) -> Self {
-        let mut ix = PoolIndex::default();
-        for (i, e) in endpoints.iter().enumerate() {
-            let Ok(p) = u32::try_from(i) else { break };
-            ix.by_address.entry(fixed_hash(&e.address)).or_default().push(p);
-            ix.by_id.insert(e.id, p);
-            if e.ready {
-                for m in &e.models {
-                    ix.by_load.entry(m.clone()).or_default().push(p);
-                }
-            }
-            if let Some(l) = &e.lora {
-                for a in l.running.iter().chain(&l.waiting) {
-                    ix.lora.entry(a.clone()).or_default().push(p);
-                }
-            }
-        }
-        let load = |p: &u32| endpoints.get(*p as usize).map_or(f64::MAX, reported);
-        for list in ix.by_load.values_mut() {
-            list.sort_by(|a, b| load(a).total_cmp(&load(b)).then(a.cmp(b)));
-        }
-        ix
-    }
-
-    /// Follow in-place changes to the endpoints at `changed` (their addresses and ids stay):
-    /// re-place them in each model's load order and in the adapters' holders.
-    pub fn update(&mut self, endpoints: &[Endpoint], changed: &[usize]) {
-        if changed.is_empty() {
-            return;
-        }
-        let changed: hashbrown::HashSet<u32> = changed.iter().filter_map(|&p| u32::try_from(p).ok()).collect();
-        let load = |p: u32| endpoints.get(p as usize).map_or(f64::MAX, reported);
-        for (model, list) in &mut self.by_load {
-            list.retain(|p| !changed.contains(p));
-            for &p in &changed {
-                let Some(e) = endpoints.get(p as usize) else { continue };
-                if e.ready && e.serves(model) {
-                    let l = load(p);
-                    let at = list.partition_point(|&q| load(q).total_cmp(&l).then(q.cmp(&p)).is_lt());
-                    list.insert(at, p);
-                }
-            }
-        }
-        // A model no list had yet (an endpoint started serving it).
-        for &p in &changed {
-            let Some(e) = endpoints.get(p as usize).filter(|e| e.ready) else { continue };
-            for m in &e.models {
-                if !self.by_load.contains_key(m) {
-                    self.by_load.insert(m.clone(), vec![p]);
-                }
-            }
-        }
-        for holders in self.lora.values_mut() {
-            holders.retain(|p| !changed.contains(p));
-        }
-        for &p in &changed {
-            let Some(l) = endpoints.get(p as usize).and_then(|e| e.lora.as_ref()) else { continue };
-            for a in l.running.iter().chain(&l.waiting) {
-                let holders = self.lora.entry(a.clone()).or_default();
-                if !holders.contains(&p) {
-                    holders.push(p);
-                }
-            }
-        }
-    }
-
-    /// The `k` ready endpoints serving `model` with the least reported load, least first.
-    pub fn least_loaded(&self, model: &str, k: usize) -> Vec<usize> {
-        self.by_load.get(model).map(|l| l.iter().take(k).map(|&p| p as usize).collect()).unwrap_or_default()
-    }
-
-    /// The position of the endpoint at `address`.
-    pub fn position(&self, endpoints: &[Endpoint], address: &str) -> Option<usize> {
-        self.by_address
-            .get(&fixed_hash(address))?
-            .iter()
-            .map(|&p| p as usize)
-            .find(|&p| endpoints.get(p).is_some_and(|e| e.address == address))
-    }
-}
-
-/// The per-pool index, built on first use after the pool changes. Cloning or comparing pools
-/// ignores it (it is derived from the endpoints); whoever edits `endpoints` in place resets it.
-#[derive(Default)]
-pub struct IndexCell(std::sync::OnceLock<PoolIndex>);
-
-impl IndexCell {
-    pub fn get_mut(&mut self) -> Option<&mut PoolIndex> {
-        self.0.get_mut()
-    }
-
-    pub fn get_or_build(&self, endpoints: &[Endpoint]) -> &PoolIndex {
-        self.0.get_or_init(|| PoolIndex::build(endpoints))
-    }
-}
-
-impl Clone for IndexCell {
-    fn clone(&self) -> Self {
-        Self::default()
-    }
-}
-
-impl PartialEq for IndexCell {
-    fn eq(&self, _: &Self) -> bool {
-        true
-    }
-}
-
-impl std::fmt::Debug for IndexCell {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.get().is_some() { "IndexCell(built)" } else { "IndexCell(empty)" })
-    }
 }
 
 /// The shortlist for `input` on a pool larger than `cfg.above`, in pool order; `None` when the
