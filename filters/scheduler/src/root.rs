@@ -377,8 +377,8 @@ mod tests {
         assert!([address(0), address(1)].contains(&ex.primary().expect("routed")));
     }
 
-    #[test]
-    fn schedulers_follow_snapshot_deltas_without_rereading_the_pool() {
+    /// An agent holding version 1 of a two-endpoint pool, and a scheduler that has read it.
+    fn deltas_setup() -> (Filter, crate::testing::GrpcStream, Filter, Rc<RefCell<Worker>>, v1::Snapshot) {
         let mut agent = Filter::configure(r#"{"role":"agent"}"#);
         let first = open_stream();
         let base = snapshot(2);
@@ -386,6 +386,32 @@ mod tests {
         let (scheduler, ok) = Filter::try_configure_as(2, "");
         assert!(ok);
         assert!(scheduler.send(Request::completion(&prompt("hi"))).primary().is_some());
+        let w = scheduler.root.worker().expect("a worker");
+        (agent, first, scheduler, w, base)
+    }
+
+    /// The next version from `prev`, changed by `change`, delivered to `agent` as a delta.
+    fn step(agent: &mut Filter, prev: &mut v1::Snapshot, v: u64, change: &dyn Fn(&mut v1::Snapshot)) -> v1::Snapshot {
+        let mut s = prev.clone();
+        s.version = v;
+        change(&mut s);
+        deliver(agent, v1::update::Kind::Delta(attache_proto::delta::diff(prev, &s).expect("same epoch")));
+        *prev = s;
+        prev.clone()
+    }
+
+    fn churn(s: &mut v1::Snapshot) {
+        s.endpoints[1].waiting = s.version as f64;
+        s.endpoints[0].ready = s.version % 2 == 1;
+    }
+
+    fn big_label(s: &mut v1::Snapshot, c: char) {
+        s.endpoints[1].labels.insert("attache.io/note".into(), c.to_string().repeat(3_000));
+    }
+
+    #[test]
+    fn schedulers_follow_snapshot_deltas_without_rereading_the_pool() {
+        let (mut agent, _, mut scheduler, w, base) = deltas_setup();
         // Version 2: endpoint 0 goes unready; only its record travels.
         let mut next = base.clone();
         next.version = 2;
@@ -393,46 +419,46 @@ mod tests {
         let d = attache_proto::delta::diff(&base, &next).expect("same epoch");
         assert_eq!(d.upserts.len(), 1);
         deliver(&mut agent, v1::update::Kind::Delta(d));
-        let w = scheduler.root.worker().expect("a worker");
-        let mut scheduler = scheduler;
         scheduler.tick();
         assert_eq!(w.borrow().cache.pool.version, 2, "taken on the scheduler's tick, before any request");
         for i in 0..20 {
             let ex = scheduler.send(Request::completion(&prompt(&format!("q{i}"))));
             assert_eq!(ex.primary(), Some(address(1)), "the unready endpoint is avoided");
         }
-        let (applied, reads) = {
+        let counts = {
             let w = w.borrow();
             (w.cache.deltas_applied, w.cache.full_reads)
         };
-        assert_eq!((applied, reads), (1, 1), "one whole read, then the delta alone");
+        assert_eq!(counts, (1, 1), "one whole read, then the delta alone");
         assert_eq!(metric("attache.snapshot.deltas"), Some(1));
-        // Hundreds more fold the log into a new base; a scheduler that keeps up (a few
-        // versions behind at most) never reads the base, and one far behind does.
+        // While the tick runs, a request takes small deltas itself and leaves a large one to
+        // the tick.
         let mut prev = next;
-        let mut next_delta = |agent: &mut Filter, v: u64| {
-            let mut s = prev.clone();
-            s.version = v;
-            s.endpoints[1].waiting = v as f64;
-            s.endpoints[0].ready = v % 2 == 1;
-            deliver(agent, v1::update::Kind::Delta(attache_proto::delta::diff(&prev, &s).expect("same epoch")));
-            prev = s;
-            prev.clone()
-        };
-        // While the tick runs, a request leaves the new version to it.
-        let v3 = next_delta(&mut agent, 3);
-        let _ = scheduler.send(Request::completion(&prompt("between ticks")));
-        assert_eq!(w.borrow().cache.pool.version, 2, "the request left version 3 to the tick");
+        step(&mut agent, &mut prev, 3, &churn);
+        let v4 = step(&mut agent, &mut prev, 4, &churn);
+        let _ = scheduler.send(Request::completion(&prompt("small changes")));
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v4), "two small deltas: taken at once");
+        let big = step(&mut agent, &mut prev, 5, &|s| big_label(s, 'x'));
+        let _ = scheduler.send(Request::completion(&prompt("large change")));
+        assert_eq!(w.borrow().cache.pool.version, 4, "the request left the large delta to the tick");
         scheduler.tick();
-        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v3));
-        // A tick that stalls past REQUEST_REFRESH_AFTER_MS: the request takes it itself.
-        let v4 = next_delta(&mut agent, 4);
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&big));
+        // A tick that stalls past REQUEST_REFRESH_AFTER_MS: the request takes even a large one.
+        let big2 = step(&mut agent, &mut prev, 6, &|s| big_label(s, 'y'));
         advance_ms(snapshot::REQUEST_REFRESH_AFTER_MS + 1);
         let _ = scheduler.send(Request::completion(&prompt("no tick lately")));
-        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v4));
-        let mut last = v4;
-        for v in 5..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
-            last = next_delta(&mut agent, v);
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&big2));
+    }
+
+    #[test]
+    fn a_folded_delta_log_keeps_workers_that_keep_up_and_a_stray_delta_restarts_the_stream() {
+        let (mut agent, first, mut scheduler, w, base) = deltas_setup();
+        // Hundreds of deltas fold the log into a new base; a scheduler that keeps up (a few
+        // versions behind at most) never reads the base, and one far behind does.
+        let mut prev = base;
+        let mut last = prev.clone();
+        for v in 2..=(snapshot::LOG_MAX_ENTRIES as u64 + 10) {
+            last = step(&mut agent, &mut prev, v, &churn);
             if v % 3 == 0 {
                 scheduler.tick();
             }
@@ -442,20 +468,19 @@ mod tests {
         assert_eq!(w.borrow().cache.full_reads, 1, "the fold kept the deltas it needed");
         let far = snapshot::LOG_MAX_ENTRIES as u64 + 11;
         for v in far..far + 2 * snapshot::LOG_MAX_ENTRIES as u64 {
-            last = next_delta(&mut agent, v);
+            last = step(&mut agent, &mut prev, v, &churn);
         }
         scheduler.tick();
         assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&last));
         assert_eq!(w.borrow().cache.full_reads, 2, "too far behind: the base");
-        let prev = last;
         // A delta that does not follow: counted, and the stream restarts for a full snapshot.
-        let stray = v1::SnapshotDelta { version: 900, base_version: 800, host_epoch: 1, ..Default::default() };
+        let stray = v1::SnapshotDelta { version: 9_000, base_version: 8_000, host_epoch: 1, ..Default::default() };
         deliver(&mut agent, v1::update::Kind::Delta(stray));
         assert_eq!(metric("attache.snapshot.delta_gaps"), Some(1));
         assert!(with(|h| h.grpc_streams.iter().any(|s| s.token == first.token && s.closed)));
         agent.tick();
         assert_ne!(open_stream().token, first.token);
-        assert_eq!(w.borrow().cache.pool.version, prev.version, "the stray delta changed nothing");
+        assert_eq!(w.borrow().cache.pool.version, last.version, "the stray delta changed nothing");
     }
 
     #[test]

@@ -38,10 +38,13 @@ pub const HEARD_KEY: &str = "attache.host.heard_ms";
 
 pub use attache_proto::pool::to_pool;
 
-fn version_key(s: &v1::Snapshot) -> [u8; 16] {
-    let mut k = [0u8; 16];
+/// The version key: host epoch, version, and the encoded bytes of every delta since the last
+/// whole snapshot (so a worker knows how much it has to apply before reading any), big-endian.
+fn version_key(s: &v1::Snapshot, delta_bytes: u64) -> [u8; 24] {
+    let mut k = [0u8; 24];
     k[..8].copy_from_slice(&s.host_epoch.to_be_bytes());
-    k[8..].copy_from_slice(&s.version.to_be_bytes());
+    k[8..16].copy_from_slice(&s.version.to_be_bytes());
+    k[16..].copy_from_slice(&delta_bytes.to_be_bytes());
     k
 }
 
@@ -51,7 +54,7 @@ pub fn publish(s: &v1::Snapshot) -> bool {
     let bytes = s.encode_to_vec();
     host::set_shared_data(SNAPSHOT_KEY, &bytes)
         && host::set_shared_data(DELTAS_KEY, &[])
-        && host::set_shared_data(VERSION_KEY, &version_key(s))
+        && host::set_shared_data(VERSION_KEY, &version_key(s, 0))
         && host::set_shared_data(CHANGED_KEY, &[])
 }
 
@@ -74,6 +77,8 @@ pub struct Publisher {
     bytes: usize,
     /// Deltas since the base was written.
     since_base: usize,
+    /// Encoded bytes of every delta since the last whole snapshot.
+    total: u64,
 }
 
 impl Publisher {
@@ -82,6 +87,7 @@ impl Publisher {
         self.frames.clear();
         self.bytes = 0;
         self.since_base = 0;
+        self.total = 0;
         let ok = publish(&s);
         self.current = Some(s);
         ok
@@ -103,7 +109,8 @@ impl Publisher {
         self.bytes += frame.len();
         self.frames.push_back((d.version, frame));
         self.since_base += 1;
-        let key = version_key(cur);
+        self.total += body.len() as u64;
+        let key = version_key(cur, self.total);
         let mut ok = true;
         if self.bytes > LOG_MAX_BYTES || self.since_base >= LOG_MAX_ENTRIES {
             while self.bytes > LOG_KEEP_BYTES || self.frames.len() > LOG_KEEP_ENTRIES {
@@ -179,40 +186,61 @@ pub struct SnapshotCache {
     pub full_reads: u64,
     /// When the worker's tick last took new versions.
     ticked_ms: Option<u64>,
+    /// The version key's delta bytes when this worker last caught up.
+    at_bytes: u64,
 }
 
-/// A request takes new snapshot versions itself only when the worker's tick has not for this
-/// long (two snapshot ticks): otherwise it schedules on the pool as of the last tick, at most
-/// one tick old, and leaves the work of applying a version to the tick.
+/// A request takes new snapshot versions itself when the deltas it lacks are small (at most
+/// [`REQUEST_APPLY_MAX_BYTES`] together), when the worker's tick has not run for this long (two
+/// snapshot ticks), or when it has no ready endpoint. Otherwise it schedules on the pool as of the last
+/// tick, at most one tick old, and leaves applying a large change to the tick.
 pub const REQUEST_REFRESH_AFTER_MS: u64 = 40;
+pub const REQUEST_APPLY_MAX_BYTES: u64 = 2_048;
 
-fn parse_key(k: &[u8]) -> Option<(u64, u64)> {
-    let e = u64::from_be_bytes(<[u8; 8]>::try_from(k.get(..8)?).ok()?);
-    let v = u64::from_be_bytes(<[u8; 8]>::try_from(k.get(8..16)?).ok()?);
-    Some((e, v))
+/// (epoch, version, delta bytes since the last whole snapshot).
+fn parse_key(k: &[u8]) -> Option<(u64, u64, u64)> {
+    let word = |r: std::ops::Range<usize>| k.get(r).and_then(|b| <[u8; 8]>::try_from(b).ok()).map(u64::from_be_bytes);
+    Some((word(0..8)?, word(8..16)?, word(16..24).unwrap_or(0)))
+}
+
+/// Who is catching up: the worker's tick always applies what is new; a request may leave it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Caller {
+    Tick,
+    Request,
 }
 
 impl SnapshotCache {
     /// From the worker's tick: take new versions.
     pub fn refresh_on_tick(&mut self, now_ms: u64) -> bool {
         self.ticked_ms = Some(now_ms);
-        self.refresh(now_ms)
+        self.catch_up(now_ms, Caller::Tick)
     }
 
-    /// From a request: take new versions only if there is no ready endpoint yet or the tick
-    /// has not run for [`REQUEST_REFRESH_AFTER_MS`].
+    /// From a request: take new versions unless it is a large change the tick will apply
+    /// (see [`REQUEST_REFRESH_AFTER_MS`]).
     pub fn refresh_for_request(&mut self, now_ms: u64) -> bool {
+        self.catch_up(now_ms, Caller::Request)
+    }
+
+    /// Whether a request should leave the version `target` to the tick.
+    fn leave_to_tick(&self, now_ms: u64, target: (u64, u64, u64)) -> bool {
         let ticking = self.ticked_ms.is_some_and(|t| now_ms.saturating_sub(t) <= REQUEST_REFRESH_AFTER_MS);
-        if ticking && self.at.is_some() && self.pool.has_ready() {
-            return false;
-        }
-        self.refresh(now_ms)
+        let small = self.at.is_some_and(|(e, v)| {
+            e == target.0 && v < target.1 && target.2.saturating_sub(self.at_bytes) <= REQUEST_APPLY_MAX_BYTES
+        });
+        ticking && !small && self.at.is_some() && self.pool.has_ready()
+    }
+
+    /// Catch up with the newest snapshot (from anywhere: tests, the queue).
+    pub fn refresh(&mut self, now_ms: u64) -> bool {
+        self.catch_up(now_ms, Caller::Tick)
     }
 
     /// Catch up with the newest snapshot if the version key moved: by the deltas this worker
     /// lacks when it is on the base's chain, else by reading the base and its deltas. Returns
     /// true if the pool changed.
-    pub fn refresh(&mut self, now_ms: u64) -> bool {
+    fn catch_up(&mut self, now_ms: u64, caller: Caller) -> bool {
         let (_, signal) = host::shared_data_cas(CHANGED_KEY);
         if signal.is_some() && signal == self.seen {
             return false;
@@ -220,9 +248,14 @@ impl SnapshotCache {
         let Some(target) = host::shared_data(VERSION_KEY).as_deref().and_then(parse_key) else {
             return false;
         };
+        if caller == Caller::Request && self.leave_to_tick(now_ms, target) {
+            // Not marked seen: the tick takes it.
+            return false;
+        }
         // Looked at, whatever the outcome: bytes that do not decode are not retried until the
         // next write.
         self.seen = signal;
+        self.at_bytes = target.2;
         if let Some((epoch, have)) = self.at {
             if epoch == target.0 && have >= target.1 {
                 return false;
@@ -301,8 +334,8 @@ mod tests {
         log.truncate(log.len() - 1);
         assert_eq!(after(&log, 3), vec![4], "the torn last frame is left out");
         assert_eq!(
-            parse_key(&version_key(&v1::Snapshot { version: 7, host_epoch: 3, ..Default::default() })),
-            Some((3, 7))
+            parse_key(&version_key(&v1::Snapshot { version: 7, host_epoch: 3, ..Default::default() }, 90)),
+            Some((3, 7, 90))
         );
         assert_eq!(parse_key(&[1, 2]), None);
     }
@@ -310,7 +343,7 @@ mod tests {
     #[test]
     fn a_new_version_is_a_new_key() {
         let s = v1::Snapshot { version: 7, host_epoch: 1, ..Default::default() };
-        assert_ne!(version_key(&s), version_key(&v1::Snapshot { version: 8, ..s.clone() }));
-        assert_ne!(version_key(&s), version_key(&v1::Snapshot { host_epoch: 2, ..s.clone() }));
+        assert_ne!(version_key(&s, 0), version_key(&v1::Snapshot { version: 8, ..s.clone() }, 0));
+        assert_ne!(version_key(&s, 0), version_key(&v1::Snapshot { host_epoch: 2, ..s.clone() }, 0));
     }
 }
