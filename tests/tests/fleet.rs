@@ -364,7 +364,8 @@ async fn a_second_host_takes_over_when_the_one_envoy_follows_dies() {
     let routed_after = routed_after.expect("the held prefix was never routed to its holder after the kill");
     eprintln!("held prefix routed to its holder {routed_after:?} after the host was killed");
     assert!(routed_after <= Duration::from_secs(1), "precise routing resumed after {routed_after:?}");
-    assert!(host_metric(survivor, "attache_host_subscribers") >= 1.0, "the Envoy follows the survivor");
+    let followers = host_metric(survivor, "attache_host_subscribers");
+    assert!(followers >= 1.0, "the Envoy follows the survivor: {followers} subscribers, on={on}");
     // The sessions bound before the kill are still known to the fleet.
     assert!(host_metric(survivor, "attache_host_fleet_entries{kind=\"binding\"}") >= 6.0);
 
