@@ -364,7 +364,14 @@ async fn a_second_host_takes_over_when_the_one_envoy_follows_dies() {
     let routed_after = routed_after.expect("the held prefix was never routed to its holder after the kill");
     eprintln!("held prefix routed to its holder {routed_after:?} after the host was killed");
     assert!(routed_after <= Duration::from_secs(1), "precise routing resumed after {routed_after:?}");
-    let followers = host_metric(survivor, "attache_host_subscribers");
+    // The agent's stream is on the survivor (read for up to a heartbeat: a stream reopened
+    // meanwhile is counted once it is open again).
+    let deadline = Instant::now() + Duration::from_secs(1);
+    let mut followers = host_metric(survivor, "attache_host_subscribers");
+    while followers < 1.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        followers = host_metric(survivor, "attache_host_subscribers");
+    }
     assert!(followers >= 1.0, "the Envoy follows the survivor: {followers} subscribers, on={on}");
     // The sessions bound before the kill are still known to the fleet.
     assert!(host_metric(survivor, "attache_host_fleet_entries{kind=\"binding\"}") >= 6.0);
