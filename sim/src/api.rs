@@ -93,30 +93,31 @@ fn rand_hex() -> String {
     format!("{:016x}", xxhash_rust::xxh64::xxh64(&b, u64::from(std::process::id())))
 }
 
-fn with_engine_headers(mut r: Response, st: &AppState) -> Response {
+fn with_engine_headers(r: Response, st: &AppState) -> Response {
+    identify(r, &st.port.to_string(), &st.name, &st.address)
+}
+
+/// The `x-inference-{port,pod,address}` headers that say which engine answered (both modes).
+pub(crate) fn identify(mut r: Response, port: &str, pod: &str, address: &str) -> Response {
     let h = r.headers_mut();
-    if let Ok(v) = HeaderValue::from_str(&st.port.to_string()) {
-        h.insert("x-inference-port", v);
-    }
-    if let Ok(v) = HeaderValue::from_str(&st.name) {
-        h.insert("x-inference-pod", v);
-    }
-    if let Ok(v) = HeaderValue::from_str(&st.address) {
-        h.insert("x-inference-address", v);
+    for (name, value) in [("x-inference-port", port), ("x-inference-pod", pod), ("x-inference-address", address)] {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            h.insert(name, v);
+        }
     }
     r
 }
 
 #[derive(Deserialize, Default)]
-struct StreamOptions {
+pub(crate) struct StreamOptions {
     #[serde(default)]
-    include_usage: Option<bool>,
+    pub(crate) include_usage: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
-struct Extra {
+pub(crate) struct Extra {
     #[serde(default)]
-    stream_options: Option<StreamOptions>,
+    pub(crate) stream_options: Option<StreamOptions>,
     /// vLLM's P/D connector parameters (NIXL shape, `reference/engines.md` §6.4).
     #[serde(default)]
     kv_transfer_params: Option<Value>,

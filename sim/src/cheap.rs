@@ -37,12 +37,11 @@ use attache_policies::request::{self, Api, Prompt};
 use axum::body::Bytes;
 use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::serve::IncomingStream;
 use axum::Router;
-use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -340,17 +339,9 @@ fn no_engine(local: SocketAddr) -> Response {
 }
 
 /// The normal mode's `x-inference-*` headers, with engine `i`'s address.
-fn with_engine_headers(mut r: Response, pool: &CheapPool, i: usize) -> Response {
+fn with_engine_headers(r: Response, pool: &CheapPool, i: usize) -> Response {
     let addr = pool.address(i);
-    let h = r.headers_mut();
-    h.insert("x-inference-port", HeaderValue::from(addr.port()));
-    if let Ok(v) = HeaderValue::from_str(&format!("sim-{addr}")) {
-        h.insert("x-inference-pod", v);
-    }
-    if let Ok(v) = HeaderValue::from_str(&addr.to_string()) {
-        h.insert("x-inference-address", v);
-    }
-    r
+    crate::api::identify(r, &addr.port().to_string(), &format!("sim-{addr}"), &addr.to_string())
 }
 
 async fn health(State(pool): St, ConnectInfo(LocalAddr(local)): Local) -> Response {
@@ -395,18 +386,6 @@ async fn chat(State(pool): St, ConnectInfo(LocalAddr(local)): Local, body: Bytes
     infer(&pool, local, Api::ChatCompletions, &body).await
 }
 
-#[derive(Deserialize, Default)]
-struct StreamOptions {
-    #[serde(default)]
-    include_usage: Option<bool>,
-}
-
-#[derive(Deserialize, Default)]
-struct Extra {
-    #[serde(default)]
-    stream_options: Option<StreamOptions>,
-}
-
 /// Tokens a cheap engine generates at most per request.
 const MAX_OUTPUT: usize = 4;
 
@@ -446,7 +425,7 @@ async fn answer(pool: &CheapPool, i: usize, api: Api, body: &[u8]) -> Response {
     let _ = tx.send(TokenEvent::Done(usage));
     drop(tx);
     if req.stream {
-        let extra: Extra = serde_json::from_slice(body).unwrap_or_default();
+        let extra: crate::api::Extra = serde_json::from_slice(body).unwrap_or_default();
         let include_usage = extra.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         crate::api::stream(api, req.model, rx, include_usage)
     } else {
