@@ -229,15 +229,20 @@ async fn higher_priority_waiting_requests_go_first_across_workers() {
             (tag, o, Instant::now())
         })
     };
-    // Two blockers: one runs, one waits on the engine, and the host reports saturation.
-    let mut tasks = vec![spawn("blocker-1".into(), 120, vec![])];
+    // Two blockers: one runs, one waits on the engine, and the host reports saturation. The
+    // first runs about 2.4 s (400 tokens at ~6 ms), long enough to cover an idle engine's
+    // stretched scrape interval (up to 800 ms) before the host sees the second one waiting,
+    // plus the eight requests below: they must all be queued before it ends.
+    let started = Instant::now();
+    let mut tasks = vec![spawn("blocker-1".into(), 400, vec![])];
     tokio::time::sleep(Duration::from_millis(150)).await;
-    tasks.push(spawn("blocker-2".into(), 120, vec![]));
+    tasks.push(spawn("blocker-2".into(), 400, vec![]));
     let deadline = Instant::now() + Duration::from_secs(3);
     while snapshot(&s).await["saturation"].as_f64().unwrap_or(0.0) < 1.0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(snapshot(&s).await["saturation"].as_f64().unwrap_or(0.0) >= 1.0, "the pool saturates");
+    let saturated_after = started.elapsed();
     // Low priority first, then high priority, each on its own connection (both workers).
     for i in 0..4 {
         tasks.push(spawn(format!("low-{i}"), 15, vec![("x-attache-tenant", "batchy")]));
@@ -259,7 +264,12 @@ async fn higher_priority_waiting_requests_go_first_across_workers() {
     let order: Vec<&str> = done.iter().map(|(t, _)| t.as_str()).collect();
     let last_high = order.iter().rposition(|t| t.starts_with("high")).unwrap();
     let first_low = order.iter().position(|t| t.starts_with("low")).unwrap();
-    assert!(last_high < first_low, "every high-priority request before any low one: {order:?}");
+    let queued_by = saturated_after + Duration::from_millis(240);
+    assert!(
+        last_high < first_low,
+        "every high-priority request before any low one: {order:?} (saturated after {saturated_after:?}, all queued by {queued_by:?}, blocker-1 done after {:?})",
+        done.iter().find(|(t, _)| t == "blocker-1").map(|(_, at)| at.duration_since(started))
+    );
     assert!(s.envoy_stat("wasmcustom.attache.flow.enqueued") >= 8, "they waited in the filters");
     assert_eq!(queued_gauge(&s), 0);
 }
