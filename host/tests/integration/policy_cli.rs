@@ -16,7 +16,7 @@ fn text(o: &Output) -> String {
 
 /// A minimal valid module (one exported empty function).
 fn module() -> Vec<u8> {
-    include_bytes!("fixtures/minimal.wasm").to_vec()
+    include_bytes!("../fixtures/minimal.wasm").to_vec()
 }
 
 fn s(p: &Path) -> &str {
