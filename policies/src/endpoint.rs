@@ -187,6 +187,8 @@ pub struct PoolIndex {
     pub(crate) by_load: HashMap<String, Vec<u32>>,
     /// Per adapter: the endpoints with it loaded (running or waiting).
     pub(crate) lora: HashMap<String, Vec<u32>>,
+    /// The endpoints of the prefill role, in pool order (most pools have none).
+    pub(crate) prefill: Vec<u32>,
 }
 
 /// A snapshot's reported load: waiting + running (unknown counts as idle).
@@ -210,6 +212,9 @@ impl PoolIndex {
                 for a in l.running.iter().chain(&l.waiting) {
                     ix.lora.entry(a.clone()).or_default().push(p);
                 }
+            }
+            if e.role == Role::Prefill {
+                ix.prefill.push(p);
             }
         }
         let load = |p: &u32| endpoints.get(*p as usize).map_or(f64::MAX, reported);
@@ -249,6 +254,14 @@ impl PoolIndex {
         }
         for holders in self.lora.values_mut() {
             holders.retain(|p| !changed.contains(p));
+        }
+        // A role can change in place (a relabelled pod): re-place the changed ones.
+        self.prefill.retain(|p| !changed.contains(p));
+        for &p in &changed {
+            if endpoints.get(p as usize).is_some_and(|e| e.role == Role::Prefill) {
+                let at = self.prefill.partition_point(|&q| q < p);
+                self.prefill.insert(at, p);
+            }
         }
         for &p in &changed {
             let Some(l) = endpoints.get(p as usize).and_then(|e| e.lora.as_ref()) else { continue };

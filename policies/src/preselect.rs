@@ -21,7 +21,7 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::endpoint::{reported, Endpoint, PoolState};
-use crate::profiles::SchedulingInput;
+use crate::profiles::{Profile, SchedulingInput};
 
 /// `scheduler.preselect`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -102,6 +102,16 @@ pub fn shortlist(
     keep.sort_unstable();
     keep.dedup();
     Some(keep)
+}
+
+/// The starting candidates of the P/D prefill profile on a pool larger than `cfg.above`: the
+/// endpoints of the prefill role (the index keeps them), rather than every endpoint for its
+/// `prefill-filter` to drop. `None`: the pool is small, or `profile` has no `prefill-filter`
+/// (a configured profile that picks among other roles sees the whole pool).
+pub fn prefill_candidates(cfg: &PreselectConfig, pool: &PoolState, profile: &Profile) -> Option<Vec<usize>> {
+    let large = cfg.above > 0 && pool.endpoints.len() > cfg.above;
+    let by_role = profile.filters.iter().any(|f| f.name() == crate::filters::prefill::NAME);
+    (large && by_role).then(|| pool.index().prefill.iter().map(|&p| p as usize).collect())
 }
 
 #[cfg(test)]

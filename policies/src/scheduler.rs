@@ -174,7 +174,12 @@ impl Scheduler {
                 Some(s) => s.restrict(&pool.endpoints, &mut c).map(|()| c),
                 None => Ok(c),
             };
-            self.prefill.filter(&filter_ctx(Some(&primary.address))).and_then(allowed).ok().and_then(|c| {
+            let ctx = filter_ctx(Some(&primary.address));
+            let filtered = match crate::preselect::prefill_candidates(&self.config.preselect, pool, &self.prefill) {
+                Some(c) => self.prefill.filter_among(&ctx, c),
+                None => self.prefill.filter(&ctx),
+            };
+            filtered.and_then(allowed).ok().and_then(|c| {
                 let (ps, _) = run.score(&c);
                 let totals: Vec<f64> = ps.iter().map(|s| s.total).collect();
                 self.prefill.picker.pick(&totals, &[], input.seed).first().and_then(|&i| ps.get(i).cloned())
@@ -640,6 +645,31 @@ mod tests {
         let off = off.unwrap();
         assert!(run(&off, &p, &mut off.new_state(), &long, 1).prefill.is_none());
         assert!(run(&s, &pool(4), &mut s.new_state(), &long, 1).prefill.is_none());
+    }
+
+    #[test]
+    fn a_large_pool_finds_its_prefill_endpoints_from_the_index() {
+        // Past `preselect.above`, the prefill profile starts from the index's prefill-role
+        // endpoints, not the whole pool; a role changed in place by a delta is followed.
+        let s = scheduler();
+        let mut p = pool(1_000);
+        for i in [17, 640] {
+            p.endpoints[i].role = Role::Prefill;
+        }
+        let long = "abcd".repeat(64 * 64);
+        let mut st = s.new_state();
+        let d = run(&s, &p, &mut st, &long, 1);
+        let pre = d.prefill.expect("split on a large pool");
+        assert!([17, 640].map(|i| p.endpoints[i].address.clone()).contains(&pre.address), "{}", pre.address);
+        p.endpoints[17].role = Role::Both;
+        p.endpoints[640].role = Role::Both;
+        p.endpoints[333].role = Role::Prefill;
+        p.index_updated(&[17, 333, 640]);
+        let d = run(&s, &p, &mut s.new_state(), &long, 2);
+        assert_eq!(d.prefill.map(|x| x.address), Some(p.endpoints[333].address.clone()));
+        p.endpoints[333].role = Role::Both;
+        p.index_updated(&[333]);
+        assert!(run(&s, &p, &mut s.new_state(), &long, 3).prefill.is_none(), "no prefill endpoint left");
     }
 
     #[test]

@@ -54,6 +54,12 @@ pub struct Metrics {
     counts: Vec<(u32, i64)>,
 }
 
+/// Endpoints given their own pick and prefill counters, per VM. Each is an Envoy stat (about
+/// 1 KB, and a define call of tens of µs on the request that first picks the endpoint); past
+/// this, picks count in `attache.endpoint.other.picks` (and `.prefills`), so a pool of 10,000
+/// does not define 10,000 stats per worker.
+pub const MAX_ENDPOINT_STATS: usize = 512;
+
 /// Histogram samples held between ticks; past this, new samples are dropped (counted nowhere:
 /// a histogram is a distribution, and a tick falls due long before a worker decides this many).
 pub const MAX_PENDING_SAMPLES: usize = 8_192;
@@ -287,16 +293,7 @@ impl Metrics {
     /// A planned request (policies::plan's metric deltas), routed to `endpoint`.
     pub fn planned(&mut self, m: &attache_policies::plan::MetricsDelta, endpoint: &str) {
         self.count(self.scheduled, 1);
-        let id = match self.picks.get(endpoint) {
-            Some(id) => Some(*id),
-            None => {
-                let id = define(MetricType::Counter, &format!("attache.endpoint.{}.picks", sanitize(endpoint)));
-                if let Some(id) = id {
-                    self.picks.insert(endpoint.to_owned(), id);
-                }
-                id
-            }
-        };
+        let id = self.endpoint_counter(endpoint, "picks");
         self.count(id, 1);
         for (metric, v) in &m.scores {
             if let Some(&(_, h)) = self.scores.iter().find(|(n, _)| n == metric) {
@@ -336,18 +333,29 @@ impl Metrics {
     /// `attache.endpoint.<ip_port>.prefills`).
     fn disaggregated(&mut self, prefill: &str) {
         inc(self.disaggregated, 1);
-        let key = format!("prefill:{prefill}");
-        let id = match self.picks.get(&key) {
-            Some(id) => Some(*id),
-            None => {
-                let id = define(MetricType::Counter, &format!("attache.endpoint.{}.prefills", sanitize(prefill)));
-                if let Some(id) = id {
-                    self.picks.insert(key, id);
-                }
-                id
-            }
-        };
+        let id = self.endpoint_counter(&format!("prefill:{prefill}"), "prefills");
         inc(id, 1);
+    }
+
+    /// The counter `attache.endpoint.<ip_port>.<what>` for `key` (an address, or
+    /// `prefill:<address>`), defined on first use; `attache.endpoint.other.<what>` once
+    /// [`MAX_ENDPOINT_STATS`] are defined.
+    fn endpoint_counter(&mut self, key: &str, what: &str) -> Option<u32> {
+        if let Some(id) = self.picks.get(key) {
+            return Some(*id);
+        }
+        let full = self.picks.len() >= MAX_ENDPOINT_STATS;
+        let (key, endpoint) = if full {
+            (format!("other:{what}"), "other")
+        } else {
+            (key.to_owned(), key.strip_prefix("prefill:").unwrap_or(key))
+        };
+        if let Some(id) = self.picks.get(&key) {
+            return Some(*id);
+        }
+        let id = define(MetricType::Counter, &format!("attache.endpoint.{}.{what}", sanitize(endpoint)))?;
+        self.picks.insert(key, id);
+        Some(id)
     }
 
     /// A request went to its session's (or conversation's) sticky endpoint.
@@ -504,6 +512,31 @@ impl Metrics {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_large_pool_gets_bounded_per_endpoint_counters() {
+        use crate::testing::{metric, with};
+        use attache_policies::plan::MetricsDelta;
+        let profile =
+            attache_policies::Scheduler::new(attache_policies::SchedulerConfig::default()).expect("scheduler");
+        let mut m = super::Metrics::define(profile.decode_profile());
+        let ep = |i: usize| format!("10.0.{}.{}:8000", i / 256, i % 256);
+        let n = super::MAX_ENDPOINT_STATS + 100;
+        for i in 0..n {
+            m.planned(&MetricsDelta::default(), &ep(i));
+        }
+        m.planned(&MetricsDelta::default(), &ep(0));
+        m.planned(&MetricsDelta { disaggregated: Some(ep(n + 1)), ..Default::default() }, &ep(n));
+        m.flush_samples();
+        assert_eq!(metric("attache.endpoint.10.0.0.0_8000.picks"), Some(2));
+        let last = super::MAX_ENDPOINT_STATS - 1;
+        assert_eq!(metric(&format!("attache.endpoint.{}.picks", super::sanitize(&ep(last)))), Some(1));
+        assert_eq!(metric(&format!("attache.endpoint.{}.picks", super::sanitize(&ep(last + 1)))), None);
+        assert_eq!(metric("attache.endpoint.other.picks"), Some(101), "picks past the bound");
+        assert_eq!(metric("attache.endpoint.other.prefills"), Some(1));
+        let defined = with(|h| h.metric_names().filter(|n| n.starts_with("attache.endpoint.")).count());
+        assert_eq!(defined, super::MAX_ENDPOINT_STATS + 2);
+    }
+
     #[test]
     fn endpoint_names_are_stat_safe() {
         assert_eq!(super::sanitize("10.0.0.1:8000"), "10.0.0.1_8000");

@@ -7,9 +7,11 @@ use crate::error::ScheduleError;
 
 pub struct Prefill;
 
+pub const NAME: &str = "prefill-filter";
+
 impl Filter for Prefill {
     fn name(&self) -> &'static str {
-        "prefill-filter"
+        NAME
     }
 
     fn doc(&self) -> &'static str {

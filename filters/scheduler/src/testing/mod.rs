@@ -229,6 +229,11 @@ impl MockHost {
         self.metrics.iter().find(|m| m.name == name).map(|m| m.value)
     }
 
+    /// The names of the metrics defined so far.
+    pub fn metric_names(&self) -> impl Iterator<Item = &str> {
+        self.metrics.iter().map(|m| m.name.as_str())
+    }
+
     /// Whether a line at `level` containing `needle` was logged.
     pub fn logged(&self, level: LogLevel, needle: &str) -> bool {
         self.logs.iter().any(|(l, m)| *l == level && m.contains(needle))
