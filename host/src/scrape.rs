@@ -165,8 +165,12 @@ async fn scrape_once(
         return Err((format!("HTTP {}", resp.status()), ScrapeError::Status));
     }
     let body = resp.bytes().await.map_err(|e| (e.to_string(), transport_error(&e)))?;
-    // The exposition format is UTF-8: no charset sniffing, and no copy unless it is invalid.
-    let text = String::from_utf8_lossy(&body);
+    // The exposition format is UTF-8: no charset sniffing, and no copy unless it is invalid
+    // (checked first with the fast validator: the lossy one walks the page byte by byte).
+    let text = match std::str::from_utf8(&body) {
+        Ok(t) => std::borrow::Cow::Borrowed(t),
+        Err(_) => String::from_utf8_lossy(&body),
+    };
     prom::engine_metrics(&text, engine).map_err(|e| (e.to_string(), ScrapeError::Parse))
 }
 

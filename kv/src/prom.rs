@@ -79,12 +79,14 @@ pub fn parse(text: &str) -> Exposition<'_> {
 /// engine's page is mostly histogram buckets a router does not read).
 pub fn parse_only<'a>(text: &'a str, keep: impl Fn(&str) -> bool) -> Exposition<'a> {
     let mut out = Exposition::default();
-    for line in text.lines() {
-        let line = line.trim();
+    // Byte-wise: the format's separators are ASCII, and this loop is most of what following
+    // 1,000 engines costs the host (a char-wise scan and trim took twice as long).
+    for line in text.split('\n') {
+        let line = line.trim_ascii();
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let name_end = line.find(|c: char| c == '{' || c.is_whitespace()).unwrap_or(line.len());
+        let name_end = line.bytes().position(|b| b == b'{' || b.is_ascii_whitespace()).unwrap_or(line.len());
         let Some(name) = line.get(..name_end) else {
             out.bad_lines += 1;
             continue;
