@@ -21,14 +21,7 @@ async fn serve() -> String {
     let rx = push::spawn_publisher(state, 1, Duration::from_millis(20), Duration::from_secs(2));
     let fleet = FleetFeed::spawn(FleetConfig::default());
     let svc = push::Snapshots::new(rx, Duration::from_secs(1)).with_fleet(fleet).into_server();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    format!("http://{addr}")
+    crate::serve(svc).await
 }
 
 /// An `Exchange` stream for Envoy `envoy`: the sender for its reports and its updates.

@@ -44,16 +44,10 @@ async fn index_resend_then_live_deltas() {
     let rx = push::spawn_publisher(state, 1, Duration::from_millis(20), Duration::from_secs(2));
     let feed = IndexFeed::spawn(index.clone(), Default::default(), Duration::from_millis(5), Duration::ZERO);
     let svc = push::Snapshots::new(rx, Duration::from_secs(1)).with_index(feed).into_server();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let url = crate::serve(svc).await;
     tokio::time::sleep(Duration::from_millis(50)).await; // the first deltas are taken
 
-    let mut client = SnapshotServiceClient::connect(format!("http://{addr}")).await.unwrap();
+    let mut client = SnapshotServiceClient::connect(url).await.unwrap();
     let mut stream = client.subscribe(SubscribeRequest { node: "test".into() }).await.unwrap().into_inner();
     let first = stream.message().await.unwrap().unwrap();
     assert!(matches!(first.kind, Some(update::Kind::Full(_))), "a full snapshot comes first");

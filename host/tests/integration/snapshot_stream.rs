@@ -53,21 +53,14 @@ async fn one_changed_engine_of_ten_thousand_travels_alone() {
     }
     let rx = push::spawn_publisher(state.clone(), 1, Duration::from_millis(20), Duration::from_secs(30));
     let svc = push::Snapshots::new(rx.clone(), Duration::from_secs(1)).into_server();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
+    let url = crate::serve(svc).await;
     // The first published version holds the whole pool.
     let mut watch = rx.clone();
     while watch.borrow_and_update().endpoints.len() < N {
         watch.changed().await.unwrap();
     }
 
-    let mut client =
-        SnapshotServiceClient::connect(format!("http://{addr}")).await.unwrap().max_decoding_message_size(64 << 20);
+    let mut client = SnapshotServiceClient::connect(url).await.unwrap().max_decoding_message_size(64 << 20);
     let mut stream = client.subscribe(SubscribeRequest { node: "test".into() }).await.unwrap().into_inner();
     let first = next_state(&mut stream).await;
     let full_bytes = first.encoded_len();
