@@ -17,6 +17,8 @@ pub struct Metrics {
     apis: [Option<u32>; Api::ALL.len()],
     errors: HashMap<&'static str, u32>,
     picks: HashMap<String, u32>,
+    /// `attache.endpoint.other.<what>`, once `picks` is full (no key to build per request).
+    other_picks: HashMap<&'static str, u32>,
     /// One histogram per scorer of the decode profile that names one: (metric, id).
     scores: Vec<(&'static str, Option<u32>)>,
     prefix_blocks_matched: Option<u32>,
@@ -340,21 +342,21 @@ impl Metrics {
     /// The counter `attache.endpoint.<ip_port>.<what>` for `key` (an address, or
     /// `prefill:<address>`), defined on first use; `attache.endpoint.other.<what>` once
     /// [`MAX_ENDPOINT_STATS`] are defined.
-    fn endpoint_counter(&mut self, key: &str, what: &str) -> Option<u32> {
+    fn endpoint_counter(&mut self, key: &str, what: &'static str) -> Option<u32> {
         if let Some(id) = self.picks.get(key) {
             return Some(*id);
         }
-        let full = self.picks.len() >= MAX_ENDPOINT_STATS;
-        let (key, endpoint) = if full {
-            (format!("other:{what}"), "other")
-        } else {
-            (key.to_owned(), key.strip_prefix("prefill:").unwrap_or(key))
-        };
-        if let Some(id) = self.picks.get(&key) {
-            return Some(*id);
+        if self.picks.len() >= MAX_ENDPOINT_STATS {
+            if let Some(id) = self.other_picks.get(what) {
+                return Some(*id);
+            }
+            let id = define(MetricType::Counter, &format!("attache.endpoint.other.{what}"))?;
+            self.other_picks.insert(what, id);
+            return Some(id);
         }
+        let endpoint = key.strip_prefix("prefill:").unwrap_or(key);
         let id = define(MetricType::Counter, &format!("attache.endpoint.{}.{what}", sanitize(endpoint)))?;
-        self.picks.insert(key, id);
+        self.picks.insert(key.to_owned(), id);
         Some(id)
     }
 
