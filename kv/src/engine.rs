@@ -41,6 +41,41 @@ impl Engine {
         }
     }
 
+    /// The path and query that ask this engine's `/metrics` (at `metrics_path`) for only the
+    /// samples a router reads, or None where the engine cannot filter.
+    ///
+    /// vLLM serves `GET /metrics` through prometheus-fastapi-instrumentator, which ignores the
+    /// query, and everything below `/metrics/` through prometheus_client's ASGI app, which
+    /// honours `name[]` (exact sample names) from prometheus_client 0.23
+    /// (`vllm/entrypoints/serve/instrumentator/metrics.py` @ ef0feb37; `prometheus_client/
+    /// exposition.py` `_bake_output`). A page of a few hundred bytes instead of ~26 KB is most
+    /// of what following a large pool costs. In multi-process mode (`--api-server-count` > 1,
+    /// or data parallel with internal balancing) vLLM's registry names no metrics and the
+    /// filtered page is empty; SGLang always runs that way (sglang#35752), so it is not asked.
+    /// The scraper falls back to the plain page when the filtered one lacks what it needs.
+    ///
+    /// Without `geometry`, the cache-geometry info metric (`cache_info`, half of a real vLLM
+    /// page's filtered bytes) is left out: it cannot change while the engine process lives.
+    pub fn filtered_metrics_path(self, metrics_path: &str, geometry: bool) -> Option<String> {
+        match self {
+            Engine::Sglang => None,
+            Engine::Vllm => {
+                let mut url = String::with_capacity(512);
+                url.push_str(metrics_path.trim_end_matches('/'));
+                url.push_str("/?");
+                let names = self.metrics().sample_names().filter(|n| geometry || *n != self.metrics().cache_info);
+                for (i, name) in names.enumerate() {
+                    if i > 0 {
+                        url.push('&');
+                    }
+                    url.push_str("name%5B%5D=");
+                    url.push_str(&name.replace(':', "%3A"));
+                }
+                Some(url)
+            }
+        }
+    }
+
     /// How this engine publishes its KV events.
     pub fn event_format(self) -> EventFormat {
         match self {
@@ -63,13 +98,28 @@ pub struct MetricNames {
     pub cache_info: &'static str,
     pub block_size_label: &'static str,
     pub num_blocks_label: &'static str,
-    /// The time-to-first-token histogram (`_sum` and `_count` are read).
-    pub ttft: &'static str,
+    /// The time-to-first-token histogram's `_sum` and `_count` samples.
+    pub ttft_sum: &'static str,
+    pub ttft_count: &'static str,
     /// Prefix-cache query and hit counters.
     pub prefix_cache_queries: &'static str,
     pub prefix_cache_hits: &'static str,
     /// The LoRA info metric (`running_lora_adapters`, `waiting_lora_adapters`, `max_lora`).
     pub lora_info: &'static str,
+}
+
+impl MetricNames {
+    /// Every sample name a router reads, fallbacks included: what a `name[]` filter asks for.
+    pub fn sample_names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        let ttft = [self.ttft_sum, self.ttft_count];
+        self.waiting
+            .iter()
+            .chain(self.running)
+            .chain(self.kv_usage)
+            .copied()
+            .chain([self.cache_info, self.prefix_cache_queries, self.prefix_cache_hits, self.lora_info])
+            .chain(ttft)
+    }
 }
 
 const VLLM: MetricNames = MetricNames {
@@ -79,7 +129,8 @@ const VLLM: MetricNames = MetricNames {
     cache_info: "vllm:cache_config_info",
     block_size_label: "block_size",
     num_blocks_label: "num_gpu_blocks",
-    ttft: "vllm:time_to_first_token_seconds",
+    ttft_sum: "vllm:time_to_first_token_seconds_sum",
+    ttft_count: "vllm:time_to_first_token_seconds_count",
     prefix_cache_queries: "vllm:prefix_cache_queries_total",
     prefix_cache_hits: "vllm:prefix_cache_hits_total",
     lora_info: "vllm:lora_requests_info",
@@ -92,7 +143,8 @@ const SGLANG: MetricNames = MetricNames {
     cache_info: "sglang:cache_config_info",
     block_size_label: "page_size",
     num_blocks_label: "num_pages",
-    ttft: "sglang:time_to_first_token_seconds",
+    ttft_sum: "sglang:time_to_first_token_seconds_sum",
+    ttft_count: "sglang:time_to_first_token_seconds_count",
     // SGLang has no prefix-cache counters or LoRA info of its own: the router reads the
     // protocol's (vLLM's) names from it too.
     prefix_cache_queries: VLLM.prefix_cache_queries,
@@ -132,5 +184,19 @@ mod tests {
         }
         assert_eq!(Engine::Sglang.metrics().waiting, ["sglang:num_queue_reqs"]);
         assert_eq!(Engine::Sglang.event_format(), Engine::Vllm.event_format());
+    }
+
+    #[test]
+    fn vllm_is_asked_below_metrics_slash_for_the_samples_it_reads() {
+        let p = Engine::Vllm.filtered_metrics_path("/metrics", true).unwrap();
+        assert!(p.starts_with("/metrics/?name%5B%5D=vllm%3Anum_requests_waiting&"), "{p}");
+        assert!(p.contains("&name%5B%5D=vllm%3Atime_to_first_token_seconds_sum&"), "{p}");
+        assert!(p.contains("=vllm%3Acache_config_info&"), "{p}");
+        assert_eq!(Engine::Vllm.filtered_metrics_path("/metrics/", true), Some(p.clone()));
+        assert_eq!(Engine::Vllm.metrics().sample_names().count(), 10);
+        let lean = Engine::Vllm.filtered_metrics_path("/metrics", false).unwrap();
+        assert_eq!(lean.replace("name%5B%5D=vllm%3Acache_config_info&", ""), lean);
+        assert_eq!(p.replace("name%5B%5D=vllm%3Acache_config_info&", ""), lean);
+        assert_eq!(Engine::Sglang.filtered_metrics_path("/metrics", true), None, "SGLang's filtered page is empty");
     }
 }

@@ -7,7 +7,7 @@ use attache_policies::chat_template::ChatMessage;
 use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api, Prompt};
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -76,6 +76,7 @@ pub fn router(state: AppState) -> Router {
             get(|State(st): State<AppState>| async move { with_engine_headers(StatusCode::OK.into_response(), &st) }),
         )
         .route("/metrics", get(metrics_handler))
+        .route("/metrics/", get(filtered_metrics_handler))
         .with_state(state)
 }
 
@@ -376,6 +377,14 @@ async fn tokenize(State(st): State<AppState>, body: Bytes) -> Response {
 }
 
 async fn metrics_handler(State(st): State<AppState>) -> Response {
+    metrics_page(&st, None)
+}
+
+async fn filtered_metrics_handler(State(st): State<AppState>, RawQuery(q): RawQuery) -> Response {
+    metrics_page(&st, q.as_deref())
+}
+
+fn metrics_page(st: &AppState, query: Option<&str>) -> Response {
     let text = {
         let s = st.engine.lock();
         let g = Gauges {
@@ -385,7 +394,7 @@ async fn metrics_handler(State(st): State<AppState>) -> Response {
             running_loras: s.active_loras(),
             waiting_loras: s.waiting_loras(),
         };
-        metrics::render(&s.cfg, &s.stats, &g)
+        metrics::render_query(&s.cfg, &s.stats, &g, query)
     };
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
 }

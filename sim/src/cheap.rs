@@ -12,7 +12,8 @@
 //! * Addressing: engine `i` is [`cheap_address`] — `127.1.{i / 256}.{i % 256}`, all on one port.
 //!   One listener on `0.0.0.0:port` tells the engines apart by the local (dialed) address of
 //!   each connection (Linux routes all of 127.0.0.0/8 to `lo`).
-//! * `/metrics`: the normal mode's vLLM exposition ([`crate::metrics::render`]). A fraction of
+//! * `/metrics`: the normal mode's vLLM exposition ([`crate::metrics::render`]); below
+//!   `/metrics/`, only the samples `name[]` asks for, as vLLM answers there. A fraction of
 //!   the engines is *busy* ([`CheapPool::is_busy`]): one background task walks their waiting,
 //!   running and KV-usage gauges every churn period; the idle engines' gauges never change.
 //! * `/v1/models`, `/health`, and `/v1/completions` and `/v1/chat/completions` (streamed or
@@ -36,7 +37,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use attache_policies::request::{self, Api, Prompt};
 use axum::body::Bytes;
 use axum::extract::connect_info::Connected;
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -254,8 +255,9 @@ impl CheapPool {
         }
     }
 
-    /// Engine `i`'s `/metrics` page, in the normal mode's exposition.
-    pub fn render(&self, i: usize) -> Option<String> {
+    /// Engine `i`'s `/metrics` page, in the normal mode's exposition; with a `name[]`
+    /// `query`, only those samples (`GET /metrics/?…`).
+    pub fn render(&self, i: usize, query: Option<&str>) -> Option<String> {
         let s = self.engines.get(i)?;
         let cfg = &self.configs[i % self.configs.len()];
         let mut st = Stats::new();
@@ -281,7 +283,7 @@ impl CheapPool {
             running_loras: Vec::new(),
             waiting_loras: Vec::new(),
         };
-        Some(metrics::render(cfg, &st, &g))
+        Some(metrics::render_query(cfg, &st, &g, query))
     }
 
     /// The engine a connection reached: the one whose address it dialed.
@@ -296,6 +298,7 @@ impl CheapPool {
             .route("/v1/chat/completions", post(chat))
             .route("/v1/models", get(models))
             .route("/metrics", get(metrics_handler))
+            .route("/metrics/", get(filtered_metrics_handler))
             .route("/health", get(health))
             .with_state(self.clone())
     }
@@ -352,7 +355,19 @@ async fn health(State(pool): St, ConnectInfo(LocalAddr(local)): Local) -> Respon
 }
 
 async fn metrics_handler(State(pool): St, ConnectInfo(LocalAddr(local)): Local) -> Response {
-    match pool.engine_at(local).and_then(|i| pool.render(i)) {
+    metrics_page(&pool, local, None)
+}
+
+async fn filtered_metrics_handler(
+    State(pool): St,
+    ConnectInfo(LocalAddr(local)): Local,
+    RawQuery(q): RawQuery,
+) -> Response {
+    metrics_page(&pool, local, q.as_deref())
+}
+
+fn metrics_page(pool: &CheapPool, local: SocketAddr, query: Option<&str>) -> Response {
+    match pool.engine_at(local).and_then(|i| pool.render(i, query)) {
         Some(text) => {
             (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
         }
@@ -589,7 +604,7 @@ mod tests {
     fn a_cheap_page_parses_into_the_metrics_the_host_reads() {
         let pool = CheapPool::new(config(10, 9000, 0.5)).unwrap();
         pool.set_gauges(4, 3, 17, 0.625);
-        let page = pool.render(4).unwrap();
+        let page = pool.render(4, None).unwrap();
         let m = attache_kv::prom::engine_metrics(&page, attache_kv::Engine::Vllm).unwrap();
         assert_eq!(m.waiting, 3.0);
         assert_eq!(m.running, 17.0);
@@ -601,6 +616,11 @@ mod tests {
         for name in ["vllm:num_requests_waiting", "vllm:cache_config_info", "vllm:time_to_first_token_seconds_sum"] {
             assert!(page.contains(name), "{name}");
         }
+        // What the host asks for below /metrics/: the same metrics from a page a tenth the size.
+        let path = attache_kv::Engine::Vllm.filtered_metrics_path("/metrics", true).unwrap();
+        let small = pool.render(4, path.split_once('?').map(|(_, q)| q)).unwrap();
+        assert_eq!(attache_kv::prom::engine_metrics(&small, attache_kv::Engine::Vllm).unwrap(), m);
+        assert!(small.len() * 10 < page.len(), "{} of {} bytes:\n{small}", small.len(), page.len());
     }
 
     #[test]
@@ -608,7 +628,7 @@ mod tests {
         let pool = CheapPool::new(config(2000, 9000, 0.1)).unwrap();
         let busy = pool.busy().len();
         assert!((120..=280).contains(&busy), "about 10% busy: {busy}");
-        let before: Vec<String> = (0..pool.len()).map(|i| pool.render(i).unwrap()).collect();
+        let before: Vec<String> = (0..pool.len()).map(|i| pool.render(i, None).unwrap()).collect();
         let gauges: Vec<_> = (0..pool.len()).map(|i| pool.gauges(i).unwrap()).collect();
         pool.churn();
         for (i, (page, g)) in before.iter().zip(&gauges).enumerate() {
@@ -616,11 +636,12 @@ mod tests {
             if pool.is_busy(i) {
                 assert_ne!(now.2, g.2, "busy engine {i}'s kv usage moved");
                 assert!(now.0 <= MAX_WAITING && now.1 <= MAX_RUNNING && (0.0..=1.0).contains(&now.2));
-                let m = attache_kv::prom::engine_metrics(&pool.render(i).unwrap(), attache_kv::Engine::Vllm).unwrap();
+                let m =
+                    attache_kv::prom::engine_metrics(&pool.render(i, None).unwrap(), attache_kv::Engine::Vllm).unwrap();
                 assert_eq!((m.waiting, m.running, m.kv_usage), (f64::from(now.0), f64::from(now.1), now.2));
             } else {
                 assert_eq!(&now, g);
-                assert_eq!(&pool.render(i).unwrap(), page, "idle engine {i}'s page is constant");
+                assert_eq!(&pool.render(i, None).unwrap(), page, "idle engine {i}'s page is constant");
             }
         }
         // A long walk stays in range.
@@ -661,7 +682,10 @@ mod tests {
         let page = http.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
         assert!(page.contains("vllm:generation_tokens_total{engine=\"0\",model_name=\"m2\"} 3.0"), "{page}");
         assert!(page.contains("vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m2\"} 1.0"));
-        assert!(pool.render(6).unwrap().contains("vllm:generation_tokens_total{engine=\"0\",model_name=\"m0\"} 0.0"));
+        assert!(pool
+            .render(6, None)
+            .unwrap()
+            .contains("vllm:generation_tokens_total{engine=\"0\",model_name=\"m0\"} 0.0"));
 
         // Streaming completions on engine 256 (127.1.1.0), which serves m1.
         let other = format!("http://127.1.1.0:{port}");

@@ -148,24 +148,38 @@ struct W<'a> {
     out: String,
     labels: String,
     created: f64,
-    _p: std::marker::PhantomData<&'a ()>,
+    /// Sample names asked for: families with none of them are skipped.
+    only: Option<&'a [String]>,
 }
 
 impl W<'_> {
+    /// Whether any asked-for sample belongs to the family `name`.
+    fn wanted(&self, name: &str) -> bool {
+        self.only.is_none_or(|only| only.iter().any(|n| n.starts_with(name)))
+    }
     fn head(&mut self, name: &str, kind: &str, help: &str) {
         let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     }
     fn gauge(&mut self, name: &str, help: &str, v: f64) {
+        if !self.wanted(name) {
+            return;
+        }
         self.head(name, "gauge", help);
         let _ = writeln!(self.out, "{name}{{{}}} {}", self.labels, fmt_f(v));
     }
     fn counter(&mut self, name: &str, help: &str, v: u64) {
+        if !self.wanted(name) {
+            return;
+        }
         self.head(&format!("{name}_total"), "counter", help);
         let _ = writeln!(self.out, "{name}_total{{{}}} {}", self.labels, fmt_f(v as f64));
         self.head(&format!("{name}_created"), "gauge", help);
         let _ = writeln!(self.out, "{name}_created{{{}}} {}", self.labels, self.created);
     }
     fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        if !self.wanted(name) {
+            return;
+        }
         self.head(name, "histogram", help);
         let (engine, model) = self.labels.split_once(',').unwrap_or(("", ""));
         let mut cum = 0;
@@ -181,13 +195,35 @@ impl W<'_> {
     }
 }
 
+/// The page for `GET /metrics/?<query>`: vLLM routes everything below `/metrics/` to
+/// prometheus_client's ASGI app, which keeps only the samples named by `name[]` parameters
+/// when there are any ([`attache_kv::prom::restrict`]). `GET /metrics` ignores the query.
+pub fn render_query(cfg: &EngineConfig, s: &Stats, g: &Gauges, query: Option<&str>) -> String {
+    let names: Vec<String> = form_urlencoded::parse(query.unwrap_or("").as_bytes())
+        .filter(|(k, _)| k == "name[]")
+        .map(|(_, v)| v.into_owned())
+        .collect();
+    if names.is_empty() {
+        return render(cfg, s, g);
+    }
+    // Families none of whose samples are asked for are not written at all (a thousand
+    // simulated engines answer thousands of these a second); the rest is cut to the samples.
+    let page = render_families(cfg, s, g, Some(&names));
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    attache_kv::prom::restrict(&page, &names)
+}
+
 /// Render `/metrics`.
 pub fn render(cfg: &EngineConfig, s: &Stats, g: &Gauges) -> String {
+    render_families(cfg, s, g, None)
+}
+
+fn render_families(cfg: &EngineConfig, s: &Stats, g: &Gauges, only: Option<&[String]>) -> String {
     let mut w = W {
         out: String::with_capacity(16 * 1024),
         labels: format!("engine=\"0\",model_name=\"{}\"", cfg.model),
         created: s.created,
-        _p: std::marker::PhantomData,
+        only,
     };
     w.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", g.running as f64);
     w.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting as f64);
