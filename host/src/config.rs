@@ -32,6 +32,11 @@ pub struct HostConfig {
     pub scrape_max_interval_ms: u64,
     /// Per-scrape timeout.
     pub scrape_timeout_ms: u64,
+    /// Ask each vLLM engine for only the samples the scheduler reads (`GET /metrics/?name[]=…`,
+    /// a few hundred bytes instead of ~26 KB). An engine that cannot filter (multi-process
+    /// vLLM answers an empty page) is scraped whole from its first such answer, and counted in
+    /// `attache_host_scrape_filter_fallbacks_total`. SGLang is always scraped whole.
+    pub scrape_metric_filter: bool,
     /// How often each engine's `GET /v1/models` is read, for the LoRA adapters it has loaded
     /// (also those loaded at run time); 0 never reads it.
     pub models_interval_ms: u64,
@@ -70,6 +75,7 @@ impl Default for HostConfig {
             endpoints_file: None,
             scrape_interval_ms: 50,
             scrape_timeout_ms: 500,
+            scrape_metric_filter: true,
             scrape_max_interval_ms: 800,
             models_interval_ms: 2_000,
             unready_after_ms: 2_000,

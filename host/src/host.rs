@@ -205,6 +205,7 @@ async fn start_discovery(
     let scrapers = Scrapers::new(client, state.clone(), cfg.scrape_interval(), cfg.scrape_timeout())
         .adaptive(cfg.scrape_max_interval(), activity)
         .with_model_lists(cfg.models_interval())
+        .with_metric_filter(cfg.scrape_metric_filter)
         .with_engine_gone(kv.engine_gone());
     let mut sink = Sink::new(scrapers, kv, state.clone(), cfg.kv_events_bind.is_some(), members);
     info!(endpoints = source.initial.endpoints.len(), "discovery: static file loaded");

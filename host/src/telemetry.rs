@@ -75,6 +75,9 @@ pub struct HostMetrics {
     policy_conflicts: AtomicU64,
     /// Reads of engines' `/v1/models`, by outcome (`ok`, `error`).
     model_list_reads: Mutex<BTreeMap<&'static str, u64>>,
+    /// Engines that did not honour the scrape's metric-name filter, by why (`status`,
+    /// `incomplete`): they are scraped for their whole page from then on.
+    scrape_filter_fallbacks: Mutex<BTreeMap<&'static str, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -105,17 +108,11 @@ impl HostMetrics {
         }
     }
 
-    /// `endpoint`'s scrape interval is now `every`.
-    pub fn scrape_interval(&self, endpoint: &str, every: Duration) {
-        if let Some(s) = lock(&self.scrapes).get_mut(endpoint) {
-            s.interval_s = every.as_secs_f64();
-        }
-    }
-
-    /// One scrape of `endpoint` took `took` and ended with `result`.
-    pub fn scrape_done(&self, endpoint: &str, took: Duration, result: Result<(), ScrapeError>) {
+    /// One scrape of `endpoint` took `took` and ended with `result`; the next is `every` after.
+    pub fn scrape_done(&self, endpoint: &str, took: Duration, result: Result<(), ScrapeError>, every: Duration) {
         let mut all = lock(&self.scrapes);
         let Some(s) = all.get_mut(endpoint) else { return };
+        s.interval_s = every.as_secs_f64();
         let secs = took.as_secs_f64();
         s.count += 1;
         s.sum_s += secs;
@@ -164,6 +161,13 @@ impl HostMetrics {
     /// An engine's `/v1/models` was read (`ok`) or could not be (`error`).
     pub fn model_list_read(&self, outcome: &'static str) {
         *lock(&self.model_list_reads).entry(outcome).or_default() += 1;
+    }
+
+    /// An engine's filtered `/metrics` page was refused or lacked what the scheduler reads
+    /// (`ScrapeError::Status` or `ScrapeError::Parse`); it is scraped whole from now on.
+    pub fn scrape_filter_fallback(&self, why: ScrapeError) {
+        let why = if why == ScrapeError::Status { "status" } else { "incomplete" };
+        *lock(&self.scrape_filter_fallbacks).entry(why).or_default() += 1;
     }
 
     /// The rollout controller read one Envoy's stats (`ok`) or could not (`error`).
@@ -361,6 +365,15 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     for (outcome, n) in lock(&m.model_list_reads).iter() {
         let _ = writeln!(out, "attache_host_model_list_reads_total{{outcome=\"{outcome}\"}} {n}");
     }
+    family(
+        out,
+        "attache_host_scrape_filter_fallbacks_total",
+        "counter",
+        "Engines whose metric-name-filtered /metrics page was refused (status) or lacked the load metrics (incomplete, e.g. multi-process vLLM): scraped whole from then on.",
+    );
+    for (why, n) in lock(&m.scrape_filter_fallbacks).iter() {
+        let _ = writeln!(out, "attache_host_scrape_filter_fallbacks_total{{reason=\"{why}\"}} {n}");
+    }
 }
 
 /// Counters, exported on the admin API.
@@ -397,8 +410,13 @@ mod tests {
     fn renders_every_family_with_its_samples() {
         let m = HostMetrics::default();
         m.track(["10.0.0.1:8000"]);
-        m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()));
-        m.scrape_done("10.0.0.1:8000", Duration::from_millis(600), Err(ScrapeError::Timeout));
+        m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()), Duration::from_millis(50));
+        m.scrape_done(
+            "10.0.0.1:8000",
+            Duration::from_millis(600),
+            Err(ScrapeError::Timeout),
+            Duration::from_millis(50),
+        );
         m.kv_ingested("10.0.0.1:8000", 7);
         m.snapshot_published(4);
         m.snapshot_sent("full", 120);
@@ -431,7 +449,7 @@ mod tests {
         assert_eq!(attache_kv::prom::parse(&text).bad_lines, 0, "{text}");
         // The endpoint leaves; a scraper or subscriber reporting late does not bring it back.
         m.track(["10.0.0.2:8000"]);
-        m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()));
+        m.scrape_done("10.0.0.1:8000", Duration::from_millis(3), Ok(()), Duration::from_millis(50));
         m.kv_ingested("10.0.0.1:8000", 1);
         let text = render(&m, &Gauges::default());
         assert!(!text.contains("10.0.0.1:8000"), "{text}");
