@@ -96,8 +96,8 @@ pub fn spawn_publisher(
     unready_after: Duration,
 ) -> SnapshotRx {
     let initial = v1::Snapshot { version: 0, host_epoch: epoch, ..Default::default() };
-    let (tx, rx) = watch::channel(Arc::new(PublishedSnapshot { snapshot: initial.clone(), delta: None }));
-    let mut prev = initial;
+    let mut prev = Arc::new(PublishedSnapshot { snapshot: initial, delta: None });
+    let (tx, rx) = watch::channel(prev.clone());
     tokio::spawn(async move {
         let mut version = 0u64;
         let mut seen_generation = u64::MAX;
@@ -119,7 +119,7 @@ pub fn spawn_publisher(
             drop(st);
             last_ready = ready;
             version += 1;
-            let d = attache_proto::delta::diff(&prev, &snap);
+            let d = attache_proto::delta::diff(&prev.snapshot, &snap);
             debug!(
                 version,
                 endpoints = snap.endpoints.len(),
@@ -127,8 +127,9 @@ pub fn spawn_publisher(
                 "publishing snapshot"
             );
             crate::telemetry::metrics().snapshot_published(version);
-            prev = snap.clone();
-            if tx.send(Arc::new(PublishedSnapshot { snapshot: snap, delta: d })).is_err() {
+            // The next diff's base is the published value itself: no copy of the pool.
+            prev = Arc::new(PublishedSnapshot { snapshot: snap, delta: d });
+            if tx.send(prev.clone()).is_err() {
                 break;
             }
         }
