@@ -224,12 +224,7 @@ fn precise_scores(
         m => m,
     };
     let seed = prefix::chain_seed(model, None);
-    Some(precise::scores(
-        &view.pool.endpoints,
-        &pc.tier_weights,
-        |bs| prefix::token_block_keys(seed, ids, bs),
-        |k| kv.holders(k),
-    ))
+    Some(precise::scores(view.pool, &pc.tier_weights, |bs| prefix::token_block_keys(seed, ids, bs), |k| kv.holders(k)))
 }
 
 fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, sessions: bool) -> MetricsDelta {

@@ -93,24 +93,22 @@ pub fn score(m: Option<&PreciseMatch>, total_blocks: usize) -> f64 {
 /// cut into that size's block keys (`keys_for(block_size)`), matched against the index, and
 /// scored. Returns endpoint id → (score, matched blocks).
 pub fn scores(
-    endpoints: &[crate::Endpoint],
+    pool: &crate::PoolState,
     weights: &TierWeights,
     mut keys_for: impl FnMut(usize) -> Vec<u64>,
     mut holders: impl FnMut(u64) -> Vec<(u16, u8)>,
 ) -> HashMap<u32, (f64, usize)> {
-    let mut sizes: Vec<u32> = endpoints.iter().map(|e| e.block_size).filter(|b| *b > 0).collect();
-    sizes.sort_unstable();
-    sizes.dedup();
     let mut out = HashMap::new();
-    for bs in sizes {
+    for bs in pool.block_sizes() {
         let keys = keys_for(bs as usize);
         if keys.is_empty() {
             continue;
         }
-        let m = match_prefix(&keys, weights, &mut holders);
-        for e in endpoints.iter().filter(|e| e.block_size == bs) {
-            if let Some(pm) = u16::try_from(e.id).ok().and_then(|id| m.get(&id)) {
-                out.insert(e.id, (score(Some(pm), keys.len()), pm.blocks));
+        // Only the holders are visited, not the pool: a lookup each on large pools.
+        for (id, pm) in match_prefix(&keys, weights, &mut holders) {
+            let id = u32::from(id);
+            if pool.by_id(id).is_some_and(|e| e.block_size == bs) {
+                out.insert(id, (score(Some(&pm), keys.len()), pm.blocks));
             }
         }
     }
@@ -120,6 +118,45 @@ pub fn scores(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Endpoint, PoolState};
+
+    /// Endpoint `i` has id `i`; sizes cycle through `sizes` (0: unknown).
+    fn pool(n: usize, sizes: &[u32]) -> PoolState {
+        let endpoints = (0..n)
+            .map(|i| Endpoint {
+                id: i as u32,
+                block_size: sizes[i % sizes.len()],
+                ..Endpoint::idle(format!("10.0.{}.{}:8000", i / 256, i % 256), "m")
+            })
+            .collect();
+        PoolState { endpoints, ..Default::default() }
+    }
+
+    #[test]
+    fn scores_key_each_block_size_and_visit_only_holders() {
+        // Ids 0..4 hold the 16-token keys [16, 17]; ids 1 and 2 hold the 32-token key [32].
+        let holders = |k: u64| match k {
+            16 | 17 => vec![(0, GPU), (1, GPU), (2, GPU), (3, GPU)],
+            32 => vec![(1, GPU), (2, CPU)],
+            _ => vec![],
+        };
+        let keys = |bs: usize| if bs == 16 { vec![16, 17] } else { vec![32, 33] };
+        for n in [8, 1_000] {
+            let mut p = pool(n, &[16, 32, 0]);
+            assert_eq!(p.block_sizes(), vec![16, 32], "{n} endpoints");
+            let s = scores(&p, &TierWeights::default(), keys, holders);
+            // 0 and 3 have 16-token blocks (both keys); 1 has 32 (one of two); 2 is unknown.
+            assert_eq!(s.get(&0), Some(&(1.0, 2)), "{n}: {s:?}");
+            assert_eq!(s.get(&3), Some(&(1.0, 2)));
+            assert_eq!(s.get(&1), Some(&(0.5, 1)));
+            assert!(!s.contains_key(&2), "no known block size: not scored");
+            // An engine restarted with another block size, changed in place by a delta.
+            p.endpoints[2].block_size = 64;
+            p.index_updated(&[2]);
+            assert_eq!(p.block_sizes(), vec![16, 32, 64], "{n} endpoints, after the delta");
+            assert_eq!(p.by_id(2).map(|e| e.block_size), Some(64));
+        }
+    }
 
     #[test]
     fn longest_consecutive_run_weighted_by_tier() {
