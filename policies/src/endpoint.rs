@@ -147,13 +147,36 @@ impl PoolState {
         }
     }
 
+    /// Whether lookups go through the [`PoolIndex`] rather than a scan.
+    fn indexed(&self) -> bool {
+        self.endpoints.len() > INDEXED_ABOVE
+    }
+
     /// The position of the endpoint at `address`: a lookup on pools large enough to have
     /// been indexed, a scan on small ones.
     pub fn position(&self, address: &str) -> Option<usize> {
-        if self.endpoints.len() > 128 {
+        if self.indexed() {
             self.index().position(&self.endpoints, address)
         } else {
             self.endpoints.iter().position(|e| e.address == address)
+        }
+    }
+
+    /// The endpoint whose host id is `id` (a lookup on large pools, a scan on small ones).
+    pub fn by_id(&self, id: u32) -> Option<&Endpoint> {
+        if self.indexed() {
+            self.index().by_id.get(&id).and_then(|&p| self.endpoints.get(p as usize))
+        } else {
+            self.endpoints.iter().find(|e| e.id == id)
+        }
+    }
+
+    /// The distinct known KV block sizes of the endpoints, ascending (most pools have one).
+    pub fn block_sizes(&self) -> Vec<u32> {
+        if self.indexed() {
+            self.index().block_sizes.clone()
+        } else {
+            block_sizes(&self.endpoints)
         }
     }
 
@@ -172,6 +195,20 @@ impl PoolState {
 
 // Pre-selection lookups (`crate::preselect`): built once per pool, kept current by deltas.
 
+/// Pools larger than this are looked up through their [`PoolIndex`]; smaller ones are scanned.
+pub const INDEXED_ABOVE: usize = 128;
+
+/// The distinct known (non-zero) block sizes of `endpoints`, ascending.
+fn block_sizes(endpoints: &[Endpoint]) -> Vec<u32> {
+    let mut sizes: Vec<u32> = Vec::with_capacity(2);
+    for e in endpoints.iter().filter(|e| e.block_size > 0) {
+        if let Err(at) = sizes.binary_search(&e.block_size) {
+            sizes.insert(at, e.block_size);
+        }
+    }
+    sizes
+}
+
 /// FNV-1a of an address: a fixed hash (hashbrown's default is seeded per instance).
 fn fixed_hash(s: &str) -> u64 {
     s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
@@ -189,6 +226,11 @@ pub struct PoolIndex {
     pub(crate) lora: HashMap<String, Vec<u32>>,
     /// The endpoints of the prefill role, in pool order (most pools have none).
     pub(crate) prefill: Vec<u32>,
+    /// The distinct known KV block sizes, ascending (precise scoring keys a prompt per size).
+    pub(crate) block_sizes: Vec<u32>,
+    /// Each endpoint's reported load by position ([`reported`]): the shortlist compares loads
+    /// here, in one small array, rather than in each endpoint's record.
+    pub(crate) load: Vec<f64>,
 }
 
 /// A snapshot's reported load: waiting + running (unknown counts as idle).
@@ -221,6 +263,8 @@ impl PoolIndex {
         for list in ix.by_load.values_mut() {
             list.sort_by(|a, b| load(a).total_cmp(&load(b)).then(a.cmp(b)));
         }
+        ix.block_sizes = block_sizes(endpoints);
+        ix.load = endpoints.iter().map(reported).collect();
         ix
     }
 
@@ -230,19 +274,40 @@ impl PoolIndex {
         if changed.is_empty() {
             return;
         }
-        let changed: hashbrown::HashSet<u32> = changed.iter().filter_map(|&p| u32::try_from(p).ok()).collect();
-        let load = |p: u32| endpoints.get(p as usize).map_or(f64::MAX, reported);
-        for (model, list) in &mut self.by_load {
-            list.retain(|p| !changed.contains(p));
-            for &p in &changed {
-                let Some(e) = endpoints.get(p as usize) else { continue };
+        // A block size appears or goes only when an engine restarts with another: rare, and
+        // a scan of the pool is cheap next to the other lists' moves.
+        if changed.iter().any(|&p| {
+            endpoints.get(p).is_some_and(|e| e.block_size > 0 && self.block_sizes.binary_search(&e.block_size).is_err())
+        }) || self.block_sizes.len() > 1
+        {
+            self.block_sizes = block_sizes(endpoints);
+        }
+        let mut changed: Vec<u32> = changed.iter().filter_map(|&p| u32::try_from(p).ok()).collect();
+        changed.sort_unstable();
+        changed.dedup();
+        // Each list stays sorted by (load, position) with the loads in `load`: a changed
+        // endpoint is found by its old load and put back by its new one, O(log n) searches and
+        // one move each, not a pass over every list per delta.
+        let PoolIndex { by_load, load, .. } = self;
+        for &p in &changed {
+            let (Some(e), Some(&old)) = (endpoints.get(p as usize), load.get(p as usize)) else { continue };
+            let new = reported(e);
+            let at =
+                |l: &[f64], q: u32, own: f64| if q == p { own } else { l.get(q as usize).copied().unwrap_or(f64::MAX) };
+            for (model, list) in by_load.iter_mut() {
+                if let Ok(i) = list.binary_search_by(|&q| at(load, q, old).total_cmp(&old).then(q.cmp(&p))) {
+                    list.remove(i);
+                }
                 if e.ready && e.serves(model) {
-                    let l = load(p);
-                    let at = list.partition_point(|&q| load(q).total_cmp(&l).then(q.cmp(&p)).is_lt());
-                    list.insert(at, p);
+                    let i = list.partition_point(|&q| at(load, q, new).total_cmp(&new).then(q.cmp(&p)).is_lt());
+                    list.insert(i, p);
                 }
             }
+            if let Some(l) = load.get_mut(p as usize) {
+                *l = new;
+            }
         }
+        let changed_at = |p: &u32| changed.binary_search(p).is_ok();
         // A model no list had yet (an endpoint started serving it).
         for &p in &changed {
             let Some(e) = endpoints.get(p as usize).filter(|e| e.ready) else { continue };
@@ -253,10 +318,10 @@ impl PoolIndex {
             }
         }
         for holders in self.lora.values_mut() {
-            holders.retain(|p| !changed.contains(p));
+            holders.retain(|p| !changed_at(p));
         }
         // A role can change in place (a relabelled pod): re-place the changed ones.
-        self.prefill.retain(|p| !changed.contains(p));
+        self.prefill.retain(|p| !changed_at(p));
         for &p in &changed {
             if endpoints.get(p as usize).is_some_and(|e| e.role == Role::Prefill) {
                 let at = self.prefill.partition_point(|&q| q < p);
@@ -319,5 +384,64 @@ impl PartialEq for IndexCell {
 impl std::fmt::Debug for IndexCell {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(if self.0.get().is_some() { "IndexCell(built)" } else { "IndexCell(empty)" })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic pseudo-random sequence for the test's changes.
+    fn next(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
+    #[test]
+    fn an_updated_index_equals_one_built_afresh() {
+        let mut endpoints: Vec<Endpoint> = (0..300)
+            .map(|i| Endpoint {
+                id: 1000 + i as u32,
+                block_size: 16,
+                metrics: Some(EndpointMetrics {
+                    waiting: (i % 4) as f64,
+                    running: (i % 9) as f64,
+                    ..Default::default()
+                }),
+                ..Endpoint::idle(format!("10.0.{}.{}:8000", i / 256, i % 256), if i % 3 == 0 { "a" } else { "b" })
+            })
+            .collect();
+        let mut ix = PoolIndex::build(&endpoints);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for round in 0..200 {
+            let changed: Vec<usize> = (0..1 + next(&mut x) % 6).map(|_| (next(&mut x) % 300) as usize).collect();
+            for &p in &changed {
+                let e = &mut endpoints[p];
+                match next(&mut x) % 6 {
+                    0 => e.ready = !e.ready,
+                    1 => e.models = vec![["a", "b", "c"][(next(&mut x) % 3) as usize].to_owned()],
+                    2 => e.block_size = [16, 32][(next(&mut x) % 2) as usize],
+                    3 => e.role = if e.role == Role::Prefill { Role::Both } else { Role::Prefill },
+                    _ => {
+                        // Ties are common: loads from a few small integers.
+                        e.metrics = Some(EndpointMetrics { running: (next(&mut x) % 5) as f64, ..Default::default() })
+                    }
+                }
+            }
+            ix.update(&endpoints, &changed);
+            let fresh = PoolIndex::build(&endpoints);
+            let lists = |ix: &PoolIndex| {
+                let mut v: Vec<(String, Vec<u32>)> =
+                    ix.by_load.iter().filter(|(_, l)| !l.is_empty()).map(|(m, l)| (m.clone(), l.clone())).collect();
+                v.sort();
+                v
+            };
+            assert_eq!(lists(&ix), lists(&fresh), "round {round}: by load");
+            assert_eq!(ix.load, fresh.load, "round {round}");
+            assert_eq!(ix.prefill, fresh.prefill, "round {round}");
+            assert_eq!(ix.block_sizes, fresh.block_sizes, "round {round}");
+        }
     }
 }

@@ -20,7 +20,7 @@
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
-use crate::endpoint::{reported, Endpoint, PoolState};
+use crate::endpoint::PoolState;
 use crate::profiles::{Profile, SchedulingInput};
 
 /// `scheduler.preselect`.
@@ -83,7 +83,12 @@ pub fn shortlist(
         keep.extend(holders.iter().map(|&p| p as usize));
     }
     if k > 0 {
-        let own = |e: &Endpoint| f64::from(input.inflight.get(&e.address).copied().unwrap_or(0));
+        // This worker's own requests in flight: a table of the endpoints busy now (often none),
+        // so a candidate's address is hashed only when there is something to find.
+        let own = |p: usize| match input.inflight.is_empty() {
+            true => 0.0,
+            false => eps.get(p).and_then(|e| input.inflight.get(&e.address)).map_or(0.0, |&n| f64::from(n)),
+        };
         let n = by_load.len();
         let sampled =
             (0..k as u64).filter_map(|j| by_load.get((mix(input.seed ^ j.wrapping_mul(0x9E37)) % n as u64) as usize));
@@ -91,9 +96,8 @@ pub fn shortlist(
             .iter()
             .take(2 * k)
             .chain(sampled)
-            .filter_map(|&p| {
-                eps.get(p as usize).map(|e| (reported(e) + own(e), mix(input.seed ^ u64::from(p)), p as usize))
-            })
+            .map(|&p| p as usize)
+            .filter_map(|p| ix.load.get(p).map(|l| (l + own(p), mix(input.seed ^ p as u64), p)))
             .collect();
         pick.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         pick.dedup_by_key(|x| x.2);
@@ -117,7 +121,7 @@ pub fn prefill_candidates(cfg: &PreselectConfig, pool: &PoolState, profile: &Pro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoint::{EndpointMetrics, LoraState};
+    use crate::endpoint::{Endpoint, EndpointMetrics, LoraState};
 
     fn pool(n: usize) -> PoolState {
         let endpoints = (0..n)
