@@ -12,7 +12,7 @@ use crate::scorers::{self, Kind, Scorer};
 pub mod pd;
 mod run;
 
-pub use run::{ProfileRun, SchedulingInput, ScoredEndpoint};
+pub use run::{ProfileRun, SchedulingInput, ScoreList, ScoredEndpoint, MAX_SCORERS};
 
 /// One plugin of a profile, as configured: `{"type": "queue-scorer", "weight": 2}`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -218,6 +218,15 @@ pub fn plugin_reference() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_scorer_fits_a_candidates_score_list() {
+        // A profile lists each scorer at most once, so its scores fit inline.
+        assert!(scorers::REGISTRY.len() <= MAX_SCORERS);
+        let list: ScoreList = scorers::REGISTRY.iter().map(|s| (s.name(), 0.5)).collect();
+        assert_eq!(list.len(), scorers::REGISTRY.len());
+        assert_eq!(list.first().map(|s| s.0), Some(scorers::REGISTRY[0].name()));
+    }
 
     #[test]
     fn the_defaults_resolve_and_mistakes_are_named() {

@@ -50,7 +50,7 @@ pub struct ScoredEndpoint {
     pub address: String,
     /// Each scorer's score (0..1), keyed by plugin type, in profile order; a scorer that had
     /// nothing to go on (the precise scorer without token ids) is left out.
-    pub scores: Vec<(&'static str, f64)>,
+    pub scores: ScoreList,
     /// The weighted total.
     pub total: f64,
     /// The best prefix-affinity score (approximate or precise): what custom scorers see.
@@ -60,6 +60,49 @@ pub struct ScoredEndpoint {
     pub cached_tokens: usize,
     /// It holds at least `prefix.affinity_threshold` of the prompt.
     pub affine: bool,
+}
+
+/// Most scorers a profile can list: each registered scorer at most once.
+pub const MAX_SCORERS: usize = 8;
+
+/// A candidate's scores by plugin type, held inline: a decision scores every candidate, and a
+/// list of its own per candidate would be an allocation each.
+#[derive(Clone, Copy, PartialEq)]
+pub struct ScoreList {
+    len: u8,
+    items: [(&'static str, f64); MAX_SCORERS],
+}
+
+impl Default for ScoreList {
+    fn default() -> Self {
+        Self { len: 0, items: [("", 0.0); MAX_SCORERS] }
+    }
+}
+
+impl std::ops::Deref for ScoreList {
+    type Target = [(&'static str, f64)];
+
+    fn deref(&self) -> &Self::Target {
+        self.items.get(..usize::from(self.len)).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for ScoreList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl FromIterator<(&'static str, f64)> for ScoreList {
+    /// The first [`MAX_SCORERS`] scores (a profile resolves with no more).
+    fn from_iter<I: IntoIterator<Item = (&'static str, f64)>>(iter: I) -> Self {
+        let mut list = Self::default();
+        for (slot, score) in list.items.iter_mut().zip(iter) {
+            *slot = score;
+            list.len += 1;
+        }
+        list
+    }
 }
 
 impl ScoredEndpoint {
