@@ -158,14 +158,22 @@ impl Worker {
     /// Count a planned request against its endpoint until it ends.
     pub fn dispatched(&mut self, plan: &Plan) {
         let d = &plan.dispatch;
-        *self.inflight.entry(d.endpoint.clone()).or_insert(0) += 1;
-        *self.inflight_tokens.entry(d.endpoint.clone()).or_insert(0) += d.uncached_tokens;
+        *self.inflight.entry_ref(d.endpoint.as_str()).or_insert(0) += 1;
+        *self.inflight_tokens.entry_ref(d.endpoint.as_str()).or_insert(0) += d.uncached_tokens;
     }
 
-    /// A request to `endpoint` with `tokens` uncached prompt tokens ended.
+    /// A request to `endpoint` with `tokens` uncached prompt tokens ended. An endpoint with
+    /// nothing left in flight leaves the tables: they hold what is in flight now, not every
+    /// endpoint ever used, so a decision's lookups stay in a small table (none at all while the
+    /// worker has nothing in flight).
     pub fn released(&mut self, endpoint: &str, tokens: u64) {
         if let Some(n) = self.inflight.get_mut(endpoint) {
             *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.inflight.remove(endpoint);
+                self.inflight_tokens.remove(endpoint);
+                return;
+            }
         }
         if let Some(t) = self.inflight_tokens.get_mut(endpoint) {
             *t = t.saturating_sub(tokens);
