@@ -48,6 +48,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
+use crate::api::NoDelay;
 use crate::config::EngineConfig;
 use crate::engine::{TokenEvent, Usage};
 use crate::kv::{KvEvent, Medium};
@@ -308,8 +309,8 @@ impl CheapPool {
 #[derive(Debug, Clone, Copy)]
 pub struct LocalAddr(pub SocketAddr);
 
-impl Connected<IncomingStream<'_, TcpListener>> for LocalAddr {
-    fn connect_info(stream: IncomingStream<'_, TcpListener>) -> Self {
+impl Connected<IncomingStream<'_, NoDelay>> for LocalAddr {
+    fn connect_info(stream: IncomingStream<'_, NoDelay>) -> Self {
         LocalAddr(stream.io().local_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0))))
     }
 }
@@ -317,7 +318,7 @@ impl Connected<IncomingStream<'_, TcpListener>> for LocalAddr {
 /// Serve every engine of `pool` on `listener` (bound on `0.0.0.0:port`).
 pub async fn serve(pool: Arc<CheapPool>, listener: TcpListener) -> std::io::Result<()> {
     let app = pool.router().into_make_service_with_connect_info::<LocalAddr>();
-    axum::serve(listener, app).await
+    axum::serve(NoDelay(listener), app).await
 }
 
 /// Run the churn task: [`CheapPool::churn`] every `period`.

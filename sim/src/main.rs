@@ -186,7 +186,7 @@ async fn main() -> anyhow::Result<()> {
             responses: api::ResponseStore::default(),
         });
         info!(port, "engine listening");
-        servers.push(tokio::spawn(async move { axum::serve(listener, app).await }));
+        servers.push(tokio::spawn(async move { axum::serve(api::NoDelay(listener), app).await }));
     }
     for s in servers {
         s.await??;
