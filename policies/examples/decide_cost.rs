@@ -5,8 +5,6 @@
 //!
 //! `cargo run --release -p attache-policies --example decide_cost`
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use hashbrown::HashMap;
@@ -16,36 +14,9 @@ use attache_policies::endpoint::Endpoint;
 use attache_policies::request::{parse, Api};
 use attache_policies::{prefix, ApproxPrefixIndex, PoolState, Scheduler, SchedulingInput};
 
-/// Counts allocations, so each stage's allocations per request print beside its time (in the
-/// filter every allocation is a call into dlmalloc compiled to Wasm).
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards to the system allocator unchanged; only counts calls.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `System.alloc` with this layout.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: as for `alloc` and `dealloc`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn allocs() -> u64 {
-    ALLOCS.load(Ordering::Relaxed)
-}
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+use counting_alloc::allocs;
 
 fn body(i: usize, bytes: usize) -> Result<Vec<u8>, serde_json::Error> {
     let words = ["alpha ", "beta ", "gamma ", "delta ", "envoy ", "filter "];

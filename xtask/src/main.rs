@@ -400,6 +400,20 @@ fn bench_bin() -> PathBuf {
     target.join("release/attache-bench")
 }
 
+/// One decision outside Envoy, natively and in V8 (Node's WASI), with allocations counted:
+/// `policies/examples/decision_path.rs`.
+fn decision_path() -> Result<()> {
+    let example = ["-p", "attache-policies", "--example", "decision_path"];
+    println!("== native (release)");
+    run(cargo().args(["run", "--release"]).args(example))?;
+    ensure_wasm_target()?;
+    run(cargo().args(["build", "--profile", "wasm", "--target", "wasm32-wasip1"]).args(example))?;
+    let target = bench_bin().parent().and_then(|p| p.parent()).map(PathBuf::from).unwrap_or_default();
+    let wasm = target.join("wasm32-wasip1/wasm/examples/decision_path.wasm");
+    println!("== V8 (node {}, wasm32-wasip1, profile wasm)", wasm.display());
+    run(Command::new("node").arg("--no-warnings").arg(root().join("bench/wasi-run.mjs")).arg(wasm))
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
@@ -418,6 +432,7 @@ fn main() -> Result<()> {
             run(Command::new(bench_bin()).current_dir(root()).arg("demo").args(&args[1..]))
         }
         Some("fuzz") => fuzz::fuzz(&root(), &args[1..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("decision-path") => decision_path(),
         Some("bench") => {
             build()?;
             run(Command::new(bench_bin()).current_dir(root()).args(&args[1..]))
