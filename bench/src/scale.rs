@@ -47,6 +47,42 @@ pub struct Args {
     /// Requests in flight through Envoy during the window.
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
+    /// For the one-at-a-time window, leave Envoy one core of its own: Envoy on the last core,
+    /// the simulator, the host and this client on the others (`taskset`). Without it, on a
+    /// small machine, the decision time includes waits for the co-located simulator and host.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub pin: bool,
+}
+
+/// Pin every thread of `pid` to the CPUs `cpus` (a `taskset` list, `0-2`).
+fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
+    let out = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
+        .output()
+        .context("running taskset (util-linux)")?;
+    anyhow::ensure!(out.status.success(), "taskset -c {cpus} {pid}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+/// Envoy alone on the last CPU, the other processes on the rest; `None` with one CPU.
+fn isolate_envoy(s: &Stack) -> anyhow::Result<Option<String>> {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    if cpus < 2 {
+        return Ok(None);
+    }
+    let (envoy_cpu, others) = (format!("{}", cpus - 1), format!("0-{}", cpus - 2));
+    pin(s.envoy.as_ref().context("envoy")?.pid(), &envoy_cpu)?;
+    for p in [s.sim.as_ref(), s.host.as_ref()].into_iter().flatten() {
+        pin(p.pid(), &others)?;
+    }
+    pin(std::process::id(), &others)?;
+    Ok(Some(format!("envoy on CPU {envoy_cpu}; simulator, host and client on CPUs {others}")))
+}
+
+/// Undo [`isolate_envoy`] for this process (the next pool's processes start unpinned).
+fn unpin_self() -> anyhow::Result<()> {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    pin(std::process::id(), &format!("0-{}", cpus.saturating_sub(1)))
 }
 
 /// Pools larger than this scrape idle engines at most every 4 s (the default 800 ms would be
@@ -213,13 +249,19 @@ async fn run_size(a: &Args, n: u16, busy: u16) -> anyhow::Result<serde_json::Val
     // time without the concurrent load (the filter's own cost at this size).
     let mut row = row;
     if quiet {
+        let pinned = if a.pin { isolate_envoy(&s)? } else { None };
+        // The histograms so far hold nothing: no request was sent before this window.
         let until = Instant::now() + Duration::from_secs(a.window_s);
         let (ok, errors) = send_until(&s, until, 1).await;
+        if pinned.is_some() {
+            unpin_self()?;
+        }
         tokio::time::sleep(Duration::from_secs(6)).await;
         let stats = s.envoy_stats();
         let q = |p: &str| histogram_quantile(&stats, "wasmcustom.attache.decision_us", p);
         row["sequential"] = json!({"requests_ok": ok, "requests_failed": errors,
-                                   "decision_p50_us": q("P50"), "decision_p99_us": q("P99")});
+                                   "decision_p50_us": q("P50"), "decision_p99_us": q("P99"),
+                                   "pinned": pinned});
     }
     println!("{n:>6} endpoints, {busy} busy: {row}");
     Ok(row)
