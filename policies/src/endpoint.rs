@@ -220,17 +220,32 @@ pub struct PoolIndex {
     /// Hash of the address -> positions (more than one only on a hash collision).
     pub(crate) by_address: HashMap<u64, Vec<u32>>,
     pub(crate) by_id: HashMap<u32, u32>,
-    /// Per model: the ready endpoints serving it, least reported load first.
-    pub(crate) by_load: HashMap<String, Vec<u32>>,
+    /// Per model: the ready endpoints serving it, least reported load first, each with its
+    /// load: the shortlist reads the head of the list and a sample of it and nothing else.
+    pub(crate) by_load: HashMap<String, Vec<Ranked>>,
     /// Per adapter: the endpoints with it loaded (running or waiting).
     pub(crate) lora: HashMap<String, Vec<u32>>,
     /// The endpoints of the prefill role, in pool order (most pools have none).
     pub(crate) prefill: Vec<u32>,
     /// The distinct known KV block sizes, ascending (precise scoring keys a prompt per size).
     pub(crate) block_sizes: Vec<u32>,
-    /// Each endpoint's reported load by position ([`reported`]): the shortlist compares loads
-    /// here, in one small array, rather than in each endpoint's record.
+    /// Each endpoint's reported load by position ([`reported`]), as the lists hold it: where
+    /// [`PoolIndex::update`] finds a changed endpoint's entry.
     pub(crate) load: Vec<f64>,
+}
+
+/// An endpoint in a model's load order: its reported load and its position. Ordered by load,
+/// then position.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ranked {
+    pub load: f64,
+    pub position: u32,
+}
+
+impl Ranked {
+    fn order(&self, other: &Ranked) -> std::cmp::Ordering {
+        self.load.total_cmp(&other.load).then(self.position.cmp(&other.position))
+    }
 }
 
 /// A snapshot's reported load: waiting + running (unknown counts as idle).
@@ -247,7 +262,7 @@ impl PoolIndex {
             ix.by_id.insert(e.id, p);
             if e.ready {
                 for m in &e.models {
-                    ix.by_load.entry(m.clone()).or_default().push(p);
+                    ix.by_load.entry(m.clone()).or_default().push(Ranked { load: reported(e), position: p });
                 }
             }
             if let Some(l) = &e.lora {
@@ -259,9 +274,8 @@ impl PoolIndex {
                 ix.prefill.push(p);
             }
         }
-        let load = |p: &u32| endpoints.get(*p as usize).map_or(f64::MAX, reported);
         for list in ix.by_load.values_mut() {
-            list.sort_by(|a, b| load(a).total_cmp(&load(b)).then(a.cmp(b)));
+            list.sort_by(Ranked::order);
         }
         ix.block_sizes = block_sizes(endpoints);
         ix.load = endpoints.iter().map(reported).collect();
@@ -285,24 +299,23 @@ impl PoolIndex {
         let mut changed: Vec<u32> = changed.iter().filter_map(|&p| u32::try_from(p).ok()).collect();
         changed.sort_unstable();
         changed.dedup();
-        // Each list stays sorted by (load, position) with the loads in `load`: a changed
-        // endpoint is found by its old load and put back by its new one, O(log n) searches and
-        // one move each, not a pass over every list per delta.
+        // Each list stays sorted by (load, position): a changed endpoint is found by its old
+        // load and put back by its new one, O(log n) searches and one move each, not a pass
+        // over every list per delta.
         let PoolIndex { by_load, load, .. } = self;
         for &p in &changed {
             let (Some(e), Some(&old)) = (endpoints.get(p as usize), load.get(p as usize)) else { continue };
-            let new = reported(e);
-            let at =
-                |l: &[f64], q: u32, own: f64| if q == p { own } else { l.get(q as usize).copied().unwrap_or(f64::MAX) };
+            let (old, new) = (Ranked { load: old, position: p }, Ranked { load: reported(e), position: p });
             for (model, list) in by_load.iter_mut() {
-                if let Ok(i) = list.binary_search_by(|&q| at(load, q, old).total_cmp(&old).then(q.cmp(&p))) {
+                if let Ok(i) = list.binary_search_by(|q| q.order(&old)) {
                     list.remove(i);
                 }
                 if e.ready && e.serves(model) {
-                    let i = list.partition_point(|&q| at(load, q, new).total_cmp(&new).then(q.cmp(&p)).is_lt());
-                    list.insert(i, p);
+                    let i = list.partition_point(|q| q.order(&new).is_lt());
+                    list.insert(i, new);
                 }
             }
+            let new = new.load;
             if let Some(l) = load.get_mut(p as usize) {
                 *l = new;
             }
@@ -313,7 +326,7 @@ impl PoolIndex {
             let Some(e) = endpoints.get(p as usize).filter(|e| e.ready) else { continue };
             for m in &e.models {
                 if !self.by_load.contains_key(m) {
-                    self.by_load.insert(m.clone(), vec![p]);
+                    self.by_load.insert(m.clone(), vec![Ranked { load: reported(e), position: p }]);
                 }
             }
         }
@@ -341,7 +354,7 @@ impl PoolIndex {
 
     /// The `k` ready endpoints serving `model` with the least reported load, least first.
     pub fn least_loaded(&self, model: &str, k: usize) -> Vec<usize> {
-        self.by_load.get(model).map(|l| l.iter().take(k).map(|&p| p as usize).collect()).unwrap_or_default()
+        self.by_load.get(model).map(|l| l.iter().take(k).map(|r| r.position as usize).collect()).unwrap_or_default()
     }
 
     /// The position of the endpoint at `address`.
@@ -433,8 +446,12 @@ mod tests {
             ix.update(&endpoints, &changed);
             let fresh = PoolIndex::build(&endpoints);
             let lists = |ix: &PoolIndex| {
-                let mut v: Vec<(String, Vec<u32>)> =
-                    ix.by_load.iter().filter(|(_, l)| !l.is_empty()).map(|(m, l)| (m.clone(), l.clone())).collect();
+                let mut v: Vec<(String, Vec<(u32, u64)>)> = ix
+                    .by_load
+                    .iter()
+                    .filter(|(_, l)| !l.is_empty())
+                    .map(|(m, l)| (m.clone(), l.iter().map(|r| (r.position, r.load.to_bits())).collect()))
+                    .collect();
                 v.sort();
                 v
             };

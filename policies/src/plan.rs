@@ -12,7 +12,6 @@ use crate::filters::subset::Subset;
 use crate::index::{self, AffinityTable};
 use crate::pickers::tier;
 use crate::plugin_config::ScoringConfig;
-use crate::prefix;
 use crate::profiles::pd::PREFILLER_HEADER;
 use crate::profiles::SchedulingInput;
 use crate::request::InferenceRequest;
@@ -20,6 +19,7 @@ use crate::scheduler::{Decision, Scheduler, SchedulerState};
 use crate::scoring::{self, ScoringContext};
 use crate::session::SessionConfig;
 use crate::{precise, session};
+use crate::{prefix, probe};
 
 /// The header Envoy's `override_host` LB policy (or an ORIGINAL_DST cluster) routes on: the
 /// primary endpoint, then the fallbacks.
@@ -166,9 +166,12 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
     let req = request.req;
     let hashes = prefix::block_hashes(&cfg.prefix, &req.model, req.cache_salt.as_deref(), &req.prompt);
     let anchors = prefix::anchor_blocks(&cfg.prefix, &req.message_ends);
+    probe::mark("plan.hashes");
     let seed = hashes.first().copied().unwrap_or(u64::from(request.id));
     let shared = view.affinity.filter(|t| t.capacity() > 0).map(|t| t.matches(&hashes, &anchors));
+    probe::mark("plan.affinity");
     let precise_scores = precise_scores(request, view, config.scheduler);
+    probe::mark("plan.precise");
     let load_only = cfg.host_stale_ms > 0 && view.host_silent_ms > cfg.host_stale_ms;
     let input = SchedulingInput {
         model: &req.model,
@@ -185,6 +188,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         subset: request.subset,
     };
     let decision = config.scheduler.schedule(&input, view.pool, view.state).map_err(|e| ErrorResponse::from(&e))?;
+    probe::mark("plan.schedule");
     let best = decision.scores.first().ok_or_else(|| ErrorResponse::from(&ScheduleError::NoEndpoints))?;
     let dispatch = Dispatch {
         endpoint: best.address.clone(),
@@ -197,6 +201,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         hashes,
         anchors,
     };
+    probe::mark("plan.metrics");
     let mut headers = vec![(DESTINATION_HEADER, decision.header_value())];
     headers.extend(decision.prefiller().map(|p| (PREFILLER_HEADER, p.to_owned())));
     let (properties, handed_off) = if config.scoring.context {
@@ -204,6 +209,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
     } else {
         (Vec::new(), None)
     };
+    probe::mark("plan.handoff");
     let (session, session_token) = bind_session(request, &decision, config.sessions);
     Ok(Plan { decision, headers, properties, handed_off, session, session_token, index, dispatch, metrics })
 }
@@ -287,10 +293,10 @@ fn scoring_candidates(decision: &Decision, pool: &PoolState) -> Vec<scoring::Can
         .all
         .iter()
         .map(|s| {
-            let ep = pool.position(&s.address).and_then(|i| pool.endpoints.get(i));
+            let ep = pool.endpoints.get(s.position);
             let m = ep.and_then(|e| e.metrics.as_ref());
             scoring::Candidate {
-                address: s.address.clone(),
+                address: ep.map(|e| e.address.clone()).unwrap_or_default(),
                 labels: ep.map(|e| e.labels.clone()).unwrap_or_default(),
                 waiting: m.map_or(0.0, |m| m.waiting as f32),
                 running: m.map_or(0.0, |m| m.running as f32),

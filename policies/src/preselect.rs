@@ -83,25 +83,37 @@ pub fn shortlist(
         keep.extend(holders.iter().map(|&p| p as usize));
     }
     if k > 0 {
-        // This worker's own requests in flight: a table of the endpoints busy now (often none),
-        // so a candidate's address is hashed only when there is something to find.
-        let own = |p: usize| match input.inflight.is_empty() {
-            true => 0.0,
-            false => eps.get(p).and_then(|e| input.inflight.get(&e.address)).map_or(0.0, |&n| f64::from(n)),
-        };
+        // This worker's own requests in flight, by position: looked up once per endpoint in
+        // flight (often none, rarely many), not once per endpoint drawn.
+        let mut own: Vec<(usize, f64)> =
+            input.inflight.iter().filter_map(|(a, &n)| Some((at(a)?, f64::from(n)))).collect();
+        own.sort_unstable_by_key(|x| x.0);
+        let own_at = |p: usize| own.binary_search_by_key(&p, |x| x.0).map_or(0.0, |i| own.get(i).map_or(0.0, |x| x.1));
+        // The `2k` least loaded by the snapshot, and `k` drawn from the rest of the model's
+        // list (power-of-k): a draw among the first `2k`, or one drawn before, is skipped, so
+        // every position appears once.
         let n = by_load.len();
-        let sampled =
-            (0..k as u64).filter_map(|j| by_load.get((mix(input.seed ^ j.wrapping_mul(0x9E37)) % n as u64) as usize));
-        let mut pick: Vec<(f64, u64, usize)> = by_load
-            .iter()
-            .take(2 * k)
-            .chain(sampled)
-            .map(|&p| p as usize)
-            .filter_map(|p| ix.load.get(p).map(|l| (l + own(p), mix(input.seed ^ p as u64), p)))
-            .collect();
-        pick.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        pick.dedup_by_key(|x| x.2);
-        keep.extend(pick.iter().map(|x| x.2).take(k));
+        let head = by_load.len().min(2 * k);
+        let mut drawn: Vec<usize> = Vec::with_capacity(k);
+        for j in 0..k as u64 {
+            let i = (mix(input.seed ^ j.wrapping_mul(0x9E37)) % n as u64) as usize;
+            if i >= head && !drawn.contains(&i) {
+                drawn.push(i);
+            }
+        }
+        let mut pick: Vec<(f64, u64, usize)> = Vec::with_capacity(head + drawn.len());
+        pick.extend(by_load.iter().take(head).chain(drawn.iter().filter_map(|&i| by_load.get(i))).map(|r| {
+            let p = r.position as usize;
+            (r.load + own_at(p), mix(input.seed ^ p as u64), p)
+        }));
+        // The `k` least loaded, ties broken by the seed: a selection, not a sort (the shortlist
+        // is put in pool order below).
+        let by_key = |a: &(f64, u64, usize), b: &(f64, u64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+        if pick.len() > k {
+            pick.select_nth_unstable_by(k - 1, by_key);
+            pick.truncate(k);
+        }
+        keep.extend(pick.iter().map(|x| x.2));
     }
     keep.sort_unstable();
     keep.dedup();

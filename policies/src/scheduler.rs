@@ -5,13 +5,14 @@
 use hashbrown::HashMap;
 
 use crate::config::SchedulerConfig;
-use crate::endpoint::PoolState;
+use crate::endpoint::{Endpoint, PoolState};
 use crate::error::ScheduleError;
 use crate::filters::{prefix_affinity, FilterContext};
 use crate::index::ApproxPrefixIndex;
 use crate::pickers::tier;
+use crate::probe;
 use crate::profiles::pd;
-use crate::profiles::{Profile, ProfileError, ProfileRun, SchedulingInput, ScoredEndpoint};
+use crate::profiles::{Profile, ProfileError, ProfileRun, SchedulingInput, Scored, ScoredEndpoint};
 use crate::scorers::no_hit_lru::LastCold;
 
 /// The scheduler's verdict.
@@ -22,8 +23,8 @@ pub struct Decision {
     /// Scores of the chosen endpoints, in the same order.
     pub scores: Vec<ScoredEndpoint>,
     /// Every candidate that passed the filters, scored, in pool order (custom scorers and the
-    /// picker see these).
-    pub all: Vec<ScoredEndpoint>,
+    /// picker see these), by position in the pool.
+    pub all: Vec<Scored>,
     /// Candidates left after filtering.
     pub candidates: usize,
     /// Blocks the request hashed to.
@@ -147,6 +148,7 @@ impl Scheduler {
         } else {
             state.index.match_lengths(input.block_hashes, input.anchors)
         };
+        probe::mark("schedule.match");
         // Large pools: filter and score the endpoints that hold something the request needs
         // and the least loaded others, not every one; the whole pool when that leaves none.
         let shortlisted = crate::preselect::shortlist(&self.config.preselect, pool, input, &matches)
@@ -159,15 +161,19 @@ impl Scheduler {
         if let Some(subset) = input.subset {
             subset.restrict(&pool.endpoints, &mut candidates)?;
         }
+        probe::mark("schedule.shortlist");
         let (all, cold) = self.run(&self.decode, pool, input, &matches, state).score(&candidates);
-        let (tiers, sticky) = self.tiers(&all, input);
+        probe::mark("schedule.score");
+        let (tiers, sticky) = self.tiers(&all, &pool.endpoints, input);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
         let mut order = self.decode.picker.pick(&totals, &tiers, input.seed);
         order.truncate(if sticky { self.config.max_endpoints.max(1) } else { self.config.max_endpoints });
-        let scores: Vec<ScoredEndpoint> = order.iter().filter_map(|&i| all.get(i).cloned()).collect();
+        let scores: Vec<ScoredEndpoint> =
+            order.iter().filter_map(|&i| Some(all.get(i)?.named(&pool.endpoints))).collect();
         let Some(primary) = scores.first() else {
             return Err(ScheduleError::NoEndpoints);
         };
+        probe::mark("schedule.pick");
         let prefill = if pd::should_disaggregate(&self.config.pd, input.prompt_tokens, primary.cached_tokens) {
             let run = self.run(&self.prefill, pool, input, &matches, state);
             let allowed = |mut c: Vec<usize>| match input.subset {
@@ -182,7 +188,8 @@ impl Scheduler {
             filtered.and_then(allowed).ok().and_then(|c| {
                 let (ps, _) = run.score(&c);
                 let totals: Vec<f64> = ps.iter().map(|s| s.total).collect();
-                self.prefill.picker.pick(&totals, &[], input.seed).first().and_then(|&i| ps.get(i).cloned())
+                let first = self.prefill.picker.pick(&totals, &[], input.seed).first().and_then(|&i| ps.get(i));
+                first.map(|s| s.named(&pool.endpoints))
             })
         } else {
             None
@@ -204,18 +211,19 @@ impl Scheduler {
     /// (ready, serving the model, not saturated), then the affine candidates when the affinity
     /// filter holds (the primary keeps the cache; the others remain fallbacks). Within each
     /// tier the score order stands.
-    fn tiers(&self, all: &[ScoredEndpoint], input: &SchedulingInput<'_>) -> (Vec<u8>, bool) {
+    fn tiers(&self, all: &[Scored], endpoints: &[Endpoint], input: &SchedulingInput<'_>) -> (Vec<u8>, bool) {
+        let address = |s: &Scored| endpoints.get(s.position).map_or("", |e| e.address.as_str());
         let gate = &self.config.prefix.affinity_filter;
         // The gate's TTFT estimates only when it can apply: some candidates affine, not all.
         let some_affine = all.iter().any(|s| s.affine) && !all.iter().all(|s| s.affine);
         let affinity_held = !input.load_only && gate.enabled && some_affine && {
             let queued = |a: &str| input.inflight_tokens.and_then(|m| m.get(a)).copied().unwrap_or(0);
-            let own = |s: &ScoredEndpoint| input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
+            let own = |s: &Scored| input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
             let candidates: Vec<(bool, u64)> =
-                all.iter().map(|s| (s.affine, queued(&s.address).saturating_add(own(s)))).collect();
+                all.iter().map(|s| (s.affine, queued(address(s)).saturating_add(own(s)))).collect();
             prefix_affinity::holds(gate, &candidates)
         };
-        let sticky = input.sticky.and_then(|a| all.iter().position(|s| s.address == a));
+        let sticky = input.sticky.and_then(|a| all.iter().position(|s| address(s) == a));
         let tiers = all
             .iter()
             .enumerate()
@@ -380,8 +388,13 @@ mod tests {
             (first, d)
         };
         let (first, later) = sessions(&scheduler());
-        let held =
-            later[0].all.iter().find(|e| e.address == first.endpoints[0]).map(|e| e.score(prefix::NAME)).unwrap_or(0.0);
+        let p4 = pool(4);
+        let held = later[0]
+            .all
+            .iter()
+            .find(|e| p4.endpoints[e.position].address == first.endpoints[0])
+            .map(|e| e.score(prefix::NAME))
+            .unwrap_or(0.0);
         assert!(held > 0.5 && held < 0.8, "the preamble is a partial match: {held}");
         let mut used: std::collections::HashSet<_> = later.iter().map(|d| d.endpoints[0].clone()).collect();
         used.insert(first.endpoints[0].clone());

@@ -403,15 +403,22 @@ fn bench_bin() -> PathBuf {
 /// One decision outside Envoy, natively and in V8 (Node's WASI), with allocations counted:
 /// `policies/examples/decision_path.rs`.
 fn decision_path() -> Result<()> {
-    let example = ["-p", "attache-policies", "--example", "decision_path"];
-    println!("== native (release)");
-    run(cargo().args(["run", "--release"]).args(example))?;
+    // Probes split each decision by stage; they cost a clock reading each, in every figure.
+    let example = ["-p", "attache-policies", "--example", "decision_path", "--features", "probes"];
     ensure_wasm_target()?;
+    run(cargo().args(["build", "--release"]).args(example))?;
     run(cargo().args(["build", "--profile", "wasm", "--target", "wasm32-wasip1"]).args(example))?;
     let target = bench_bin().parent().and_then(|p| p.parent()).map(PathBuf::from).unwrap_or_default();
+    let native = target.join("release/examples/decision_path");
     let wasm = target.join("wasm32-wasip1/wasm/examples/decision_path.wasm");
-    println!("== V8 (node {}, wasm32-wasip1, profile wasm)", wasm.display());
-    run(Command::new("node").arg("--no-warnings").arg(root().join("bench/wasi-run.mjs")).arg(wasm))
+    for cold in [false, true] {
+        let mode: &[&str] = if cold { &["--cold"] } else { &[] };
+        println!("== native (release){}", if cold { ", cold caches" } else { "" });
+        run(Command::new(&native).args(mode))?;
+        println!("== V8 (node, wasm32-wasip1, profile wasm){}", if cold { ", cold caches" } else { "" });
+        run(Command::new("node").arg("--no-warnings").arg(root().join("bench/wasi-run.mjs")).arg(&wasm).args(mode))?;
+    }
+    Ok(())
 }
 
 fn main() -> Result<()> {

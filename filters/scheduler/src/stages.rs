@@ -79,6 +79,8 @@ pub const REPORT_EVERY: u64 = 4000;
 pub struct Totals {
     ns: [u64; Stage::ALL.len()],
     decisions: u64,
+    /// Named probes inside a stage (`policies::probe`, within `plan`), in first-seen order.
+    probes: Vec<(&'static str, u64)>,
     /// The previous reading of the decision under way.
     last: Option<u64>,
 }
@@ -100,6 +102,19 @@ impl Totals {
         }
     }
 
+    /// The probe `name` inside the current stage ended at `now_ns`; the stage keeps the time
+    /// after its last probe.
+    pub fn probe(&mut self, name: &'static str, now_ns: u64) {
+        if let Some(last) = self.last {
+            let took = now_ns.saturating_sub(last);
+            match self.probes.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, t)) => *t += took,
+                None => self.probes.push((name, took)),
+            }
+            self.last = Some(now_ns);
+        }
+    }
+
     /// The decision ended; every [`REPORT_EVERY`] decisions, the report to log.
     pub fn finish(&mut self) -> Option<String> {
         self.last.take()?;
@@ -115,6 +130,9 @@ impl Totals {
             if ns > 0 {
                 out.push_str(&format!(" {}={:.2}", stage.name(), ns as f64 / n / 1000.0));
             }
+        }
+        for (name, ns) in &self.probes {
+            out.push_str(&format!(" {name}={:.2}", *ns as f64 / n / 1000.0));
         }
         out
     }
@@ -138,7 +156,17 @@ mod build {
             .unwrap_or(0)
     }
 
+    fn probe(name: &'static str) {
+        let t = now_ns();
+        TOTALS.with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                s.probe(name, t);
+            }
+        });
+    }
+
     pub fn begin() {
+        attache_policies::probe::set(probe);
         let t = now_ns();
         TOTALS.with(|s| {
             if let Ok(mut s) = s.try_borrow_mut() {
@@ -202,6 +230,19 @@ mod tests {
         }
         assert_eq!(t.report(), "attache stages: n=4000 read_body=3.00 parse=9.00");
         assert_eq!(t.finish(), None, "finish without begin is not a decision");
+    }
+
+    #[test]
+    fn probes_split_the_stage_they_run_in() {
+        let mut t = Totals::default();
+        t.probe("plan.hashes", 1_000); // outside a decision: ignored
+        t.begin(0);
+        t.mark(Stage::Parse, 2_000);
+        t.probe("plan.hashes", 3_000);
+        t.probe("plan.schedule", 7_000);
+        t.mark(Stage::Plan, 8_000);
+        t.finish();
+        assert_eq!(t.report(), "attache stages: n=1 parse=2.00 plan=1.00 plan.hashes=1.00 plan.schedule=4.00");
     }
 
     #[test]

@@ -20,13 +20,11 @@ impl Filter for Saturation {
     }
 
     fn filter(&self, ctx: &FilterContext<'_>, candidates: &mut Vec<usize>) -> Result<(), ScheduleError> {
-        let keep: Vec<usize> = candidates
-            .iter()
-            .copied()
-            .filter(|&i| ctx.endpoints.get(i).is_some_and(|e| !is_saturated(e, ctx.saturation)))
-            .collect();
-        if !keep.is_empty() {
-            *candidates = keep;
+        let open = |i: &usize| ctx.endpoints.get(*i).is_some_and(|e| !is_saturated(e, ctx.saturation));
+        // In place, and only when some but not all are saturated (all saturated: keep them all).
+        let open_count = candidates.iter().filter(|i| open(i)).count();
+        if open_count > 0 && open_count < candidates.len() {
+            candidates.retain(open);
         }
         Ok(())
     }

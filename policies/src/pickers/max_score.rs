@@ -15,23 +15,33 @@ impl Picker for MaxScore {
         "highest weighted total first (seeded random tie-break), sticky then affine candidates leading"
     }
 
+    /// [`max_score`] then [`by_tier`], in one unstable sort: the keys (tier, score, the seeded
+    /// draw, position) are distinct, so no stable sort and its scratch buffer are needed.
     fn pick(&self, totals: &[f64], tiers: &[u8], seed: u64) -> Vec<usize> {
-        let mut order = max_score(totals, totals.len(), seed);
-        by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(tier::NONE));
-        order
+        let mut keyed = keyed(totals, seed);
+        let tier_of = |i: usize| tiers.get(i).copied().unwrap_or(tier::NONE);
+        keyed.sort_unstable_by(|a, b| {
+            tier_of(b.0).cmp(&tier_of(a.0)).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0))
+        });
+        keyed.into_iter().map(|(i, _, _)| i).collect()
     }
 }
 
 /// Order candidate positions by descending score with a seeded random tie-break, keep `max`.
 pub fn max_score(scores: &[f64], max: usize, seed: u64) -> Vec<usize> {
+    let mut order = keyed(scores, seed);
+    order.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0)));
+    order.into_iter().take(max.max(1)).map(|(i, _, _)| i).collect()
+}
+
+/// Each position with its score (a non-finite one last) and its seeded tie-break draw.
+fn keyed(scores: &[f64], seed: u64) -> Vec<(usize, f64, u64)> {
     let mut rng = SplitMix64::new(seed);
-    let mut order: Vec<(usize, f64, u64)> = scores
+    scores
         .iter()
         .enumerate()
         .map(|(i, &s)| (i, if s.is_finite() { s } else { f64::NEG_INFINITY }, rng.next_u64()))
-        .collect();
-    order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.2.cmp(&b.2)));
-    order.into_iter().take(max.max(1)).map(|(i, _, _)| i).collect()
+        .collect()
 }
 
 /// Reorder positions (already in score order) so higher tiers lead; within a tier the score
@@ -64,5 +74,14 @@ mod tests {
         by_tier(&mut flat, |_| tier::NONE);
         assert_eq!(flat, vec![2, 1, 0], "no tiers: the score order stands");
         assert_eq!(MaxScore.pick(&[0.1, 0.9, 0.5], &[tier::AFFINE, 0, 0], 1), vec![0, 1, 2]);
+        // One sort gives what the two steps give.
+        for seed in 0..50u64 {
+            let totals: Vec<f64> = (0..40).map(|i| ((i * 7 + seed as usize) % 5) as f64).collect();
+            let tiers: Vec<u8> =
+                (0..40).map(|i| [tier::NONE, tier::AFFINE, tier::STICKY][(i * 3 + seed as usize) % 7 % 3]).collect();
+            let mut two = max_score(&totals, totals.len(), seed);
+            by_tier(&mut two, |i| tiers[i]);
+            assert_eq!(MaxScore.pick(&totals, &tiers, seed), two, "seed {seed}");
+        }
     }
 }

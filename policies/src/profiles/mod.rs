@@ -12,7 +12,7 @@ use crate::scorers::{self, Kind, Scorer};
 pub mod pd;
 mod run;
 
-pub use run::{ProfileRun, SchedulingInput, ScoreList, ScoredEndpoint, MAX_SCORERS};
+pub use run::{ProfileRun, SchedulingInput, ScoreList, Scored, ScoredEndpoint, MAX_SCORERS};
 
 /// One plugin of a profile, as configured: `{"type": "queue-scorer", "weight": 2}`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -176,21 +176,44 @@ impl Profile {
     /// prefix hit (the best affinity score). Affinity scorers count once, the strongest, and
     /// only when `affine`; `load_only` weighs each scorer by what it is worth without the host.
     pub fn total(&self, scores: &[f64], affine: bool, load_only: bool) -> (f64, f64) {
-        let weighted = || {
-            self.scorers.iter().zip(scores).map(move |((s, w), &v)| {
-                let w = if load_only { s.load_only_weight(*w) } else { *w };
-                (s.kind(), w * v, v)
-            })
-        };
-        let (mut affinity, mut hit) = (0.0f64, 0.0f64);
-        for (_, wv, v) in weighted().filter(|(k, _, _)| *k == Kind::Affinity) {
-            hit = hit.max(v);
-            if affine {
-                affinity = affinity.max(wv);
+        self.weighting(load_only).total(scores, affine)
+    }
+
+    /// Each scorer's kind and effective weight, read once per decision rather than once per
+    /// candidate.
+    pub fn weighting(&self, load_only: bool) -> Weighting {
+        let mut w = Weighting { len: 0, items: [(Kind::Additive, 0.0); MAX_SCORERS] };
+        for ((s, weight), slot) in self.scorers.iter().zip(w.items.iter_mut()) {
+            *slot = (s.kind(), if load_only { s.load_only_weight(*weight) } else { *weight });
+            w.len += 1;
+        }
+        w
+    }
+}
+
+/// A profile's scorers as the total weighs them ([`Profile::weighting`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Weighting {
+    len: usize,
+    items: [(Kind, f64); MAX_SCORERS],
+}
+
+impl Weighting {
+    /// See [`Profile::total`].
+    pub fn total(&self, scores: &[f64], affine: bool) -> (f64, f64) {
+        let (mut additive, mut affinity, mut hit) = (0.0f64, 0.0f64, 0.0f64);
+        for (&(kind, w), &v) in self.items.iter().take(self.len).zip(scores) {
+            match kind {
+                Kind::Additive => additive += w * v,
+                Kind::Affinity => {
+                    hit = hit.max(v);
+                    if affine {
+                        affinity = affinity.max(w * v);
+                    }
+                }
             }
         }
-        let total = weighted().filter(|(k, _, _)| *k == Kind::Additive).fold(affinity, |t, (_, wv, _)| t + wv);
-        (total, hit)
+        (affinity + additive, hit)
     }
 }
 

@@ -44,10 +44,12 @@ pub struct SchedulingInput<'a> {
     pub subset: Option<&'a crate::filters::subset::Subset>,
 }
 
-/// One scored candidate, for the picker, the decision log and metrics.
+/// One scored candidate, by its position in the pool: what the picker orders. The candidates
+/// the decision keeps are named ([`ScoredEndpoint`]); the others never copy their address.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ScoredEndpoint {
-    pub address: String,
+pub struct Scored {
+    /// Position in the pool's endpoints.
+    pub position: usize,
     /// Each scorer's score (0..1), keyed by plugin type, in profile order; a scorer that had
     /// nothing to go on (the precise scorer without token ids) is left out.
     pub scores: ScoreList,
@@ -60,6 +62,35 @@ pub struct ScoredEndpoint {
     pub cached_tokens: usize,
     /// It holds at least `prefix.affinity_threshold` of the prompt.
     pub affine: bool,
+}
+
+impl Scored {
+    /// The score of the scorer named `name` (0 when the profile has none).
+    pub fn score(&self, name: &str) -> f64 {
+        self.scores.iter().find(|(n, _)| *n == name).map_or(0.0, |(_, v)| *v)
+    }
+
+    /// This candidate with its address, from the pool it was scored on.
+    pub fn named(&self, endpoints: &[Endpoint]) -> ScoredEndpoint {
+        let address = endpoints.get(self.position).map(|e| e.address.clone()).unwrap_or_default();
+        ScoredEndpoint { address, scored: self.clone() }
+    }
+}
+
+/// A candidate the decision keeps (the primary, the fallbacks, the prefiller), with its
+/// address: for the headers, the decision log and metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScoredEndpoint {
+    pub address: String,
+    pub scored: Scored,
+}
+
+impl std::ops::Deref for ScoredEndpoint {
+    type Target = Scored;
+
+    fn deref(&self) -> &Scored {
+        &self.scored
+    }
 }
 
 /// Most scorers a profile can list: each registered scorer at most once.
@@ -105,13 +136,6 @@ impl FromIterator<(&'static str, f64)> for ScoreList {
     }
 }
 
-impl ScoredEndpoint {
-    /// The score of the scorer named `name` (0 when the profile has none).
-    pub fn score(&self, name: &str) -> f64 {
-        self.scores.iter().find(|(n, _)| *n == name).map_or(0.0, |(_, v)| *v)
-    }
-}
-
 /// A profile applied to one request over one pool.
 pub struct ProfileRun<'a> {
     pub profile: &'a Profile,
@@ -128,53 +152,50 @@ pub struct ProfileRun<'a> {
 }
 
 impl ProfileRun<'_> {
-    /// Leading blocks each candidate is proven to hold, by this worker's index and by what the
-    /// other workers learned (the affinity table).
-    fn proven(&self, chosen: &[&Endpoint]) -> Vec<(usize, usize)> {
-        let extra = self.input.extra_matches;
-        chosen
-            .iter()
-            .map(|e| {
-                let local = self.matches.get(&e.address).copied().unwrap_or(0);
-                (local, extra.and_then(|m| m.get(&e.address)).copied().unwrap_or(0))
-            })
-            .collect()
+    /// Leading blocks `e` is proven to hold, by this worker's index and by what the other
+    /// workers learned (the affinity table).
+    fn proven(&self, e: &Endpoint) -> (usize, usize) {
+        let local = self.matches.get(&e.address).copied().unwrap_or(0);
+        (local, self.input.extra_matches.and_then(|m| m.get(&e.address)).copied().unwrap_or(0))
     }
 
-    /// The share of the prompt each candidate may hold, by either index: for the gate, a match
-    /// is known only to the last block either index records before the prompts diverge
-    /// ([`index::match_upper_bound`], [`index::table_match_upper_bound`]); precise matches
-    /// count blocks over the prompt's full blocks (the tier-weighted score where unknown).
-    fn held(&self, chosen: &[&Endpoint], proven: &[(usize, usize)], precise: &[(f64, usize)]) -> Vec<f64> {
+    /// The share of the prompt `e` may hold, by either index: for the gate, a match is known
+    /// only to the last block either index records before the prompts diverge
+    /// ([`index::match_upper_bound`], [`index::table_match_upper_bound`]); precise matches count
+    /// blocks over the prompt's full blocks (the tier-weighted score where unknown).
+    fn held(&self, e: &Endpoint, (local, extra): (usize, usize), (ps, pb): (f64, usize)) -> f64 {
         let (total, anchors, tokens) = (self.input.block_hashes.len(), self.input.anchors, self.input.prompt_tokens);
-        chosen
-            .iter()
-            .zip(proven.iter().zip(precise))
-            .map(|(e, (&(local, extra), &(ps, pb)))| {
-                let bound = index::match_upper_bound(total, anchors, local)
-                    .max(index::table_match_upper_bound(total, anchors, extra));
-                let approx = if total == 0 { 0.0 } else { bound as f64 / total as f64 };
-                let keys = if e.block_size == 0 { 0 } else { tokens / e.block_size as usize };
-                let exact = if keys == 0 { ps } else { pb as f64 / keys as f64 };
-                approx.max(exact).min(1.0)
-            })
-            .collect()
+        let bound =
+            index::match_upper_bound(total, anchors, local).max(index::table_match_upper_bound(total, anchors, extra));
+        let approx = if total == 0 { 0.0 } else { bound as f64 / total as f64 };
+        let keys = if e.block_size == 0 { 0 } else { tokens / e.block_size as usize };
+        let exact = if keys == 0 { ps } else { pb as f64 / keys as f64 };
+        approx.max(exact).min(1.0)
     }
 
     /// Score `candidates` (positions in the pool): every candidate, in pool order, and whether
     /// none of them holds enough of the prompt to count.
-    pub fn score(&self, candidates: &[usize]) -> (Vec<ScoredEndpoint>, bool) {
+    pub fn score(&self, candidates: &[usize]) -> (Vec<Scored>, bool) {
         let input = self.input;
-        let chosen: Vec<&Endpoint> = candidates.iter().filter_map(|&i| self.endpoints.get(i)).collect();
-        let proven = self.proven(&chosen);
-        let matched: Vec<usize> = proven.iter().map(|&(local, extra)| local.max(extra)).collect();
-        let precise: Vec<(f64, usize)> =
-            chosen.iter().map(|e| input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0))).collect();
-        let held = self.held(&chosen, &proven, &precise);
-        let threshold = self.affinity_threshold;
-        let affine: Vec<bool> = held.iter().map(|&h| h > 0.0 && h >= threshold).collect();
+        // What each candidate holds and has in flight, in one pass, one array per kind (what
+        // the scorers read).
+        let n = candidates.len();
+        let (mut positions, mut chosen) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut matched, mut precise) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut affine, mut inflight) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for &i in candidates {
+            let Some(e) = self.endpoints.get(i) else { continue };
+            let proven = self.proven(e);
+            let exact = input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0));
+            let held = self.held(e, proven, exact);
+            positions.push(i);
+            chosen.push(e);
+            matched.push(proven.0.max(proven.1));
+            precise.push(exact);
+            affine.push(held > 0.0 && held >= self.affinity_threshold);
+            inflight.push(input.inflight.get(&e.address).copied().unwrap_or(0));
+        }
         let cold = !affine.iter().any(|&a| a);
-        let inflight: Vec<u32> = chosen.iter().map(|e| input.inflight.get(&e.address).copied().unwrap_or(0)).collect();
         let ctx = ScoreContext {
             model: input.model,
             candidates: &chosen,
@@ -187,35 +208,36 @@ impl ProfileRun<'_> {
             saturation: self.saturation,
             last_cold: self.last_cold,
         };
-        let by_scorer: Vec<Vec<f64>> = self.profile.scorers.iter().map(|(s, _)| s.score(&ctx)).collect();
+        // One buffer, a column of `n` per scorer.
+        let n = chosen.len();
+        let mut by_scorer = vec![0.0f64; n * self.profile.scorers.len()];
+        for ((s, _), col) in self.profile.scorers.iter().zip(by_scorer.chunks_exact_mut(n.max(1))) {
+            s.score(&ctx, col);
+        }
         // A scorer with nothing to go on for this request counts 0 and is not listed.
-        let listed: Vec<bool> = self.profile.scorers.iter().map(|(s, _)| s.active(&ctx)).collect();
-        let mut row = Vec::with_capacity(by_scorer.len());
-        let scored = chosen
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| {
-                row.clear();
-                for col in &by_scorer {
-                    row.push(*col.get(i)?);
-                }
-                let (&affine, &(_, precise_blocks), &matched_blocks) =
-                    (affine.get(i)?, precise.get(i)?, matched.get(i)?);
-                let (total, prefix_hit) = self.profile.total(&row, affine, input.load_only);
-                let scorers = self.profile.scorers.iter().zip(&listed).zip(&row);
-                let scores = scorers.filter(|((_, on), _)| **on).map(|(((s, _), _), v)| (s.name(), *v)).collect();
-                let cached_tokens = (matched_blocks * self.block_tokens).max(precise_blocks * e.block_size as usize);
-                Some(ScoredEndpoint {
-                    address: e.address.clone(),
-                    scores,
-                    total,
-                    prefix_hit,
-                    matched_blocks,
-                    cached_tokens: cached_tokens.min(input.prompt_tokens),
-                    affine,
-                })
+        let listed: Vec<(bool, &'static str)> =
+            self.profile.scorers.iter().map(|(s, _)| (s.active(&ctx), s.name())).collect();
+        let weighting = self.profile.weighting(input.load_only);
+        let mut row = [0.0f64; MAX_SCORERS];
+        let mut scored = Vec::with_capacity(n);
+        scored.extend(chosen.iter().zip(&positions).enumerate().filter_map(|(i, (e, &position))| {
+            for (slot, col) in row.iter_mut().zip(by_scorer.chunks_exact(n.max(1))) {
+                *slot = *col.get(i)?;
+            }
+            let (&affine, &(_, precise_blocks), &matched_blocks) = (affine.get(i)?, precise.get(i)?, matched.get(i)?);
+            let (total, prefix_hit) = weighting.total(&row, affine);
+            let scores = listed.iter().zip(&row).filter(|((on, _), _)| *on).map(|((_, name), v)| (*name, *v)).collect();
+            let cached_tokens = (matched_blocks * self.block_tokens).max(precise_blocks * e.block_size as usize);
+            Some(Scored {
+                position,
+                scores,
+                total,
+                prefix_hit,
+                matched_blocks,
+                cached_tokens: cached_tokens.min(input.prompt_tokens),
+                affine,
             })
-            .collect();
+        }));
         (scored, cold)
     }
 }

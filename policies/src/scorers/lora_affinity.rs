@@ -19,8 +19,10 @@ impl Scorer for LoraAffinity {
         "for a LoRA adapter: 1 where it runs, 0.8 where a slot is free, 0.6 where requests wait for it"
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>) -> Vec<f64> {
-        ctx.candidates.iter().map(|e| tier(e, ctx.model)).collect()
+    fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
+        for (slot, e) in out.iter_mut().zip(ctx.candidates) {
+            *slot = tier(e, ctx.model);
+        }
     }
 }
 

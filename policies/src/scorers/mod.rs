@@ -66,8 +66,9 @@ pub trait Scorer: Sync {
     fn load_only_weight(&self, _weight: f64) -> f64 {
         0.0
     }
-    /// One score in 0..=1 per candidate, in order.
-    fn score(&self, ctx: &ScoreContext<'_>) -> Vec<f64>;
+    /// One score in 0..=1 per candidate, in order, written to `out` (as long as the
+    /// candidates): each scorer fills its column of one buffer, with no list of its own.
+    fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]);
 }
 
 /// Declares each scorer's module and lists its plugin in [`REGISTRY`], in one line.
@@ -130,7 +131,14 @@ pub(crate) mod testing {
             last_cold: &last_cold,
         };
         tweak(&mut ctx);
-        scorer.score(&ctx)
+        let mut out = vec![f64::NAN; ctx.candidates.len()];
+        scorer.score(&ctx, &mut out);
+        assert!(
+            out.iter().all(|v| (0.0..=1.0).contains(v)),
+            "{}: every candidate scored in 0..=1: {out:?}",
+            scorer.name()
+        );
+        out
     }
 
     #[test]

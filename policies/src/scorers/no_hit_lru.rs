@@ -20,23 +20,23 @@ impl Scorer for NoHitLru {
         "spreads cold prefixes: the endpoint that least recently got a cold request scores 1"
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>) -> Vec<f64> {
+    fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
         let eps = ctx.candidates;
         let cold = ctx.cold && eps.iter().all(|e| lora_affinity::tier(e, ctx.model) <= 0.0);
         if !cold || eps.len() < 2 {
-            return vec![if cold { 1.0 } else { 0.5 }; eps.len()];
+            out.fill(if cold { 1.0 } else { 0.5 });
+            return;
         }
-        let ticks: Vec<u64> = eps.iter().map(|e| ctx.last_cold.last_cold(&e.address)).collect();
-        let mut order: Vec<usize> = (0..ticks.len()).collect();
-        order.sort_by_key(|&i| ticks.get(i).copied().unwrap_or(0));
-        let mut scores = vec![0.0; ticks.len()];
-        let n = (ticks.len() - 1) as f64;
-        for (rank, i) in order.into_iter().enumerate() {
-            if let Some(s) = scores.get_mut(i) {
+        // (last cold request, position): least recent first, ties in pool order.
+        let mut order: Vec<(u64, usize)> =
+            eps.iter().enumerate().map(|(i, e)| (ctx.last_cold.last_cold(&e.address), i)).collect();
+        order.sort_unstable();
+        let n = (order.len() - 1) as f64;
+        for (rank, (_, i)) in order.into_iter().enumerate() {
+            if let Some(s) = out.get_mut(i) {
                 *s = 1.0 - rank as f64 / n;
             }
         }
-        scores
     }
 }
 
@@ -94,7 +94,12 @@ mod tests {
             saturation: &sat,
             last_cold: &lru,
         };
-        assert_eq!(NoHitLru.score(&ctx(true)), vec![0.5, 1.0, 0.0]);
-        assert_eq!(NoHitLru.score(&ctx(false)), vec![0.5; 3]);
+        let scored = |c: &ScoreContext<'_>| {
+            let mut out = vec![f64::NAN; 3];
+            NoHitLru.score(c, &mut out);
+            out
+        };
+        assert_eq!(scored(&ctx(true)), vec![0.5, 1.0, 0.0]);
+        assert_eq!(scored(&ctx(false)), vec![0.5; 3]);
     }
 }

@@ -28,10 +28,10 @@ impl Scorer for PrecisePrefixCache {
         ctx.precise.is_some()
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>) -> Vec<f64> {
-        match ctx.precise {
-            Some(p) => p.iter().map(|&(s, _)| s).collect(),
-            None => vec![0.0; ctx.candidates.len()],
+    fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
+        out.fill(0.0);
+        for (slot, &(s, _)) in out.iter_mut().zip(ctx.precise.unwrap_or_default()) {
+            *slot = s;
         }
     }
 }

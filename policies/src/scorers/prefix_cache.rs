@@ -24,12 +24,12 @@ impl Scorer for PrefixCache {
         Kind::Affinity
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>) -> Vec<f64> {
+    fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
         let total = ctx.total_blocks;
-        ctx.matched_blocks
-            .iter()
-            .map(|&m| if total == 0 { 0.0 } else { (m as f64 / total as f64).clamp(0.0, 1.0) })
-            .collect()
+        out.fill(0.0);
+        for (slot, &m) in out.iter_mut().zip(ctx.matched_blocks) {
+            *slot = if total == 0 { 0.0 } else { (m as f64 / total as f64).clamp(0.0, 1.0) };
+        }
     }
 }
 

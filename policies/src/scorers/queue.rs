@@ -26,36 +26,36 @@ impl Scorer for Queue {
         weight.max(1.0)
     }
 
-    fn score(&self, ctx: &ScoreContext<'_>) -> Vec<f64> {
+    fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
         if ctx.load_only {
-            return inflight_only(ctx.inflight);
+            return inflight_only(ctx.inflight, out);
         }
         let stale_ms = ctx.saturation.metrics_stale_ms;
-        let loads: Vec<Option<f64>> = ctx
-            .candidates
-            .iter()
-            .zip(ctx.inflight.iter().chain(std::iter::repeat(&0)))
-            .map(|(e, &f)| e.fresh_metrics(stale_ms).map(|m| m.waiting + f64::from(f)))
-            .collect();
-        let known = loads.iter().flatten();
-        let min = known.clone().copied().fold(f64::INFINITY, f64::min);
-        let max = known.copied().fold(f64::NEG_INFINITY, f64::max);
-        loads
-            .iter()
-            .map(|l| match l {
+        let loads = || {
+            ctx.candidates
+                .iter()
+                .zip(ctx.inflight.iter().chain(std::iter::repeat(&0)))
+                .map(|(e, &f)| e.fresh_metrics(stale_ms).map(|m| m.waiting + f64::from(f)))
+        };
+        let (min, max) =
+            loads().flatten().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), q| (lo.min(q), hi.max(q)));
+        for (slot, l) in out.iter_mut().zip(loads()) {
+            *slot = match l {
                 None => UNKNOWN_LOAD_SCORE,
                 Some(_) if max - min <= f64::EPSILON => 1.0,
                 Some(q) => ((max - q) / (max - min)).clamp(0.0, 1.0),
-            })
-            .collect()
+            };
+        }
     }
 }
 
 /// This scheduler's own in-flight counts, min-max normalised.
-fn inflight_only(inflight: &[u32]) -> Vec<f64> {
+fn inflight_only(inflight: &[u32], out: &mut [f64]) {
     let min = inflight.iter().copied().min().unwrap_or(0);
     let max = inflight.iter().copied().max().unwrap_or(0);
-    inflight.iter().map(|&f| if max == min { 1.0 } else { f64::from(max - f) / f64::from(max - min) }).collect()
+    for (slot, &f) in out.iter_mut().zip(inflight) {
+        *slot = if max == min { 1.0 } else { f64::from(max - f) / f64::from(max - min) };
+    }
 }
 
 #[cfg(test)]
