@@ -431,13 +431,14 @@ mod tests {
         };
         assert_eq!(counts, (1, 1), "one whole read, then the delta alone");
         assert_eq!(metric("attache.snapshot.deltas"), Some(1));
-        // While the tick runs, a request takes small deltas itself and leaves a large one to
-        // the tick.
+        // While the tick runs, a request leaves every delta, small or large, to the tick.
         let mut prev = next;
         step(&mut agent, &mut prev, 3, &churn);
         let v4 = step(&mut agent, &mut prev, 4, &churn);
         let _ = scheduler.send(Request::completion(&prompt("small changes")));
-        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v4), "two small deltas: taken at once");
+        assert_eq!(w.borrow().cache.pool.version, 2, "the request left two small deltas to the tick");
+        scheduler.tick();
+        assert_eq!(w.borrow().cache.pool, attache_proto::pool::to_pool(&v4), "the tick took both");
         let big = step(&mut agent, &mut prev, 5, &|s| big_label(s, 'x'));
         let _ = scheduler.send(Request::completion(&prompt("large change")));
         assert_eq!(w.borrow().cache.pool.version, 4, "the request left the large delta to the tick");

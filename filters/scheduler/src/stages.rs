@@ -74,13 +74,59 @@ impl Stage {
 /// Decisions between two reports.
 pub const REPORT_EVERY: u64 = 4000;
 
-/// Running sums of one worker's stage times.
-#[derive(Debug, Default)]
-pub struct Totals {
+/// A decision slower than this also counts in the slow sums: what the tail is made of.
+pub const SLOW_NS: u64 = 80_000;
+
+/// Stage times summed over some decisions.
+#[derive(Debug, Default, Clone)]
+struct Sums {
     ns: [u64; Stage::ALL.len()],
-    decisions: u64,
     /// Named probes inside a stage (`policies::probe`, within `plan`), in first-seen order.
     probes: Vec<(&'static str, u64)>,
+    decisions: u64,
+}
+
+impl Sums {
+    fn add(&mut self, other: &Sums) {
+        for (a, b) in self.ns.iter_mut().zip(other.ns) {
+            *a += b;
+        }
+        for &(name, ns) in &other.probes {
+            match self.probes.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, t)) => *t += ns,
+                None => self.probes.push((name, ns)),
+            }
+        }
+        self.decisions += other.decisions;
+    }
+
+    fn total_ns(&self) -> u64 {
+        self.ns.iter().sum::<u64>() + self.probes.iter().map(|(_, ns)| ns).sum::<u64>()
+    }
+
+    /// ` n=.. stage=µs ..`: the mean of each stage that took any time.
+    fn means(&self) -> String {
+        let n = self.decisions.max(1) as f64;
+        let mut out = format!(" n={}", self.decisions);
+        for (stage, ns) in Stage::ALL.iter().zip(self.ns) {
+            if ns > 0 {
+                out.push_str(&format!(" {}={:.2}", stage.name(), ns as f64 / n / 1000.0));
+            }
+        }
+        for (name, ns) in &self.probes {
+            out.push_str(&format!(" {name}={:.2}", *ns as f64 / n / 1000.0));
+        }
+        out
+    }
+}
+
+/// Running sums of one worker's stage times: over every decision, and over the slow ones.
+#[derive(Debug, Default)]
+pub struct Totals {
+    all: Sums,
+    slow: Sums,
+    /// The decision under way.
+    current: Sums,
     /// The previous reading of the decision under way.
     last: Option<u64>,
 }
@@ -89,13 +135,15 @@ impl Totals {
     /// A decision starts at `now_ns`.
     pub fn begin(&mut self, now_ns: u64) {
         self.last = Some(now_ns);
+        self.current.ns = [0; Stage::ALL.len()];
+        self.current.probes.iter_mut().for_each(|(_, t)| *t = 0);
     }
 
     /// `stage` ended at `now_ns`: it took the time since the previous reading. Ignored outside
     /// a decision (a queued request routed from the tick).
     pub fn mark(&mut self, stage: Stage, now_ns: u64) {
         if let Some(last) = self.last {
-            if let Some(t) = self.ns.get_mut(stage as usize) {
+            if let Some(t) = self.current.ns.get_mut(stage as usize) {
                 *t += now_ns.saturating_sub(last);
             }
             self.last = Some(now_ns);
@@ -107,9 +155,9 @@ impl Totals {
     pub fn probe(&mut self, name: &'static str, now_ns: u64) {
         if let Some(last) = self.last {
             let took = now_ns.saturating_sub(last);
-            match self.probes.iter_mut().find(|(n, _)| *n == name) {
+            match self.current.probes.iter_mut().find(|(n, _)| *n == name) {
                 Some((_, t)) => *t += took,
-                None => self.probes.push((name, took)),
+                None => self.current.probes.push((name, took)),
             }
             self.last = Some(now_ns);
         }
@@ -118,21 +166,20 @@ impl Totals {
     /// The decision ended; every [`REPORT_EVERY`] decisions, the report to log.
     pub fn finish(&mut self) -> Option<String> {
         self.last.take()?;
-        self.decisions += 1;
-        self.decisions.is_multiple_of(REPORT_EVERY).then(|| self.report())
+        self.current.decisions = 1;
+        self.all.add(&self.current);
+        if self.current.total_ns() > SLOW_NS {
+            self.slow.add(&self.current);
+        }
+        self.all.decisions.is_multiple_of(REPORT_EVERY).then(|| self.report())
     }
 
-    /// Mean µs per decision of each stage that took any time, over every decision so far.
+    /// Mean µs per decision of each stage that took any time, over every decision so far, then
+    /// over the decisions slower than [`SLOW_NS`].
     pub fn report(&self) -> String {
-        let n = self.decisions.max(1) as f64;
-        let mut out = format!("attache stages: n={}", self.decisions);
-        for (stage, ns) in Stage::ALL.iter().zip(self.ns) {
-            if ns > 0 {
-                out.push_str(&format!(" {}={:.2}", stage.name(), ns as f64 / n / 1000.0));
-            }
-        }
-        for (name, ns) in &self.probes {
-            out.push_str(&format!(" {name}={:.2}", *ns as f64 / n / 1000.0));
+        let mut out = format!("attache stages:{}", self.all.means());
+        if self.slow.decisions > 0 {
+            out.push_str(&format!(" | over {} us:{}", SLOW_NS / 1000, self.slow.means()));
         }
         out
     }
@@ -243,6 +290,23 @@ mod tests {
         t.mark(Stage::Plan, 8_000);
         t.finish();
         assert_eq!(t.report(), "attache stages: n=1 parse=2.00 plan=1.00 plan.hashes=1.00 plan.schedule=4.00");
+    }
+
+    #[test]
+    fn slow_decisions_are_summed_apart() {
+        let mut t = Totals::default();
+        t.begin(0);
+        t.mark(Stage::Parse, 10_000);
+        t.finish();
+        t.begin(100_000);
+        t.mark(Stage::Parse, 110_000);
+        t.probe("plan.schedule", 200_000);
+        t.mark(Stage::Plan, 201_000);
+        t.finish();
+        assert_eq!(
+            t.report(),
+            "attache stages: n=2 parse=10.00 plan=0.50 plan.schedule=45.00 | over 80 us: n=1 parse=10.00 plan=1.00 plan.schedule=90.00"
+        );
     }
 
     #[test]

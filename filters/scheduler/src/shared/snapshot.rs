@@ -186,16 +186,15 @@ pub struct SnapshotCache {
     pub full_reads: u64,
     /// When the worker's tick last took new versions.
     ticked_ms: Option<u64>,
-    /// The version key's delta bytes when this worker last caught up.
-    at_bytes: u64,
 }
 
-/// A request takes new snapshot versions itself when the deltas it lacks are small (at most
-/// [`REQUEST_APPLY_MAX_BYTES`] together), when the worker's tick has not run for this long (two
-/// snapshot ticks), or when it has no ready endpoint. Otherwise it schedules on the pool as of the last
-/// tick, at most one tick old, and leaves applying a large change to the tick.
+/// A request takes new snapshot versions itself only when the worker's tick has not run for
+/// this long (two snapshot ticks) or the worker has no ready endpoint. Otherwise it schedules on
+/// the pool as of the last tick, at most one tick (20 ms) old, without a look at shared data:
+/// applying even a small delta inside a request made it one of the slowest 1% (a delta reads
+/// the log and moves the endpoint in the load order), and the engine metrics behind it are a
+/// 50 ms scrape old anyway.
 pub const REQUEST_REFRESH_AFTER_MS: u64 = 40;
-pub const REQUEST_APPLY_MAX_BYTES: u64 = 2_048;
 
 /// (epoch, version, delta bytes since the last whole snapshot).
 fn parse_key(k: &[u8]) -> Option<(u64, u64, u64)> {
@@ -217,19 +216,17 @@ impl SnapshotCache {
         self.catch_up(now_ms, Caller::Tick)
     }
 
-    /// From a request: take new versions unless it is a large change the tick will apply
-    /// (see [`REQUEST_REFRESH_AFTER_MS`]).
+    /// From a request: take new versions only if the tick is not keeping up (see
+    /// [`REQUEST_REFRESH_AFTER_MS`]).
     pub fn refresh_for_request(&mut self, now_ms: u64) -> bool {
         self.catch_up(now_ms, Caller::Request)
     }
 
-    /// Whether a request should leave the version `target` to the tick.
-    fn leave_to_tick(&self, now_ms: u64, target: (u64, u64, u64)) -> bool {
+    /// Whether a request leaves new versions to the tick: it runs, and the worker has a pool
+    /// with a ready endpoint.
+    fn leave_to_tick(&self, now_ms: u64) -> bool {
         let ticking = self.ticked_ms.is_some_and(|t| now_ms.saturating_sub(t) <= REQUEST_REFRESH_AFTER_MS);
-        let small = self.at.is_some_and(|(e, v)| {
-            e == target.0 && v < target.1 && target.2.saturating_sub(self.at_bytes) <= REQUEST_APPLY_MAX_BYTES
-        });
-        ticking && !small && self.at.is_some() && self.pool.has_ready()
+        ticking && self.at.is_some() && self.pool.has_ready()
     }
 
     /// Catch up with the newest snapshot (from anywhere: tests, the queue).
@@ -241,6 +238,9 @@ impl SnapshotCache {
     /// lacks when it is on the base's chain, else by reading the base and its deltas. Returns
     /// true if the pool changed.
     fn catch_up(&mut self, now_ms: u64, caller: Caller) -> bool {
+        if caller == Caller::Request && self.leave_to_tick(now_ms) {
+            return false;
+        }
         let (_, signal) = host::shared_data_cas(CHANGED_KEY);
         if signal.is_some() && signal == self.seen {
             return false;
@@ -248,14 +248,9 @@ impl SnapshotCache {
         let Some(target) = host::shared_data(VERSION_KEY).as_deref().and_then(parse_key) else {
             return false;
         };
-        if caller == Caller::Request && self.leave_to_tick(now_ms, target) {
-            // Not marked seen: the tick takes it.
-            return false;
-        }
         // Looked at, whatever the outcome: bytes that do not decode are not retried until the
         // next write.
         self.seen = signal;
-        self.at_bytes = target.2;
         if let Some((epoch, have)) = self.at {
             if epoch == target.0 && have >= target.1 {
                 return false;
