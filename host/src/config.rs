@@ -34,8 +34,9 @@ pub struct HostConfig {
     pub scrape_timeout_ms: u64,
     /// Ask each vLLM engine for only the samples the scheduler reads (`GET /metrics/?name[]=…`,
     /// a few hundred bytes instead of ~26 KB). An engine that cannot filter (multi-process
-    /// vLLM answers an empty page) is scraped whole from its first such answer, and counted in
-    /// `attache_host_scrape_filter_fallbacks_total`. SGLang is always scraped whole.
+    /// vLLM answers an empty page, a server without the route a 4xx) is scraped whole from its
+    /// first such answer, and counted in `attache_host_scrape_filter_fallbacks_total`; a 5xx
+    /// fails that scrape only. SGLang is always scraped whole.
     pub scrape_metric_filter: bool,
     /// How often each engine's `GET /v1/models` is read, for the LoRA adapters it has loaded
     /// (also those loaded at run time); 0 never reads it.

@@ -24,8 +24,10 @@ pub enum ScrapeError {
     Timeout,
     /// Any other transport error.
     Transport,
-    /// A non-2xx HTTP status.
+    /// A non-2xx HTTP status other than a 4xx.
     Status,
+    /// A 4xx: the engine refused the request itself (for a filtered page: no such route).
+    Rejected,
     /// The page lacks the metrics the scheduler needs, or does not parse.
     Parse,
 }
@@ -37,6 +39,7 @@ impl ScrapeError {
             Self::Timeout => "timeout",
             Self::Transport => "transport",
             Self::Status => "status",
+            Self::Rejected => "rejected",
             Self::Parse => "parse",
         }
     }
@@ -164,9 +167,9 @@ impl HostMetrics {
     }
 
     /// An engine's filtered `/metrics` page was refused or lacked what the scheduler reads
-    /// (`ScrapeError::Status` or `ScrapeError::Parse`); it is scraped whole from now on.
+    /// (`ScrapeError::Rejected` or `ScrapeError::Parse`); it is scraped whole from now on.
     pub fn scrape_filter_fallback(&self, why: ScrapeError) {
-        let why = if why == ScrapeError::Status { "status" } else { "incomplete" };
+        let why = if why == ScrapeError::Rejected { "status" } else { "incomplete" };
         *lock(&self.scrape_filter_fallbacks).entry(why).or_default() += 1;
     }
 

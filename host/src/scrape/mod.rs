@@ -151,9 +151,11 @@ impl Target {
                 self.geometry = self.conn.connection().map(|on| (on, m.block_size, m.num_gpu_blocks));
                 Ok(m)
             }
-            (Err((e, why @ (ScrapeError::Status | ScrapeError::Parse))), _) => {
-                // The engine does not filter (multi-process vLLM answers an empty page): its
-                // whole page from now on, read at once.
+            (Err((e, why @ (ScrapeError::Rejected | ScrapeError::Parse))), _) => {
+                // The engine does not filter (multi-process vLLM answers an empty page, a
+                // server without the route a 4xx): its whole page from now on, read at once.
+                // A 5xx or a transport error is the engine's trouble, not the filter's: it
+                // fails this scrape and the next one asks for the filtered page again.
                 info!(endpoint = %self.address, error = %e, "metric-name filter not honoured; scraping the whole page");
                 crate::telemetry::metrics().scrape_filter_fallback(why);
                 self.filtered = None;
@@ -220,6 +222,7 @@ fn fetch_error(e: &FetchError) -> ScrapeError {
     match e {
         FetchError::Timeout(_) => ScrapeError::Timeout,
         FetchError::Connect(c) if c.kind() == std::io::ErrorKind::ConnectionRefused => ScrapeError::Refused,
+        FetchError::Status(code) if (400..500).contains(code) => ScrapeError::Rejected,
         FetchError::Status(_) => ScrapeError::Status,
         FetchError::Connect(_) | FetchError::Io(_) | FetchError::Protocol(_) => ScrapeError::Transport,
     }
@@ -452,6 +455,73 @@ mod tests {
                 .map_or(0, |n| n.parse::<u64>().unwrap())
         };
         assert_eq!(count(&after), count(&before) + 1, "{after}");
+    }
+
+    /// An engine whose filtered route answers `status` to its first `failures` hits (then
+    /// filters), or has no filtered route at all (`None`); counts (whole, filtered) hits.
+    async fn refusing_engine(status: Option<(u16, u32)>) -> (String, Arc<[AtomicU32; 2]>) {
+        use axum::http::StatusCode;
+        let hits: Arc<[AtomicU32; 2]> = Arc::new([AtomicU32::new(0), AtomicU32::new(0)]);
+        let (whole, filtered) = (hits.clone(), hits.clone());
+        let mut app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || async move {
+                whole[0].fetch_add(1, Ordering::Relaxed);
+                PAGE
+            }),
+        );
+        if let Some((code, failures)) = status {
+            app = app.route(
+                "/metrics/",
+                axum::routing::get(move || async move {
+                    let n = filtered[1].fetch_add(1, Ordering::Relaxed);
+                    let code = if n < failures { StatusCode::from_u16(code).unwrap() } else { StatusCode::OK };
+                    (code, PAGE)
+                }),
+            );
+        }
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (addr, hits)
+    }
+
+    async fn scrape_for(address: &str, ms: u64) -> PoolState {
+        let state = Arc::new(RwLock::new(PoolState::default()));
+        let mut s =
+            Scrapers::new(reqwest::Client::new(), state.clone(), Duration::from_millis(20), Duration::from_secs(1))
+                .with_metric_filter(true);
+        let spec: crate::endpoints::StaticEndpoints =
+            serde_yaml::from_str(&format!("endpoints: [{{address: '{address}', models: [m]}}]")).unwrap();
+        s.apply(spec.endpoints).await;
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        let st = std::mem::take(&mut *state.write().await);
+        st
+    }
+
+    #[tokio::test]
+    async fn a_5xx_on_the_filtered_page_fails_the_scrape_and_a_4xx_switches_to_the_whole_page() {
+        let fallbacks = |page: &str| {
+            page.lines()
+                .find_map(|l| l.strip_prefix("attache_host_scrape_filter_fallbacks_total{reason=\"status\"} "))
+                .map_or(0, |n| n.parse::<u64>().unwrap())
+        };
+        // Two 503s (an engine busy restarting): those scrapes fail, then it is filtered again.
+        let before = fallbacks(&page());
+        let (address, hits) = refusing_engine(Some((503, 2))).await;
+        let st = scrape_for(&address, 300).await;
+        let (whole, filtered) = (hits[0].load(Ordering::Relaxed), hits[1].load(Ordering::Relaxed));
+        assert_eq!(whole, 0, "a transient 5xx does not give up on the filter");
+        assert!(filtered >= 4, "two refused, then filtered: {filtered}");
+        let snap = st.snapshot(1, 1, Instant::now(), Duration::from_secs(5));
+        assert_eq!(snap.endpoints[0].running, 3.0, "{snap:?}");
+        // No `/metrics/` route (404): the whole page from then on, counted.
+        let (address, hits) = refusing_engine(None).await;
+        let st = scrape_for(&address, 300).await;
+        assert!(hits[0].load(Ordering::Relaxed) >= 3, "the whole page after the 404");
+        let snap = st.snapshot(1, 1, Instant::now(), Duration::from_secs(5));
+        assert_eq!(snap.endpoints[0].running, 3.0, "no scrape lost to the fallback: {snap:?}");
+        assert!(fallbacks(&page()) > before, "the 404 is counted as a fallback");
     }
 
     #[test]
