@@ -64,6 +64,18 @@ fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The CPUs this process may run on, as `taskset` lists them (`0-1`).
+fn own_cpus() -> anyhow::Result<String> {
+    let out = std::process::Command::new("taskset")
+        .args(["-c", "-p", &std::process::id().to_string()])
+        .output()
+        .context("running taskset (util-linux)")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let list = text.rsplit(':').next().map(str::trim).unwrap_or_default();
+    anyhow::ensure!(out.status.success() && !list.is_empty(), "taskset -p: {text:?}");
+    Ok(list.to_owned())
+}
+
 /// Envoy alone on the last CPU, the other processes on the rest; `None` with one CPU.
 fn isolate_envoy(s: &Stack) -> anyhow::Result<Option<String>> {
     let cpus = std::thread::available_parallelism().map_or(1, usize::from);
@@ -79,10 +91,10 @@ fn isolate_envoy(s: &Stack) -> anyhow::Result<Option<String>> {
     Ok(Some(format!("envoy on CPU {envoy_cpu}; simulator, host and client on CPUs {others}")))
 }
 
-/// Undo [`isolate_envoy`] for this process (the next pool's processes start unpinned).
-fn unpin_self() -> anyhow::Result<()> {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    pin(std::process::id(), &format!("0-{}", cpus.saturating_sub(1)))
+/// Undo [`isolate_envoy`] for this process: back on `cpus`, as [`own_cpus`] read them before
+/// (the next pool's processes start unpinned).
+fn unpin_self(cpus: &str) -> anyhow::Result<()> {
+    pin(std::process::id(), cpus)
 }
 
 /// Pools larger than this scrape idle engines at most every 4 s (the default 800 ms would be
@@ -249,12 +261,13 @@ async fn run_size(a: &Args, n: u16, busy: u16) -> anyhow::Result<serde_json::Val
     // time without the concurrent load (the filter's own cost at this size).
     let mut row = row;
     if quiet {
+        let before = own_cpus()?;
         let pinned = if a.pin { isolate_envoy(&s)? } else { None };
         // The histograms so far hold nothing: no request was sent before this window.
         let until = Instant::now() + Duration::from_secs(a.window_s);
         let (ok, errors) = send_until(&s, until, 1).await;
         if pinned.is_some() {
-            unpin_self()?;
+            unpin_self(&before)?;
         }
         tokio::time::sleep(Duration::from_secs(6)).await;
         let stats = s.envoy_stats();
