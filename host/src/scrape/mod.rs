@@ -415,15 +415,7 @@ mod tests {
 
     async fn scraped(multiprocess: bool) -> (PoolState, [u32; 3]) {
         let (address, hits) = engine(multiprocess).await;
-        let state = Arc::new(RwLock::new(PoolState::default()));
-        let mut s =
-            Scrapers::new(reqwest::Client::new(), state.clone(), Duration::from_millis(20), Duration::from_secs(1))
-                .with_metric_filter(true);
-        let spec: crate::endpoints::StaticEndpoints =
-            serde_yaml::from_str(&format!("endpoints: [{{address: '{address}', models: [m]}}]")).unwrap();
-        s.apply(spec.endpoints).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let st = std::mem::take(&mut *state.write().await);
+        let st = scrape_for(&address, 300).await;
         (st, [0, 1, 2].map(|i| hits[i].load(Ordering::Relaxed)))
     }
 
@@ -486,6 +478,7 @@ mod tests {
         (addr, hits)
     }
 
+    /// Scrape the engine at `address` for `ms` with the metric filter on; the pool it built.
     async fn scrape_for(address: &str, ms: u64) -> PoolState {
         let state = Arc::new(RwLock::new(PoolState::default()));
         let mut s =
