@@ -137,6 +137,7 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
             "metrics_age_ms": e.metrics_age_ms,
             "block_size": e.block_size,
             "num_gpu_blocks": e.num_gpu_blocks,
+            "kv_written_tokens": e.kv_written_tokens,
             "ttft_ms": e.ttft_ms,
             "labels": e.labels,
             "lora_running": e.lora_running,

@@ -251,6 +251,9 @@ impl PoolState {
                     lora_running: m.running_loras.clone(),
                     lora_waiting: m.waiting_loras.clone(),
                     max_lora: m.max_lora.unwrap_or(0),
+                    kv_written_tokens: m
+                        .prefix_cache_reported
+                        .then(|| (m.prefix_cache_queries - m.prefix_cache_hits).max(0.0) as u64),
                 }
             })
             .collect();

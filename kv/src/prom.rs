@@ -181,6 +181,8 @@ pub struct EngineMetrics {
     pub num_gpu_blocks: Option<u64>,
     pub prefix_cache_queries: f64,
     pub prefix_cache_hits: f64,
+    /// The page had the prefix-cache query counter (the two above are 0 when it did not).
+    pub prefix_cache_reported: bool,
     /// `vllm:lora_requests_info` newest series: running and waiting adapters, max.
     pub running_loras: Vec<String>,
     pub waiting_loras: Vec<String>,
@@ -253,6 +255,7 @@ pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, Missi
         m.num_gpu_blocks = info.label(names.num_blocks_label).and_then(|v| v.parse().ok());
     }
     m.prefix_cache_queries = exp.samples.iter().filter(|s| s.name == names.prefix_cache_queries).map(|s| s.value).sum();
+    m.prefix_cache_reported = exp.samples.iter().any(|s| s.name == names.prefix_cache_queries);
     m.prefix_cache_hits = exp.samples.iter().filter(|s| s.name == names.prefix_cache_hits).map(|s| s.value).sum();
     let total = |name: &str| -> f64 { exp.samples.iter().filter(|s| s.name == name).map(|s| s.value).sum() };
     m.ttft_sum = total(names.ttft_sum);

@@ -16,8 +16,8 @@ pub struct PrefixConfig {
     pub max_prefix_tokens: usize,
     /// Bytes per pseudo-token when the prompt is text (llm-d packs 4 bytes per uint32).
     pub bytes_per_token: usize,
-    /// Maximum number of (block, endpoint-set) entries the approximate index holds (32 bytes
-    /// each, allocated once). 50,000 blocks of 64 tokens is about 1.3 times the KV capacity of
+    /// Maximum number of (block, endpoint-set) entries the approximate index holds (64 bytes
+    /// each with their eviction clocks, allocated once). 50,000 blocks of 64 tokens is about 1.3 times the KV capacity of
     /// the peer benchmarks' pool (8 engines of 19,212 16-token blocks); a pool with more cache
     /// needs more. A larger table costs
     /// request time in Envoy: each decision touches a dozen random pages of it, and at 200,000
@@ -36,6 +36,13 @@ pub struct PrefixConfig {
     /// a short match, such as a tool preamble every agent session shares, would otherwise pull
     /// every new session onto the few engines that hold it. 0 scores every match.
     pub affinity_threshold: f64,
+    /// The share of an engine's KV cache the approximate index counts on: a block routed to an
+    /// engine is taken as evicted once the engine has written `cache_share` × its cache's
+    /// tokens after the block's last use ([`crate::index::KvClock`]). Below 1 for the
+    /// generated tokens the clock does not count and the blocks running requests pin. 0, or an
+    /// engine without prefix-cache counters or cache geometry: blocks are never taken as
+    /// evicted (llm-d's approximate mode).
+    pub cache_share: f64,
     /// llm-d's `prefix-cache-affinity-filter`: where some candidates hold at least
     /// `affinity_threshold` of the prompt, the primary is chosen among them alone (load
     /// scorers still order them), instead of letting load scores outvote the cache. Moving a
@@ -54,6 +61,7 @@ impl Default for PrefixConfig {
             shared_slots: 65_536,
             shared_flush_ms: 20,
             affinity_threshold: 0.8,
+            cache_share: 0.9,
             affinity_filter: AffinityGate::default(),
         }
     }

@@ -57,6 +57,16 @@ pub struct Endpoint {
     pub metrics: Option<EndpointMetrics>,
     /// Tokens per KV block (from `vllm:cache_config_info`), 0 if unknown.
     pub block_size: u32,
+    /// KV blocks the engine's cache holds (`num_gpu_blocks` of `vllm:cache_config_info`), 0 if
+    /// unknown.
+    #[serde(default)]
+    pub kv_blocks: u64,
+    /// Tokens the engine has written into its KV cache so far: prompt tokens its prefix cache
+    /// did not hold (`vllm:prefix_cache_queries_total` − `vllm:prefix_cache_hits_total`). The
+    /// approximate index's eviction clock ([`crate::index::KvClock`]); `None` when the engine
+    /// reports no prefix-cache counters.
+    #[serde(default)]
+    pub kv_written: Option<u64>,
     /// Pod labels, sorted by key (for scorers, e.g. `attache.io/accelerator`).
     #[serde(default)]
     pub labels: Vec<(String, String)>,
@@ -97,6 +107,15 @@ impl Endpoint {
     /// The base model: the first of `models`; the others are LoRA adapters.
     pub fn base_model(&self) -> Option<&str> {
         self.models.first().map(String::as_str)
+    }
+
+    /// The engine's KV cache as the approximate index models it: its write clock, and a block
+    /// survives `share` of the cache's tokens of writes. `None` without both the clock and the
+    /// cache geometry, or with `share` 0.
+    pub fn kv_clock(&self, share: f64) -> Option<crate::index::KvClock> {
+        let tokens = self.kv_blocks.saturating_mul(u64::from(self.block_size));
+        let holds = (tokens as f64 * share) as u64;
+        (holds > 0).then_some(crate::index::KvClock { written: self.kv_written?, holds })
     }
 
     /// Metrics if they are fresh enough to act on: younger than `stale_ms` (so 0 means none is).

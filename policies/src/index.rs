@@ -11,6 +11,11 @@
 //! prefix, so holding block `p` means holding every block before it. Past the dense head a
 //! match length is exact to `STRIDE` blocks and never overstated, and a 100k-token prompt
 //! touches about 250 buckets instead of 1,600.
+//!
+//! Engines evict. Where an engine reports how much it has written into its KV cache
+//! ([`KvClock`]), each (block, endpoint) entry keeps that clock as of its last use, and a match
+//! counts the block only while fewer than a cache's worth of tokens were written after it: the
+//! engine's least-recently-used eviction, modelled without a list per endpoint.
 
 use hashbrown::HashMap;
 
@@ -60,6 +65,52 @@ const MAX_ENDPOINTS_PER_BLOCK: usize = 8;
 /// limit any real pool reaches.
 const MAX_INTERNED: usize = u16::MAX as usize;
 
+/// An engine's KV cache as the index models it: `written`, the tokens it has written into its
+/// cache so far (a clock that only moves forward while the engine lives), and `holds`, how
+/// many tokens of writes a block survives. vLLM evicts the least recently used free block
+/// first, so a block last used more than `holds` tokens of writes ago is taken as evicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvClock {
+    pub written: u64,
+    pub holds: u64,
+}
+
+impl KvClock {
+    /// Whether a block last used at `stamp` (this clock modulo 2^32) is still held. A stamp
+    /// ahead of the clock (the snapshot has not caught up with this scheduler's own recent
+    /// decisions) counts as just used.
+    fn still_holds(&self, stamp: u32) -> bool {
+        let age = (self.written as u32).wrapping_sub(stamp) as i32;
+        u64::from(age.max(0).unsigned_abs()) < self.holds
+    }
+}
+
+/// The endpoints' clocks during one match, each looked up once (by its name in the table).
+struct Clocks<F> {
+    clock: F,
+    seen: Vec<(u16, Option<KvClock>)>,
+}
+
+impl<F: Fn(&str) -> Option<KvClock>> Clocks<F> {
+    fn new(clock: F) -> Self {
+        Self { clock, seen: Vec::new() }
+    }
+
+    /// Whether endpoint `id` (named `name`) still holds a block it used at `stamp`: yes when
+    /// its engine has no clock.
+    fn still_hold(&mut self, id: u16, name: Option<&String>, stamp: u32) -> bool {
+        let c = match self.seen.iter().find(|(x, _)| *x == id) {
+            Some((_, c)) => *c,
+            None => {
+                let c = name.and_then(|a| (self.clock)(a));
+                self.seen.push((id, c));
+                c
+            }
+        };
+        c.is_none_or(|c| c.still_holds(stamp))
+    }
+}
+
 /// One block: its hash, when it was last used, and the endpoints it was routed to.
 #[derive(Clone, Copy, Default)]
 struct Slot {
@@ -71,38 +122,47 @@ struct Slot {
 }
 
 impl Slot {
-    fn holds(&self, id: u16) -> bool {
-        self.ids[..usize::from(self.n)].contains(&id)
-    }
-
     /// Drop `id` from the block; true when that empties the slot.
-    fn remove(&mut self, id: u16) -> bool {
+    /// `written` is the slot's row of write clocks, kept in step with `ids`.
+    fn remove(&mut self, id: u16, written: &mut Written) -> bool {
         let n = usize::from(self.n);
         let Some(p) = self.ids[..n].iter().position(|&x| x == id) else { return false };
         self.ids.copy_within(p + 1..n, p);
+        written.copy_within(p + 1..n, p);
         self.n -= 1;
         self.n == 0
     }
 
-    fn add(&mut self, id: u16) {
-        if self.holds(id) {
+    /// `id` used the block at its write clock `clock` (0 when it has none).
+    fn add(&mut self, id: u16, clock: u32, written: &mut Written) {
+        let n = usize::from(self.n);
+        if let Some(p) = self.ids[..n].iter().position(|&x| x == id) {
+            written[p] = clock;
             return;
         }
-        let n = usize::from(self.n);
         if n == MAX_ENDPOINTS_PER_BLOCK {
             // Forget the endpoint that has held the block longest.
             self.ids.copy_within(1.., 0);
+            written.copy_within(1.., 0);
             self.ids[n - 1] = id;
+            written[n - 1] = clock;
         } else {
             self.ids[n] = id;
+            written[n] = clock;
             self.n += 1;
         }
     }
 }
 
+/// For each endpoint of a slot, its [`KvClock`] (modulo 2^32) when it last used the block.
+type Written = [u32; MAX_ENDPOINTS_PER_BLOCK];
+
 /// Index from block hash to the endpoints (by address) that were sent that block.
 pub struct ApproxPrefixIndex {
     slots: Vec<Slot>,
+    /// Parallel to `slots`, read only for a slot a probe found: finding a block scans its
+    /// bucket's slots alone, half a kilobyte less than with the clocks inline.
+    written: Vec<Written>,
     buckets: usize,
     len: usize,
     /// Advances once per recorded request; slots keep the clock of their last use.
@@ -124,6 +184,7 @@ impl ApproxPrefixIndex {
         let buckets = (capacity / WAYS).max(1);
         Self {
             slots: vec![Slot::default(); buckets * WAYS],
+            written: vec![[0; MAX_ENDPOINTS_PER_BLOCK]; buckets * WAYS],
             buckets,
             len: 0,
             clock: 0,
@@ -148,6 +209,7 @@ impl ApproxPrefixIndex {
 
     fn clear(&mut self) {
         self.slots.fill(Slot::default());
+        self.written.fill([0; MAX_ENDPOINTS_PER_BLOCK]);
         self.len = 0;
         self.clock = 0;
         self.ids.clear();
@@ -179,12 +241,19 @@ impl ApproxPrefixIndex {
     /// Record that the blocks `hashes` were routed to `address`; `anchors` are the block
     /// positions that end a message ([`crate::prefix::anchor_blocks`]), recorded as well.
     pub fn record(&mut self, hashes: &[u64], anchors: &[usize], address: &str) {
+        self.record_at(hashes, anchors, address, None);
+    }
+
+    /// [`Self::record`], with the endpoint's KV write clock at the decision (`written`, see
+    /// [`KvClock`]) when its engine reports one.
+    pub fn record_at(&mut self, hashes: &[u64], anchors: &[usize], address: &str, written: Option<u64>) {
         let id = self.intern(address);
         if self.clock == u32::MAX {
             // Four billion requests: start the recency order afresh rather than wrap it.
             self.clear();
-            return self.record(hashes, anchors, address);
+            return self.record_at(hashes, anchors, address, written);
         }
+        let stamp = written.map_or(0, |w| w as u32);
         self.clock += 1;
         for h in sampled(hashes.len(), anchors).into_iter().map(|p| hashes[p]) {
             let i = match self.find(h) {
@@ -203,7 +272,7 @@ impl ApproxPrefixIndex {
                 }
             };
             let slot = &mut self.slots[i];
-            slot.add(id);
+            slot.add(id, stamp, &mut self.written[i]);
             slot.stamp = self.clock;
         }
     }
@@ -214,14 +283,31 @@ impl ApproxPrefixIndex {
     /// are the last to be evicted from their bucket), the matched ones included.
     /// `anchors` are probed too, as [`Self::record`] recorded them.
     pub fn match_lengths(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+        self.match_lengths_at(hashes, anchors, |_| None)
+    }
+
+    /// [`Self::match_lengths`], counting a block as held by an endpoint only while its engine's
+    /// cache can still hold it: `clock` gives an endpoint's [`KvClock`] by address (`None`: no
+    /// model of its cache, every recorded block counts, as in [`Self::match_lengths`]).
+    pub fn match_lengths_at(
+        &self,
+        hashes: &[u64],
+        anchors: &[usize],
+        clock: impl Fn(&str) -> Option<KvClock>,
+    ) -> HashMap<String, usize> {
         // (endpoint, blocks confirmed so far); a run continues only through every probe.
         let mut run: Vec<(u16, usize)> = Vec::new();
+        let mut clocks = Clocks::new(clock);
         let mut confirmed = 0;
         for p in sampled(hashes.len(), anchors) {
             let Some(s) = self.find(hashes[p]) else { break };
             let slot = &self.slots[s];
             let mut any = false;
-            for &id in &slot.ids[..usize::from(slot.n)] {
+            let written = self.written.get(s).copied().unwrap_or_default();
+            for (&id, &stamp) in slot.ids[..usize::from(slot.n)].iter().zip(&written) {
+                if !clocks.still_hold(id, self.names.get(usize::from(id)), stamp) {
+                    continue;
+                }
                 if p == 0 {
                     run.push((id, 1));
                     any = true;
@@ -246,7 +332,7 @@ impl ApproxPrefixIndex {
         let Some(id) = self.ids.get(address).copied() else { return };
         for h in sampled(hashes.len(), anchors).into_iter().filter(|&p| p >= from).map(|p| hashes[p]) {
             if let Some(i) = self.find(h) {
-                if self.slots[i].remove(id) {
+                if self.slots[i].remove(id, &mut self.written[i]) {
                     self.len -= 1;
                 }
             }
@@ -256,8 +342,8 @@ impl ApproxPrefixIndex {
     /// Forget an endpoint (it left the pool).
     pub fn forget(&mut self, address: &str) {
         let Some(id) = self.ids.get(address).copied() else { return };
-        for slot in &mut self.slots {
-            if slot.remove(id) {
+        for (slot, written) in self.slots.iter_mut().zip(self.written.iter_mut()) {
+            if slot.remove(id, written) {
                 self.len -= 1;
             }
         }
@@ -267,6 +353,38 @@ impl ApproxPrefixIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_is_forgotten_once_a_cache_worth_of_writes_followed_it() {
+        let mut ix = ApproxPrefixIndex::new(1_000);
+        let a: Vec<u64> = (0..4).collect();
+        ix.record_at(&a, &[], "e", Some(10_000));
+        ix.record_at(&a[..2], &[], "f", Some(500));
+        let at = |e: u64, f: u64| {
+            move |addr: &str| match addr {
+                "e" => Some(KvClock { written: e, holds: 1_000 }),
+                "f" => Some(KvClock { written: f, holds: 1_000 }),
+                _ => None,
+            }
+        };
+        let m = ix.match_lengths_at(&a, &[], at(10_999, 1_499));
+        assert_eq!((m.get("e"), m.get("f")), (Some(&4), Some(&2)), "within a cache's worth of writes");
+        let m = ix.match_lengths_at(&a, &[], at(11_000, 1_499));
+        assert_eq!((m.get("e"), m.get("f")), (None, Some(&2)), "e wrote 1,000 tokens since: evicted");
+        // A snapshot behind this scheduler's own decision: the block was just used.
+        assert_eq!(ix.match_lengths_at(&a, &[], at(9_000, 400)).len(), 2);
+        // No clock for an endpoint: every recorded block counts, as without the model.
+        assert_eq!(ix.match_lengths_at(&a, &[], |_| None), ix.match_lengths(&a, &[]));
+        // Using a block again moves its clock: it survives another cache's worth.
+        ix.record_at(&a, &[], "e", Some(10_900));
+        assert_eq!(ix.match_lengths_at(&a, &[], at(11_500, 0)).get("e"), Some(&4));
+        // The clock wraps at 2^32 without forgetting.
+        let mut w = ApproxPrefixIndex::new(100);
+        w.record_at(&a, &[], "e", Some(u64::from(u32::MAX) - 10));
+        let c = |written| move |_: &str| Some(KvClock { written, holds: 100 });
+        assert_eq!(w.match_lengths_at(&a, &[], c(u64::from(u32::MAX) + 50)).get("e"), Some(&4));
+        assert!(w.match_lengths_at(&a, &[], c(u64::from(u32::MAX) + 95)).is_empty());
+    }
 
     #[test]
     fn unrecording_keeps_what_the_endpoint_held_before() {
@@ -465,18 +583,24 @@ pub fn shared_entries(hashes: &[u64], anchors: &[usize], known: usize) -> Vec<u6
 /// `slots` entries, block hash → the endpoint it was routed to. Each worker holds its own copy,
 /// fed by its own decisions at once and by the other workers' from its tick (the filter's
 /// affinity log), so a request reads only this worker's memory. A colliding hash overwrites,
-/// so the table never holds more than `slots` entries (16 bytes each).
+/// so the table never holds more than `slots` entries (16 bytes each). An entry stored with
+/// its endpoint's KV write clock ([`KvClock`]) stops counting once the engine has written a
+/// cache's worth after it, as in [`ApproxPrefixIndex::match_lengths_at`].
 pub struct AffinityTable {
-    /// `(hash, endpoint id + 1)`; 0 marks an empty slot.
-    slots: Vec<(u64, u16)>,
+    /// `(hash, endpoint id + 1, clock stamp)`; id 0 marks an empty slot.
+    slots: Vec<(u64, u16, Stamp)>,
     ids: HashMap<String, u16>,
     names: Vec<String>,
 }
 
+/// An entry's KV write clock (modulo 2^32), when it was stored with one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Stamp(Option<u32>);
+
 impl AffinityTable {
     /// A table of `slots` entries (0: a table that holds nothing).
     pub fn new(slots: u64) -> Self {
-        Self { slots: vec![(0, 0); slots as usize], ids: HashMap::new(), names: Vec::new() }
+        Self { slots: vec![(0, 0, Stamp(None)); slots as usize], ids: HashMap::new(), names: Vec::new() }
     }
 
     /// Entries the table can hold.
@@ -486,7 +610,7 @@ impl AffinityTable {
 
     /// Entries held.
     pub fn len(&self) -> usize {
-        self.slots.iter().filter(|(_, id)| *id != 0).count()
+        self.slots.iter().filter(|(_, id, _)| *id != 0).count()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -504,7 +628,7 @@ impl AffinityTable {
         }
         if self.names.len() >= usize::from(u16::MAX) - 1 {
             // More distinct endpoints than any pool has: start afresh rather than wrap ids.
-            self.slots.fill((0, 0));
+            self.slots.fill((0, 0, Stamp(None)));
             self.ids.clear();
             self.names.clear();
         }
@@ -516,12 +640,17 @@ impl AffinityTable {
 
     /// Record that the block `hash` (and so its whole prefix) was routed to `endpoint`.
     pub fn store(&mut self, hash: u64, endpoint: &str) {
+        self.store_at(hash, endpoint, None);
+    }
+
+    /// [`Self::store`], with the endpoint's KV write clock when it was routed there.
+    pub fn store_at(&mut self, hash: u64, endpoint: &str, written: Option<u64>) {
         if endpoint.is_empty() {
             return;
         }
         let Some(s) = self.slot_of(hash) else { return };
         let id = self.intern(endpoint);
-        self.slots[s] = (hash, id);
+        self.slots[s] = (hash, id, Stamp(written.map(|w| w as u32)));
     }
 
     /// Record a whole decision: every probe point of `hashes` (and `anchors`).
@@ -536,15 +665,33 @@ impl AffinityTable {
     /// slot a colliding entry took. `anchors` are probed
     /// too ([`probe_points`]).
     pub fn matches(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+        self.matches_at(hashes, anchors, |_| None)
+    }
+
+    /// [`Self::matches`], skipping entries whose engine has since written a cache's worth
+    /// (`clock` by endpoint address, as for [`ApproxPrefixIndex::match_lengths_at`]).
+    pub fn matches_at(
+        &self,
+        hashes: &[u64],
+        anchors: &[usize],
+        clock: impl Fn(&str) -> Option<KvClock>,
+    ) -> HashMap<String, usize> {
         let mut found: Vec<(u16, usize)> = Vec::new();
+        let mut clocks = Clocks::new(clock);
+        let mut held = |id: u16, stamp: Stamp| match stamp {
+            Stamp(Some(stamp)) => clocks.still_hold(id, self.names.get(usize::from(id).wrapping_sub(1)), stamp),
+            Stamp(None) => true,
+        };
         for i in probe_points(hashes.len(), anchors) {
             let Some(h) = hashes.get(i) else { break };
             let Some(s) = self.slot_of(*h) else { break };
             match self.slots[s] {
-                (stored, id) if id != 0 && stored == *h => match found.iter_mut().find(|(x, _)| *x == id) {
-                    Some((_, n)) => *n = (*n).max(i + 1),
-                    None => found.push((id, i + 1)),
-                },
+                (stored, id, stamp) if id != 0 && stored == *h && held(id, stamp) => {
+                    match found.iter_mut().find(|(x, _)| *x == id) {
+                        Some((_, n)) => *n = (*n).max(i + 1),
+                        None => found.push((id, i + 1)),
+                    }
+                }
                 // A miss does not end the walk: a later decision whose block collided with this
                 // one overwrote its slot, and a deeper hit still proves the whole prefix (a
                 // block's hash chains every block before it). Past a real divergence the deeper
@@ -571,6 +718,22 @@ mod shared_tests {
         let p = probe_points(2_000, &[]);
         assert!(p.windows(2).all(|w| w[1] < 16 || (w[1] - w[0]) * 8 <= w[0] + 1), "{p:?}");
         assert!(p.len() < 60, "logarithmic: {} probes for 2,000 blocks", p.len());
+    }
+
+    #[test]
+    fn a_table_entry_stops_counting_once_its_engine_wrote_a_cache_worth() {
+        let mut t = AffinityTable::new(64);
+        let h: Vec<u64> = (0..4).collect();
+        for &x in &h {
+            t.store_at(x, "e", Some(1_000));
+            t.store(x + 100, "e");
+        }
+        let at = |written| move |_: &str| Some(KvClock { written, holds: 500 });
+        assert_eq!(t.matches_at(&h, &[], at(1_499)).get("e"), Some(&4));
+        assert!(t.matches_at(&h, &[], at(1_500)).is_empty(), "500 tokens written since: evicted");
+        assert_eq!(t.matches_at(&h, &[], |_| None).get("e"), Some(&4), "no clock: as stored");
+        let old: Vec<u64> = (100..104).collect();
+        assert_eq!(t.matches_at(&old, &[], at(1_000_000)).get("e"), Some(&4), "stored without a clock: kept");
     }
 
     #[test]

@@ -168,7 +168,10 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
     let anchors = prefix::anchor_blocks(&cfg.prefix, &req.message_ends);
     probe::mark("plan.hashes");
     let seed = hashes.first().copied().unwrap_or(u64::from(request.id));
-    let shared = view.affinity.filter(|t| t.capacity() > 0).map(|t| t.matches(&hashes, &anchors));
+    let share = cfg.prefix.cache_share;
+    let clock =
+        |a: &str| view.pool.position(a).and_then(|p| view.pool.endpoints.get(p)).and_then(|e| e.kv_clock(share));
+    let shared = view.affinity.filter(|t| t.capacity() > 0).map(|t| t.matches_at(&hashes, &anchors, clock));
     probe::mark("plan.affinity");
     let precise_scores = precise_scores(request, view, config.scheduler);
     probe::mark("plan.precise");
@@ -342,9 +345,10 @@ pub fn learn(
     let (Some(table), Some(primary)) = (affinity, plan.decision.endpoints.first()) else {
         return Vec::new();
     };
+    let written = plan.decision.scores.first().filter(|s| s.address == *primary).and_then(|s| s.kv_written);
     let mut publish = Vec::with_capacity(plan.index.shared.len().min(room));
     for (i, &h) in plan.index.shared.iter().enumerate() {
-        table.store(h, primary);
+        table.store_at(h, primary, written);
         if i < room {
             publish.push((h, primary.clone()));
         }
@@ -507,6 +511,25 @@ mod tests {
         assert!(again.index.shared.is_empty(), "the table proves it already");
         assert_eq!(again.metrics.matched_blocks, again.metrics.total_blocks);
         assert!(again.log_line("m", 1).contains(&primary));
+    }
+
+    #[test]
+    fn neither_the_index_nor_the_affinity_table_claims_a_prefix_its_engine_evicted() {
+        let mut p = pool(2);
+        for e in &mut p.endpoints {
+            (e.block_size, e.kv_blocks, e.kv_written) = (16, 256, Some(0));
+        }
+        let mut w = World::new(p);
+        let r = request(&format!(r#"{{"model":"m","prompt":"{}"}}"#, "a prompt that gets evicted ".repeat(60)));
+        let first = w.route(&req(&r));
+        let holder = w.pool.position(&first.dispatch.endpoint).unwrap();
+        let again = w.route(&req(&r));
+        assert_eq!(again.metrics.matched_blocks, again.metrics.total_blocks, "held");
+        // The holder writes 4,000 tokens of other prompts: more than 90% of its 4,096.
+        w.pool.endpoints[holder].kv_written = Some(4_000);
+        let after = w.plan(&req(&r), None).unwrap();
+        assert_eq!(after.metrics.matched_blocks, 0, "evicted: {}", after.log_line("m", 1));
+        assert!(after.decision.cold);
     }
 
     #[test]

@@ -126,6 +126,10 @@ impl FilterConfig {
         }
         let c: Self = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
         c.check_memory()?;
+        let share = c.scheduler.prefix.cache_share;
+        if !(0.0..=1.0).contains(&share) {
+            return Err(format!("scheduler.prefix.cache_share {share} is outside 0..=1"));
+        }
         crate::Scheduler::new(c.scheduler.clone()).map_err(|e| e.to_string())?;
         Ok(c)
     }
@@ -136,7 +140,7 @@ impl FilterConfig {
         let p = &self.scheduler.prefix;
         if p.index_capacity > MAX_INDEX_CAPACITY {
             return Err(format!(
-                "scheduler.prefix.index_capacity {} exceeds {MAX_INDEX_CAPACITY} (32 bytes a block, allocated in every worker)",
+                "scheduler.prefix.index_capacity {} exceeds {MAX_INDEX_CAPACITY} (64 bytes a block, allocated in every worker)",
                 p.index_capacity
             ));
         }
@@ -151,7 +155,7 @@ impl FilterConfig {
 }
 
 /// Most blocks the approximate index may hold: 128 MB of the VM.
-pub const MAX_INDEX_CAPACITY: usize = 4_000_000;
+pub const MAX_INDEX_CAPACITY: usize = 2_000_000;
 /// Most entries of the cross-worker affinity table: 64 MB of the VM.
 pub const MAX_SHARED_SLOTS: u64 = 4 * 1024 * 1024;
 
@@ -162,10 +166,12 @@ mod tests {
     #[test]
     fn tables_too_large_for_the_vm_are_refused_with_the_field_named() {
         let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":10000000000}}}"#).unwrap_err();
-        assert!(e.contains("index_capacity 10000000000 exceeds 4000000"), "{e}");
+        assert!(e.contains("index_capacity 10000000000 exceeds 2000000"), "{e}");
         let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"shared_slots":99999999}}}"#).unwrap_err();
         assert!(e.contains("shared_slots 99999999 exceeds"), "{e}");
-        assert!(FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":4000000}}}"#).is_ok());
+        assert!(FilterConfig::parse(br#"{"scheduler":{"prefix":{"index_capacity":2000000}}}"#).is_ok());
+        let e = FilterConfig::parse(br#"{"scheduler":{"prefix":{"cache_share":1.5}}}"#).unwrap_err();
+        assert!(e.contains("cache_share 1.5 is outside 0..=1"), "{e}");
     }
 
     /// `docs/configuration.md` shows exactly the code's defaults.

@@ -96,6 +96,7 @@ mod tests {
             shared_slots: 0,
             shared_flush_ms: 20,
             affinity_threshold: 0.8,
+            cache_share: 0.9,
             affinity_filter: crate::config::AffinityGate::default(),
         }
     }

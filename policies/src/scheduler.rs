@@ -68,14 +68,15 @@ impl SchedulerState {
     /// prefix went, and a cold request moves its endpoint to the back of the no-hit LRU.
     pub fn commit(&mut self, decision: &Decision, block_hashes: &[u64], anchors: &[usize]) {
         if let Some(primary) = decision.endpoints.first() {
-            self.index.record(block_hashes, anchors, primary);
+            let written = decision.scores.first().filter(|s| s.address == *primary).and_then(|s| s.kv_written);
+            self.index.record_at(block_hashes, anchors, primary, written);
             if decision.cold {
                 self.no_hit_lru.record(primary);
             }
         }
         // The prefill endpoint computed the prompt and keeps it in its prefix cache too.
         if let Some(p) = &decision.prefill {
-            self.index.record(block_hashes, anchors, &p.address);
+            self.index.record_at(block_hashes, anchors, &p.address, p.kv_written);
         }
     }
 }
@@ -146,7 +147,9 @@ impl Scheduler {
         let matches = if input.block_hashes.is_empty() {
             HashMap::new()
         } else {
-            state.index.match_lengths(input.block_hashes, input.anchors)
+            let share = self.config.prefix.cache_share;
+            let clock = |a: &str| pool.position(a).and_then(|p| pool.endpoints.get(p)).and_then(|e| e.kv_clock(share));
+            state.index.match_lengths_at(input.block_hashes, input.anchors, clock)
         };
         probe::mark("schedule.match");
         // Large pools: filter and score the endpoints that hold something the request needs
@@ -352,6 +355,33 @@ mod tests {
 
     fn run(s: &Scheduler, pool: &PoolState, st: &mut SchedulerState, prompt: &str, seed: u64) -> Decision {
         Case::text(s, "m", prompt).seed(seed).route(s, pool, st)
+    }
+
+    #[test]
+    fn a_prefix_the_engine_has_since_evicted_no_longer_pulls() {
+        // Engines of 256 blocks of 16 tokens (4,096 tokens); the index counts on 90% of it.
+        let s = scheduler();
+        let mut p = pool(4);
+        for e in &mut p.endpoints {
+            (e.block_size, e.kv_blocks, e.kv_written) = (16, 256, Some(0));
+        }
+        let mut st = s.new_state();
+        let shared = "You are a helpful assistant. ".repeat(100);
+        let first = run(&s, &p, &mut st, &format!("{shared} question 0"), 1);
+        let holder = p.position(&first.endpoints[0]).unwrap();
+        let again = run(&s, &p, &mut st, &format!("{shared} question 1"), 2);
+        assert_eq!(again.endpoints[0], first.endpoints[0], "held: the prefix pulls");
+        assert!(again.scores[0].matched_blocks > 0);
+        // The holder's engine writes 3,600 tokens of other prompts: within 90% of its cache
+        // (3,686 tokens), so the prefix is still held, and using it stamps it anew.
+        p.endpoints[holder].kv_written = Some(3_600);
+        let warm = run(&s, &p, &mut st, &format!("{shared} question 2"), 3);
+        assert_eq!(warm.endpoints[0], first.endpoints[0], "still held after 3,600 tokens of writes");
+        // A cache's worth of writes after that last use: evicted, and the request is cold.
+        p.endpoints[holder].kv_written = Some(3_600 + 3_686);
+        let cold = Case::text(&s, "m", &format!("{shared} question 3")).seed(4).schedule(&s, &p, &st).unwrap();
+        assert!(cold.cold, "no endpoint is believed to hold the prefix");
+        assert!(cold.all.iter().all(|c| c.matched_blocks == 0), "{:?}", cold.all);
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub fn to_endpoint(e: &v1::Endpoint) -> Endpoint {
     Endpoint {
         id: e.id,
         block_size: e.block_size,
+        kv_blocks: e.num_gpu_blocks,
+        kv_written: e.kv_written_tokens,
         address: e.address.clone(),
         models: e.models.clone(),
         role: Role::from_label(&e.role),

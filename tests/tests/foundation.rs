@@ -178,6 +178,80 @@ async fn the_affinity_filter_keeps_a_busy_holder_that_scores_alone_would_leave()
     assert!(!next_request_goes_to_holder("affinity-filter-off", false).await, "scores alone kept the holder");
 }
 
+/// The approximate index models each engine's evictions ([`attache_policies::index::KvClock`]):
+/// a prefix stops pulling once its engine has written a cache's worth of other prompts, which
+/// evicted it. Engines of 256 blocks of 16 tokens (4,096 tokens); the prefix is about 2,000.
+/// With `cache_share` 0 (no model, llm-d's approximate mode) the index still claims the evicted
+/// prefix, and the engine then reports the match it claimed as a miss.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_its_engine_has_evicted_no_longer_counts_as_held() {
+    /// (prefix blocks the filter matched, prompt tokens the holder's cache hit) for a repeat
+    /// of a prefix after its holder wrote 8,000 tokens of other prompts.
+    async fn repeat_after_eviction(name: &str, cache_share: f64) -> (u64, f64) {
+        let mut s = Stack::new(name).expect("stack");
+        s.start_sim(SimOpts { engines: 2, num_gpu_blocks: 256, time_scale: 0.05, ..SimOpts::default() }).expect("sim");
+        s.start_host().expect("host");
+        let config = serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304,
+            "prefix": {"cache_share": cache_share}}});
+        s.start_envoy(EnvoyKind::Attache, &config, 1).expect("envoy");
+        s.wait_snapshot(2, Duration::from_secs(20)).expect("snapshot");
+        let http = fresh_client();
+        let prefix = long_prefix("evicted");
+        let first = send(&s, &http, chat(&prefix, "q0", 1), &[]).await;
+        assert!(first.ok(), "{}", first.body);
+        let holder = first.engine_port.expect("port");
+        let again = send(&s, &http, chat(&prefix, "q1", 1), &[]).await;
+        assert_eq!(again.engine_port, Some(holder), "the held prefix pulls its repeat");
+        // Eight unique 1,000-token prompts straight to the holder: its cache turns over twice.
+        for i in 0..8 {
+            let body =
+                serde_json::json!({"model": MODEL, "prompt": format!("other {i} ").repeat(500), "max_tokens": 1});
+            let o = client::post(
+                &http,
+                &format!("http://127.0.0.1:{holder}/v1/completions"),
+                body.to_string().into_bytes(),
+                &[],
+            )
+            .await;
+            assert!(o.ok(), "{}", o.body);
+        }
+        // The holder's write clock reaches the host with its next scrape (an idle engine's
+        // scrapes are up to 800 ms apart), then the filter from its next tick.
+        let address = format!("127.0.0.1:{holder}");
+        let written = || {
+            let body = http_get_blocking(s.host_admin_port, "/v1/snapshot").unwrap_or_default();
+            let snapshot: Value = serde_json::from_str(&body).unwrap_or_default();
+            let endpoints = snapshot["endpoints"].as_array().cloned().unwrap_or_default();
+            let e = endpoints.into_iter().find(|e| e["address"] == address.as_str());
+            e.and_then(|e| e["kv_written_tokens"].as_u64()).unwrap_or(0)
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while written() < 8_000 && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(written() >= 8_000, "the host should see the holder's writes: {}", written());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let matched = |s: &Stack| s.envoy_stat("wasmcustom.attache.prefix.blocks_matched");
+        let hits = |port: u16| async move {
+            let page = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.unwrap().text().await.unwrap();
+            attache_kv::prom::engine_metrics(&page, attache_kv::Engine::Vllm).unwrap().prefix_cache_hits
+        };
+        let (matched_before, hits_before) = (matched(&s), hits(holder).await);
+        let o = send(&s, &http, chat(&prefix, "q2", 1), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        // The worker adds its matched blocks to the counter from its tick.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let served_hits = if o.engine_port == Some(holder) { hits(holder).await - hits_before } else { 0.0 };
+        (matched(&s) - matched_before, served_hits)
+    }
+    let (modelled, hits) = repeat_after_eviction("evicted-modelled", 0.9).await;
+    assert_eq!(modelled, 0, "the index should know the holder evicted the prefix");
+    assert!(hits < 200.0, "and the engine agrees: it hit {hits} tokens");
+    let (unmodelled, hits) = repeat_after_eviction("evicted-unmodelled", 0.0).await;
+    assert!(unmodelled > 0, "without the model the index still claims the prefix");
+    assert!(hits < 200.0, "which the engine no longer holds: it hit {hits} tokens");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_destination_headers_are_ignored() {
     let s = attache_stack("spoof", small_pool());

@@ -92,7 +92,9 @@ impl Worker {
             let entries: Vec<Entry> = batch.iter().map(|(k, e)| (*k, now_ms, e.clone())).collect();
             self.affinity_log.write(&entries);
         }
-        let learned = self.affinity_log.read_into(&mut self.affinity);
+        let pool = &self.cache.pool;
+        let written = |a: &str| pool.position(a).and_then(|p| pool.endpoints.get(p)).and_then(|e| e.kv_written);
+        let learned = self.affinity_log.read_into(&mut self.affinity, written);
         self.metrics.affinity_learned(learned);
         batch
     }

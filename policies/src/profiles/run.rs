@@ -72,8 +72,9 @@ impl Scored {
 
     /// This candidate with its address, from the pool it was scored on.
     pub fn named(&self, endpoints: &[Endpoint]) -> ScoredEndpoint {
-        let address = endpoints.get(self.position).map(|e| e.address.clone()).unwrap_or_default();
-        ScoredEndpoint { address, scored: self.clone() }
+        let e = endpoints.get(self.position);
+        let address = e.map(|e| e.address.clone()).unwrap_or_default();
+        ScoredEndpoint { address, kv_written: e.and_then(|e| e.kv_written), scored: self.clone() }
     }
 }
 
@@ -82,6 +83,9 @@ impl Scored {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoredEndpoint {
     pub address: String,
+    /// Its engine's KV write clock when the decision was made ([`Endpoint::kv_written`]): what
+    /// the approximate index stamps the request's blocks with.
+    pub kv_written: Option<u64>,
     pub scored: Scored,
 }
 

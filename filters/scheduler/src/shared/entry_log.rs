@@ -155,11 +155,13 @@ impl EntryLog {
         written
     }
 
-    /// Read every other writer's new pages into `table`. Returns the entries learned.
-    pub fn read_into(&mut self, table: &mut AffinityTable) -> usize {
+    /// Read every other writer's new pages into `table`, each entry stamped with its endpoint's
+    /// KV write clock as `written` gives it now (a flush or two after the decision). Returns
+    /// the entries learned.
+    pub fn read_into(&mut self, table: &mut AffinityTable, written: impl Fn(&str) -> Option<u64>) -> usize {
         let mut learned = 0;
         self.read_new(|key, _, endpoint| {
-            table.store(key, endpoint);
+            table.store_at(key, endpoint, written(endpoint));
             learned += 1;
         });
         learned
