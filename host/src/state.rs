@@ -52,8 +52,9 @@ fn behind_ms(age: Duration, every: Option<Duration>) -> u64 {
     }
 }
 
-/// What a scrape changed: the load gauges (or readiness: a first or failed scrape), only
-/// counters (a request finished, the TTFT mean moved), or nothing.
+/// What a scrape changed: the load gauges, readiness (a first or failed scrape) or a sixteenth
+/// of the KV cache written, only counters (a request finished, the TTFT mean moved), or
+/// nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Change {
     Load,
@@ -136,7 +137,8 @@ impl PoolState {
         self.generation += 1;
     }
 
-    /// Record one scrape of `address`. Returns what changed, for the scraper's interval.
+    /// Record one scrape of `address`. Returns what changed, for the scraper's interval: a
+    /// load gauge, or a sixteenth of the KV cache written ([`kv_turnover`]), is load.
     pub fn record_scrape(&mut self, address: &str, result: Result<EngineMetrics, String>, now: Instant) -> Change {
         let Some(e) = self.endpoints.get_mut(address) else {
             return Change::Nothing;
@@ -149,6 +151,7 @@ impl PoolState {
                     || m.running_loras != p.running_loras
                     || m.waiting_loras != p.waiting_loras
                     || m.models != p.models
+                    || kv_turnover(p, m)
             }
             _ => true,
         };
@@ -278,9 +281,42 @@ impl PoolState {
     }
 }
 
+/// The engine wrote at least a sixteenth of its KV cache since `prev`: the approximate index's
+/// eviction clock (the snapshot's `kv_written_tokens`) moved enough that the next scrape should
+/// come soon, as after a load change, rather than after an idle engine's longer interval.
+fn kv_turnover(prev: &EngineMetrics, next: &EngineMetrics) -> bool {
+    let written = |m: &EngineMetrics| m.prefix_cache_queries - m.prefix_cache_hits;
+    let cache = next.num_gpu_blocks.unwrap_or(0) as f64 * f64::from(next.block_size.unwrap_or(0));
+    cache > 0.0 && written(next) - written(prev) >= cache / 16.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sixteenth_of_the_cache_written_counts_as_a_load_change() {
+        let mut p = PoolState::default();
+        p.set_endpoints(vec![spec("1.1.1.1:1")]);
+        let t0 = Instant::now();
+        // 64 blocks of 16 tokens: 1,024 tokens, a sixteenth is 64.
+        let m = |queries: f64, hits: f64| EngineMetrics {
+            block_size: Some(16),
+            num_gpu_blocks: Some(64),
+            prefix_cache_queries: queries,
+            prefix_cache_hits: hits,
+            prefix_cache_reported: true,
+            ..Default::default()
+        };
+        assert_eq!(p.record_scrape("1.1.1.1:1", Ok(m(100.0, 0.0)), t0), Change::Load, "the first scrape");
+        assert_eq!(p.record_scrape("1.1.1.1:1", Ok(m(200.0, 60.0)), t0), Change::Counters, "40 tokens written");
+        assert_eq!(p.record_scrape("1.1.1.1:1", Ok(m(300.0, 60.0)), t0), Change::Load, "100 tokens written");
+        let snap = p.snapshot(1, 1, t0, Duration::from_secs(5));
+        assert_eq!(snap.endpoints[0].kv_written_tokens, Some(240), "the clock: queries - hits");
+        p.record_scrape("1.1.1.1:1", Ok(EngineMetrics { prefix_cache_reported: false, ..m(0.0, 0.0) }), t0);
+        let snap = p.snapshot(2, 1, t0, Duration::from_secs(5));
+        assert_eq!(snap.endpoints[0].kv_written_tokens, None, "no counters, no clock");
+    }
 
     fn spec(a: &str) -> StaticEndpoint {
         StaticEndpoint {
