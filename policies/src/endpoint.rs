@@ -181,6 +181,17 @@ impl PoolState {
         }
     }
 
+    /// The endpoint at `address` (a lookup on large pools, a scan on small ones).
+    pub fn by_address(&self, address: &str) -> Option<&Endpoint> {
+        self.position(address).and_then(|p| self.endpoints.get(p))
+    }
+
+    /// The endpoint at `address`'s KV cache as the approximate index models it
+    /// ([`Endpoint::kv_clock`]).
+    pub fn kv_clock(&self, address: &str, share: f64) -> Option<crate::index::KvClock> {
+        self.by_address(address).and_then(|e| e.kv_clock(share))
+    }
+
     /// The endpoint whose host id is `id` (a lookup on large pools, a scan on small ones).
     pub fn by_id(&self, id: u32) -> Option<&Endpoint> {
         if self.indexed() {

@@ -169,8 +169,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
     probe::mark("plan.hashes");
     let seed = hashes.first().copied().unwrap_or(u64::from(request.id));
     let share = cfg.prefix.cache_share;
-    let clock =
-        |a: &str| view.pool.position(a).and_then(|p| view.pool.endpoints.get(p)).and_then(|e| e.kv_clock(share));
+    let clock = |a: &str| view.pool.kv_clock(a, share);
     let shared = view.affinity.filter(|t| t.capacity() > 0).map(|t| t.matches_at(&hashes, &anchors, clock));
     probe::mark("plan.affinity");
     let precise_scores = precise_scores(request, view, config.scheduler);
@@ -345,7 +344,7 @@ pub fn learn(
     let (Some(table), Some(primary)) = (affinity, plan.decision.endpoints.first()) else {
         return Vec::new();
     };
-    let written = plan.decision.scores.first().filter(|s| s.address == *primary).and_then(|s| s.kv_written);
+    let written = plan.decision.primary_kv_written();
     let mut publish = Vec::with_capacity(plan.index.shared.len().min(room));
     for (i, &h) in plan.index.shared.iter().enumerate() {
         table.store_at(h, primary, written);

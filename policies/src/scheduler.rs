@@ -46,6 +46,13 @@ impl Decision {
         self.endpoints.join(",")
     }
 
+    /// The primary's KV write clock when the decision was made: what its blocks are stamped
+    /// with in the prefix index and the affinity table.
+    pub fn primary_kv_written(&self) -> Option<u64> {
+        let primary = self.endpoints.first()?;
+        self.scores.first().filter(|s| s.address == *primary).and_then(|s| s.kv_written)
+    }
+
     /// `x-prefiller-host-port` value, when the request is disaggregated.
     pub fn prefiller(&self) -> Option<&str> {
         self.prefill.as_ref().map(|p| p.address.as_str())
@@ -68,8 +75,7 @@ impl SchedulerState {
     /// prefix went, and a cold request moves its endpoint to the back of the no-hit LRU.
     pub fn commit(&mut self, decision: &Decision, block_hashes: &[u64], anchors: &[usize]) {
         if let Some(primary) = decision.endpoints.first() {
-            let written = decision.scores.first().filter(|s| s.address == *primary).and_then(|s| s.kv_written);
-            self.index.record_at(block_hashes, anchors, primary, written);
+            self.index.record_at(block_hashes, anchors, primary, decision.primary_kv_written());
             if decision.cold {
                 self.no_hit_lru.record(primary);
             }
@@ -148,7 +154,7 @@ impl Scheduler {
             HashMap::new()
         } else {
             let share = self.config.prefix.cache_share;
-            let clock = |a: &str| pool.position(a).and_then(|p| pool.endpoints.get(p)).and_then(|e| e.kv_clock(share));
+            let clock = |a: &str| pool.kv_clock(a, share);
             state.index.match_lengths_at(input.block_hashes, input.anchors, clock)
         };
         probe::mark("schedule.match");

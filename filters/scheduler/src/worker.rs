@@ -93,7 +93,7 @@ impl Worker {
             self.affinity_log.write(&entries);
         }
         let pool = &self.cache.pool;
-        let written = |a: &str| pool.position(a).and_then(|p| pool.endpoints.get(p)).and_then(|e| e.kv_written);
+        let written = |a: &str| pool.by_address(a).and_then(|e| e.kv_written);
         let learned = self.affinity_log.read_into(&mut self.affinity, written);
         self.metrics.affinity_learned(learned);
         batch
