@@ -139,6 +139,7 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
             "num_gpu_blocks": e.num_gpu_blocks,
             "kv_written_tokens": e.kv_written_tokens,
             "ttft_ms": e.ttft_ms,
+            "prefill_tokens_per_s": e.prefill_tokens_per_s,
             "labels": e.labels,
             "lora_running": e.lora_running,
             "lora_waiting": e.lora_waiting,

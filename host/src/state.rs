@@ -31,6 +31,7 @@ fn saturation(endpoints: &[v1::Endpoint], cfg: &attache_policies::flow::Detector
                 kv_usage: e.kv_usage,
                 age_ms: e.metrics_age_ms,
                 ttft_ms: e.ttft_ms,
+                prefill_tokens_per_s: e.prefill_tokens_per_s,
             }),
             ..Default::default()
         })
@@ -72,6 +73,8 @@ pub struct EndpointState {
     pub last_error: Option<String>,
     /// Recent mean TTFT (ms): an EWMA over the TTFT histogram's growth between scrapes.
     pub ttft_ms: Option<f64>,
+    /// The engine's learned prefill rate ([`prefill_rate_sample`]), an EWMA.
+    pub prefill_tokens_per_s: Option<f64>,
     /// The last scrape found nothing listening (connection refused): unready until a scrape
     /// succeeds, without waiting for `unready_after`.
     pub down: bool,
@@ -126,6 +129,7 @@ impl PoolState {
                     consecutive_failures: 0,
                     last_error: None,
                     ttft_ms: None,
+                    prefill_tokens_per_s: None,
                     down: false,
                     listed_models: Vec::new(),
                     scrape_every: None,
@@ -164,6 +168,12 @@ impl PoolState {
                     if dn > 0.0 && ds >= 0.0 {
                         let sample = 1000.0 * ds / dn;
                         e.ttft_ms = Some(match e.ttft_ms {
+                            Some(old) => TTFT_EWMA * sample + (1.0 - TTFT_EWMA) * old,
+                            None => sample,
+                        });
+                    }
+                    if let Some(sample) = prefill_rate_sample(prev, &m) {
+                        e.prefill_tokens_per_s = Some(match e.prefill_tokens_per_s {
                             Some(old) => TTFT_EWMA * sample + (1.0 - TTFT_EWMA) * old,
                             None => sample,
                         });
@@ -250,6 +260,7 @@ impl PoolState {
                     num_gpu_blocks: m.num_gpu_blocks.unwrap_or(0),
                     engine: e.spec.engine.clone(),
                     ttft_ms: e.ttft_ms.unwrap_or(0.0),
+                    prefill_tokens_per_s: e.prefill_tokens_per_s.unwrap_or(0.0),
                     labels: e.spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                     lora_running: m.running_loras.clone(),
                     lora_waiting: m.waiting_loras.clone(),
@@ -281,6 +292,26 @@ impl PoolState {
     }
 }
 
+/// Fewest prompt tokens computed between two scrapes for a prefill-rate sample: below this, a
+/// request's fixed costs dominate the time.
+const PREFILL_SAMPLE_TOKENS: f64 = 1024.0;
+
+/// One sample of the engine's prefill rate between two scrapes: the prompt tokens it computed
+/// (its KV write clock, prefix-cache queries − hits) over the time its requests spent before
+/// their first token, less the time they queued (TTFT − queue time, both histogram sums). This
+/// is the rate the affinity gate and session binding need: uncached tokens ahead of a first
+/// token, in seconds. Prefills that share a batch overlap in time, so under concurrency the
+/// sample understates the engine's batch throughput; it states what one request sees.
+fn prefill_rate_sample(prev: &EngineMetrics, next: &EngineMetrics) -> Option<f64> {
+    if !next.prefix_cache_reported {
+        return None;
+    }
+    let written = |m: &EngineMetrics| m.prefix_cache_queries - m.prefix_cache_hits;
+    let tokens = written(next) - written(prev);
+    let seconds = (next.ttft_sum - prev.ttft_sum) - (next.queue_time_sum - prev.queue_time_sum);
+    (tokens >= PREFILL_SAMPLE_TOKENS && seconds > 0.0 && next.ttft_count > prev.ttft_count).then(|| tokens / seconds)
+}
+
 /// The engine wrote at least a sixteenth of its KV cache since `prev`: the approximate index's
 /// eviction clock (the snapshot's `kv_written_tokens`) moved enough that the next scrape should
 /// come soon, as after a load change, rather than after an idle engine's longer interval.
@@ -293,6 +324,40 @@ fn kv_turnover(prev: &EngineMetrics, next: &EngineMetrics) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_prefill_rate_is_tokens_computed_over_time_to_first_token_less_queueing() {
+        let mut p = PoolState::default();
+        p.set_endpoints(vec![spec("1.1.1.1:1")]);
+        let t0 = Instant::now();
+        let m = |written: f64, ttft: f64, queued: f64, count: f64| EngineMetrics {
+            prefix_cache_queries: written + 500.0,
+            prefix_cache_hits: 500.0,
+            prefix_cache_reported: true,
+            ttft_sum: ttft,
+            ttft_count: count,
+            queue_time_sum: queued,
+            ..Default::default()
+        };
+        let rate = |p: &PoolState| p.snapshot(1, 1, t0, Duration::from_secs(5)).endpoints[0].prefill_tokens_per_s;
+        p.record_scrape("1.1.1.1:1", Ok(m(0.0, 0.0, 0.0, 0.0)), t0);
+        assert_eq!(rate(&p), 0.0, "unknown until a sample");
+        // 16,000 tokens computed; 1.5 s to first tokens of which 0.5 s queued: 16,000/s.
+        p.record_scrape("1.1.1.1:1", Ok(m(16_000.0, 1.5, 0.5, 4.0)), t0);
+        assert!((rate(&p) - 16_000.0).abs() < 1e-6, "{}", rate(&p));
+        // Too few tokens for a sample: the rate stands.
+        p.record_scrape("1.1.1.1:1", Ok(m(16_100.0, 2.5, 0.5, 5.0)), t0);
+        assert!((rate(&p) - 16_000.0).abs() < 1e-6);
+        // A slower interval moves the average by its weight: 8,000/s.
+        p.record_scrape("1.1.1.1:1", Ok(m(24_100.0, 3.5, 0.5, 6.0)), t0);
+        let want = TTFT_EWMA * 8_000.0 + (1.0 - TTFT_EWMA) * 16_000.0;
+        assert!((rate(&p) - want).abs() < 1e-6, "{} vs {want}", rate(&p));
+        // No prefix-cache counters (an engine without them): no sample.
+        let before = rate(&p);
+        let bare = EngineMetrics { prefix_cache_reported: false, ..m(90_000.0, 4.5, 0.5, 7.0) };
+        p.record_scrape("1.1.1.1:1", Ok(bare), t0);
+        assert!((rate(&p) - before).abs() < 1e-9);
+    }
 
     #[test]
     fn a_sixteenth_of_the_cache_written_counts_as_a_load_change() {

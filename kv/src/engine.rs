@@ -101,6 +101,8 @@ pub struct MetricNames {
     /// The time-to-first-token histogram's `_sum` and `_count` samples.
     pub ttft_sum: &'static str,
     pub ttft_count: &'static str,
+    /// The queue-time histogram's `_sum`: TTFT minus it is the time spent prefilling.
+    pub queue_time_sum: &'static str,
     /// Prefix-cache query and hit counters.
     pub prefix_cache_queries: &'static str,
     pub prefix_cache_hits: &'static str,
@@ -111,7 +113,7 @@ pub struct MetricNames {
 impl MetricNames {
     /// Every sample name a router reads, fallbacks included: what a `name[]` filter asks for.
     pub fn sample_names(&self) -> impl Iterator<Item = &'static str> + '_ {
-        let ttft = [self.ttft_sum, self.ttft_count];
+        let ttft = [self.ttft_sum, self.ttft_count, self.queue_time_sum];
         self.waiting
             .iter()
             .chain(self.running)
@@ -131,6 +133,7 @@ const VLLM: MetricNames = MetricNames {
     num_blocks_label: "num_gpu_blocks",
     ttft_sum: "vllm:time_to_first_token_seconds_sum",
     ttft_count: "vllm:time_to_first_token_seconds_count",
+    queue_time_sum: "vllm:request_queue_time_seconds_sum",
     prefix_cache_queries: "vllm:prefix_cache_queries_total",
     prefix_cache_hits: "vllm:prefix_cache_hits_total",
     lora_info: "vllm:lora_requests_info",
@@ -145,6 +148,7 @@ const SGLANG: MetricNames = MetricNames {
     num_blocks_label: "num_pages",
     ttft_sum: "sglang:time_to_first_token_seconds_sum",
     ttft_count: "sglang:time_to_first_token_seconds_count",
+    queue_time_sum: "sglang:queue_time_seconds_sum",
     // SGLang has no prefix-cache counters or LoRA info of its own: the router reads the
     // protocol's (vLLM's) names from it too.
     prefix_cache_queries: VLLM.prefix_cache_queries,
@@ -193,7 +197,7 @@ mod tests {
         assert!(p.contains("&name%5B%5D=vllm%3Atime_to_first_token_seconds_sum&"), "{p}");
         assert!(p.contains("=vllm%3Acache_config_info&"), "{p}");
         assert_eq!(Engine::Vllm.filtered_metrics_path("/metrics/", true), Some(p.clone()));
-        assert_eq!(Engine::Vllm.metrics().sample_names().count(), 10);
+        assert_eq!(Engine::Vllm.metrics().sample_names().count(), 11);
         let lean = Engine::Vllm.filtered_metrics_path("/metrics", false).unwrap();
         assert_eq!(lean.replace("name%5B%5D=vllm%3Acache_config_info&", ""), lean);
         assert_eq!(p.replace("name%5B%5D=vllm%3Acache_config_info&", ""), lean);

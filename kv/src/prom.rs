@@ -190,6 +190,8 @@ pub struct EngineMetrics {
     /// TTFT histogram totals (`*_time_to_first_token_seconds_sum` / `_count`), cumulative.
     pub ttft_sum: f64,
     pub ttft_count: f64,
+    /// Queue-time histogram total (`vllm:request_queue_time_seconds_sum`), cumulative.
+    pub queue_time_sum: f64,
     /// Served model names (the `model_name` label of the load gauges), sorted: what an
     /// endpoint serves when discovery did not say (Kubernetes pods).
     pub models: Vec<String>,
@@ -223,6 +225,7 @@ pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, Missi
             || n == names.lora_info
             || n == names.ttft_sum
             || n == names.ttft_count
+            || n == names.queue_time_sum
     });
     let waiting = first_present(&exp, names.waiting);
     let running = first_present(&exp, names.running);
@@ -260,6 +263,7 @@ pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, Missi
     let total = |name: &str| -> f64 { exp.samples.iter().filter(|s| s.name == name).map(|s| s.value).sum() };
     m.ttft_sum = total(names.ttft_sum);
     m.ttft_count = total(names.ttft_count);
+    m.queue_time_sum = total(names.queue_time_sum);
     // LoRA: the series with the largest value (a timestamp) is the current one.
     let lora = exp.samples.iter().filter(|s| s.name == names.lora_info).max_by(|a, b| a.value.total_cmp(&b.value));
     if let Some(l) = lora {
@@ -366,6 +370,7 @@ mod tests {
         assert_eq!((m.running, m.waiting), (8.0, 0.0));
         assert!((m.kv_usage - 0.5079365).abs() < 1e-6, "kv {}", m.kv_usage);
         assert!(m.ttft_count > 0.0 && m.ttft_sum > 0.0, "ttft {} / {}", m.ttft_sum, m.ttft_count);
+        assert!((m.queue_time_sum - 0.000_338_692).abs() < 1e-9, "queue time {}", m.queue_time_sum);
     }
 
     #[test]

@@ -39,6 +39,10 @@ pub struct EndpointMetrics {
     /// Recent mean time to first token, ms (0 = unknown).
     #[serde(default)]
     pub ttft_ms: f64,
+    /// The engine's prefill rate learned by the host, uncached prompt tokens per second of
+    /// prefill (0 = unknown: the affinity gate's configured rate stands in).
+    #[serde(default)]
+    pub prefill_tokens_per_s: f64,
 }
 
 /// One model-server endpoint.

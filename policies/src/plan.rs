@@ -108,6 +108,9 @@ pub struct MetricsDelta {
     pub total_blocks: usize,
     /// The primary is the session's sticky endpoint.
     pub sticky_hit: bool,
+    /// The request's session or conversation was bound to an endpoint that is no longer its
+    /// primary: gone, saturated, or holding it no longer paid (the affinity gate's estimate).
+    pub rebound: bool,
     /// The request was split; the prefill endpoint.
     pub disaggregated: Option<String>,
 }
@@ -196,7 +199,8 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         endpoint: best.address.clone(),
         uncached_tokens: input.prompt_tokens.saturating_sub(best.cached_tokens) as u64,
     };
-    let metrics = metrics(config.scheduler, &decision, load_only, config.sessions.enabled);
+    let bound = config.sessions.enabled && request.sticky.is_some();
+    let metrics = metrics(config.scheduler, &decision, load_only, bound);
     let known = shared.as_ref().and_then(|m| m.get(&best.address)).copied().unwrap_or(0);
     let index = IndexUpdate {
         shared: if shared.is_some() { index::shared_entries(&hashes, &anchors, known) } else { Vec::new() },
@@ -235,7 +239,8 @@ fn precise_scores(
     Some(precise::scores(view.pool, &pc.tier_weights, |bs| prefix::token_block_keys(seed, ids, bs), |k| kv.holders(k)))
 }
 
-fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, sessions: bool) -> MetricsDelta {
+/// `bound`: the request's session or conversation was bound to an endpoint.
+fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, bound: bool) -> MetricsDelta {
     let best = decision.scores.first();
     // The profile's scorers name their histograms; a scorer left out of the scores (nothing to
     // go on) records none.
@@ -253,7 +258,8 @@ fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, sessions
         scores,
         matched_blocks: best.map_or(0, |b| b.matched_blocks),
         total_blocks: decision.total_blocks,
-        sticky_hit: sessions && decision.sticky,
+        sticky_hit: bound && decision.sticky,
+        rebound: bound && !decision.sticky,
         disaggregated: decision.prefiller().map(str::to_owned),
     }
 }
@@ -510,6 +516,20 @@ mod tests {
         assert!(again.index.shared.is_empty(), "the table proves it already");
         assert_eq!(again.metrics.matched_blocks, again.metrics.total_blocks);
         assert!(again.log_line("m", 1).contains(&primary));
+    }
+
+    #[test]
+    fn a_bound_request_counts_as_a_sticky_hit_or_a_rebound() {
+        let mut w = World::new(pool(3));
+        let r = request(r#"{"model":"m","prompt":"hello"}"#);
+        let primary = w.route(&req(&r)).decision.endpoints[0].clone();
+        let kept = w.route(&PlanRequest { sticky: Some(&primary), ..req(&r) });
+        assert!(kept.metrics.sticky_hit && !kept.metrics.rebound);
+        // Bound to an endpoint that left the pool: routed afresh, and counted.
+        let moved = w.route(&PlanRequest { sticky: Some("10.9.9.9:1"), ..req(&r) });
+        assert!(!moved.metrics.sticky_hit && moved.metrics.rebound);
+        let free = w.route(&req(&r));
+        assert!(!free.metrics.sticky_hit && !free.metrics.rebound, "no binding, nothing to count");
     }
 
     #[test]

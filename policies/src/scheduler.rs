@@ -217,22 +217,34 @@ impl Scheduler {
     }
 
     /// The tier each candidate leads in: a session's sticky endpoint while it is a candidate
-    /// (ready, serving the model, not saturated), then the affine candidates when the affinity
+    /// (ready, serving the model, not saturated) and holding it pays
+    /// ([`prefix_affinity::session_holds`]), then the affine candidates when the affinity
     /// filter holds (the primary keeps the cache; the others remain fallbacks). Within each
-    /// tier the score order stands.
+    /// tier the score order stands. Also returns whether the sticky endpoint leads.
     fn tiers(&self, all: &[Scored], endpoints: &[Endpoint], input: &SchedulingInput<'_>) -> (Vec<u8>, bool) {
-        let address = |s: &Scored| endpoints.get(s.position).map_or("", |e| e.address.as_str());
+        let endpoint = |s: &Scored| endpoints.get(s.position);
+        let address = |s: &Scored| endpoint(s).map_or("", |e| e.address.as_str());
         let gate = &self.config.prefix.affinity_filter;
-        // The gate's TTFT estimates only when it can apply: some candidates affine, not all.
+        let sticky = input.sticky.and_then(|a| all.iter().position(|s| address(s) == a));
+        // The gate's TTFT estimates only when it can apply: a session to weigh, or some
+        // candidates affine and not all.
         let some_affine = all.iter().any(|s| s.affine) && !all.iter().all(|s| s.affine);
-        let affinity_held = !input.load_only && gate.enabled && some_affine && {
+        let weigh = !input.load_only && gate.enabled && (some_affine || (sticky.is_some() && all.len() > 1));
+        let estimates: Vec<prefix_affinity::Estimate> = if weigh {
             let queued = |a: &str| input.inflight_tokens.and_then(|m| m.get(a)).copied().unwrap_or(0);
             let own = |s: &Scored| input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
-            let candidates: Vec<(bool, u64)> =
-                all.iter().map(|s| (s.affine, queued(address(s)).saturating_add(own(s)))).collect();
-            prefix_affinity::holds(gate, &candidates)
+            all.iter()
+                .map(|s| {
+                    let rate = endpoint(s).and_then(|e| e.metrics).map_or(0.0, |m| m.prefill_tokens_per_s);
+                    let tokens = queued(address(s)).saturating_add(own(s));
+                    prefix_affinity::Estimate { affine: s.affine, ttft_ms: gate.ttft_ms(tokens, rate) }
+                })
+                .collect()
+        } else {
+            Vec::new()
         };
-        let sticky = input.sticky.and_then(|a| all.iter().position(|s| address(s) == a));
+        let affinity_held = weigh && some_affine && prefix_affinity::holds(gate, &estimates);
+        let sticky = sticky.filter(|&i| !weigh || prefix_affinity::session_holds(gate, &estimates, i));
         let tiers = all
             .iter()
             .enumerate()
@@ -516,7 +528,7 @@ mod tests {
         let prompt = "shared ".repeat(300);
         let first = run(&s, &p, &mut st, &prompt, 3);
         let hot = p.endpoints.iter_mut().find(|e| e.address == first.endpoints[0]).unwrap();
-        hot.metrics = Some(EndpointMetrics { waiting: 20.0, running: 8.0, kv_usage: 0.5, age_ms: 0, ttft_ms: 0.0 });
+        hot.metrics = Some(EndpointMetrics { waiting: 20.0, running: 8.0, kv_usage: 0.5, ..Default::default() });
         for seed in 0..10 {
             let d = run(&s, &p, &mut st, &prompt, seed);
             assert_ne!(d.endpoints[0], first.endpoints[0]);
@@ -740,5 +752,35 @@ mod tests {
         p.endpoints[3].ready = false;
         assert_ne!(case(&target).schedule(&s, &p, &st).unwrap().endpoints[0], target);
         assert!(!case("10.9.9.9:1").schedule(&s, &p, &st).unwrap().sticky, "unknown endpoint");
+    }
+
+    #[test]
+    fn a_session_moves_once_its_cached_share_no_longer_pays_for_its_queue() {
+        let s = scheduler();
+        let mut p = pool(4);
+        let st = s.new_state();
+        let target = p.endpoints[3].address.clone();
+        // A 20-block prompt (1,280 tokens); the bound endpoint holds 10 blocks (640 tokens),
+        // under the affinity threshold, so only the session's binding can keep it there.
+        let hashes: Vec<u64> = (1..=20).collect();
+        let case = |queued: u64| {
+            Case::new().hashes(&hashes).seed(9).sticky(&target).learned(&target, 10).queued_tokens(&target, queued)
+        };
+        // 500 queued + 640 new there, against 1,280 new elsewhere: holding pays.
+        let d = case(500).schedule(&s, &p, &st).unwrap();
+        assert!(d.sticky && d.endpoints[0] == target);
+        // 700 queued: 1,340 there, 1,280 elsewhere. The session moves.
+        let d = case(700).schedule(&s, &p, &st).unwrap();
+        assert!(!d.sticky && d.endpoints[0] != target, "{:?}", d.endpoints);
+        // The engine's learned rate is four times the configured one: its queue clears sooner.
+        p.endpoints[3].metrics = Some(EndpointMetrics { prefill_tokens_per_s: 4.0 * 15_928.0, ..Default::default() });
+        assert!(case(700).schedule(&s, &p, &st).unwrap().sticky);
+        // A silent host (load-only) or the gate turned off: the binding holds, as before.
+        p.endpoints[3].metrics = None;
+        assert!(case(700).load_only(true).schedule(&s, &p, &st).unwrap().sticky);
+        let mut off = SchedulerConfig::default();
+        off.prefix.affinity_filter.enabled = false;
+        let s_off = Scheduler::new(off).unwrap();
+        assert!(case(700).schedule(&s_off, &p, &s_off.new_state()).unwrap().sticky);
     }
 }

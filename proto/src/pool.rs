@@ -36,6 +36,7 @@ pub fn to_endpoint(e: &v1::Endpoint) -> Endpoint {
             kv_usage: e.kv_usage,
             age_ms: e.metrics_age_ms,
             ttft_ms: e.ttft_ms,
+            prefill_tokens_per_s: e.prefill_tokens_per_s,
         }),
         labels: {
             let mut l: Vec<(String, String)> = e.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect();

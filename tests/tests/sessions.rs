@@ -67,6 +67,7 @@ async fn sessions_stick_to_their_engine_and_move_when_it_dies() {
     let moved = send(&s, &http, chat("s", "after the crash", 4), &[("x-session-id", "agent-9")]).await;
     assert!(moved.ok(), "{} {}", moved.status, moved.body);
     assert_ne!(moved.engine_port, port_of(&extra));
+    assert!(s.envoy_stat("wasmcustom.attache.session.rebound") >= 1, "the move is counted");
     for t in 0..5 {
         let o = send(&s, &http, chat("s", &format!("after {t}"), 4), &[("x-session-id", "agent-9")]).await;
         assert!(o.ok());

@@ -41,6 +41,7 @@ pub struct Metrics {
     flow: FlowMetrics,
     disaggregated: Option<u32>,
     sticky_hits: Option<u32>,
+    rebound: Option<u32>,
     responses_learned: Option<u32>,
     affinity_learned: Option<u32>,
     fleet: FleetMetrics,
@@ -173,6 +174,7 @@ impl Metrics {
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
             disaggregated: define(MetricType::Counter, "attache.pd.disaggregated"),
             sticky_hits: define(MetricType::Counter, "attache.session.sticky_hits"),
+            rebound: define(MetricType::Counter, "attache.session.rebound"),
             responses_learned: define(MetricType::Counter, "attache.session.responses_learned"),
             fleet: FleetMetrics {
                 reported: define(MetricType::Counter, "attache.fleet.reported"),
@@ -310,6 +312,9 @@ impl Metrics {
         }
         if m.sticky_hit {
             inc(self.sticky_hits, 1);
+        }
+        if m.rebound {
+            inc(self.rebound, 1);
         }
         if let Some(prefill) = &m.disaggregated {
             self.disaggregated(prefill);

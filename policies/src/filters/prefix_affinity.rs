@@ -6,11 +6,17 @@
 
 use serde::{Deserialize, Serialize};
 
-/// When the affinity filter yields to load (llm-d's TTFT load gate): each endpoint's
-/// time to first token is estimated as (its in-flight uncached prompt tokens + this request's
-/// uncached tokens there) / `peak_prefill_tokens_per_s`; if the best affine endpoint's estimate
-/// is more than `max_ttft_penalty_ms` worse than the best other's, the filter is skipped for
-/// this request. Saturated endpoints are filtered out before this, whatever their cache.
+/// When the affinity filter, and a session's binding, yield to load (llm-d's TTFT load gate):
+/// each endpoint's time to first token is estimated as (its in-flight uncached prompt tokens +
+/// this request's uncached tokens there) / its prefill rate. The rate is the one the host
+/// learned from the engine's metrics; `peak_prefill_tokens_per_s` stands in until it has one.
+/// - If the best affine endpoint's estimate is more than `max_ttft_penalty_ms` worse than the
+///   best other's, the filter is skipped for this request.
+/// - A session stays on its bound endpoint while that endpoint's estimate is at most
+///   `max_session_penalty_ms` worse than the best other's: the context it holds saves more
+///   prefill than its queue costs. Otherwise the session is routed afresh, and rebound.
+///
+/// Saturated endpoints are filtered out before this, whatever their cache.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct AffinityGate {
@@ -19,50 +25,108 @@ pub struct AffinityGate {
     pub peak_prefill_tokens_per_s: f64,
     /// llm-d's default: 18,000 ms.
     pub max_ttft_penalty_ms: f64,
+    /// How much later a session's bound endpoint may be expected to give the first token than
+    /// the best other candidate before the session moves (0: only while holding pays).
+    pub max_session_penalty_ms: f64,
 }
 
 impl Default for AffinityGate {
     fn default() -> Self {
-        Self { enabled: true, peak_prefill_tokens_per_s: 15_928.0, max_ttft_penalty_ms: 18_000.0 }
+        Self {
+            enabled: true,
+            peak_prefill_tokens_per_s: 15_928.0,
+            max_ttft_penalty_ms: 18_000.0,
+            max_session_penalty_ms: 0.0,
+        }
     }
 }
 
 impl AffinityGate {
-    /// Estimated time to first token (ms) behind `tokens` uncached prompt tokens.
-    pub fn ttft_ms(&self, tokens: u64) -> f64 {
-        if self.peak_prefill_tokens_per_s <= 0.0 {
+    /// Estimated time to first token (ms) behind `tokens` uncached prompt tokens, at the
+    /// endpoint's learned prefill rate (`learned`, tokens/s; 0 = none yet).
+    pub fn ttft_ms(&self, tokens: u64, learned: f64) -> f64 {
+        let rate = if learned > 0.0 { learned } else { self.peak_prefill_tokens_per_s };
+        if rate <= 0.0 {
             return 0.0;
         }
-        tokens as f64 * 1000.0 / self.peak_prefill_tokens_per_s
+        tokens as f64 * 1000.0 / rate
     }
 }
 
+/// A candidate as the gate sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    /// It holds at least the affinity threshold of the prompt.
+    pub affine: bool,
+    /// Its estimated time to first token for this request, ms.
+    pub ttft_ms: f64,
+}
+
 /// Whether the affinity filter applies: some candidate is affine (not all), and the best
-/// affine one's estimated TTFT is within the penalty of the best other's. Each candidate is
-/// `(affine, uncached prompt tokens ahead of this request's first token there)`: those in
-/// flight to it plus this prompt's own.
-pub fn holds(gate: &AffinityGate, candidates: &[(bool, u64)]) -> bool {
-    if !gate.enabled || candidates.iter().all(|c| !c.0) || candidates.iter().all(|c| c.0) {
+/// affine one's estimated TTFT is within the penalty of the best other's.
+pub fn holds(gate: &AffinityGate, candidates: &[Estimate]) -> bool {
+    if !gate.enabled || candidates.iter().all(|c| !c.affine) || candidates.iter().all(|c| c.affine) {
         return false;
     }
     let best = |affine: bool| {
-        candidates.iter().filter(|c| c.0 == affine).map(|c| gate.ttft_ms(c.1)).fold(f64::INFINITY, f64::min)
+        candidates.iter().filter(|c| c.affine == affine).map(|c| c.ttft_ms).fold(f64::INFINITY, f64::min)
     };
     best(true) - best(false) <= gate.max_ttft_penalty_ms
+}
+
+/// Whether a session stays on candidate `bound`: its estimated TTFT is within the session
+/// penalty of the best other candidate's (or it is the only one).
+pub fn session_holds(gate: &AffinityGate, candidates: &[Estimate], bound: usize) -> bool {
+    let Some(own) = candidates.get(bound) else { return false };
+    let best_other = candidates
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != bound)
+        .map(|(_, c)| c.ttft_ms)
+        .fold(f64::INFINITY, f64::min);
+    !gate.enabled || own.ttft_ms - best_other <= gate.max_session_penalty_ms
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn est(gate: &AffinityGate, affine: bool, tokens: u64) -> Estimate {
+        Estimate { affine, ttft_ms: gate.ttft_ms(tokens, 0.0) }
+    }
+
     #[test]
     fn holds_within_the_ttft_penalty_only() {
         let gate = AffinityGate::default();
+        let e = |affine, tokens| est(&gate, affine, tokens);
         // 300,000 queued tokens at 15,928/s is 18.8 s behind an idle 0.4 s: over 18 s.
-        assert!(!holds(&gate, &[(true, 306_400), (false, 6_400)]));
-        assert!(holds(&gate, &[(true, 286_400), (false, 6_400)]));
-        assert!(!holds(&gate, &[(true, 1), (true, 1)]), "every candidate affine: nothing to filter");
-        assert!(!holds(&gate, &[(false, 1), (false, 1)]));
-        assert!(!holds(&AffinityGate { enabled: false, ..gate }, &[(true, 1), (false, 1)]));
+        assert!(!holds(&gate, &[e(true, 306_400), e(false, 6_400)]));
+        assert!(holds(&gate, &[e(true, 286_400), e(false, 6_400)]));
+        assert!(!holds(&gate, &[e(true, 1), e(true, 1)]), "every candidate affine: nothing to filter");
+        assert!(!holds(&gate, &[e(false, 1), e(false, 1)]));
+        assert!(!holds(&AffinityGate { enabled: false, ..gate }, &[e(true, 1), e(false, 1)]));
+    }
+
+    #[test]
+    fn a_learned_rate_replaces_the_configured_one() {
+        let gate = AffinityGate::default();
+        assert!((gate.ttft_ms(15_928, 0.0) - 1000.0).abs() < 1e-9, "none learned: the configured rate");
+        assert!((gate.ttft_ms(4_000, 8_000.0) - 500.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_session_stays_only_while_its_cache_saves_more_than_its_queue_costs() {
+        let gate = AffinityGate::default();
+        let e = |tokens| est(&gate, false, tokens);
+        // Bound endpoint: 2,000 new tokens behind 10,000 queued; another: the whole 30,000.
+        assert!(session_holds(&gate, &[e(12_000), e(30_000)], 0));
+        // The engine evicted the context: 30,000 uncached there too, plus its queue.
+        assert!(!session_holds(&gate, &[e(40_000), e(30_000)], 0));
+        // A penalty allowance keeps it within that much.
+        let lenient = AffinityGate { max_session_penalty_ms: 1_000.0, ..gate.clone() };
+        assert!(session_holds(&lenient, &[e(40_000), e(30_000)], 0), "0.63 s worse, 1 s allowed");
+        assert!(session_holds(&gate, &[e(40_000)], 0), "the only candidate");
+        assert!(session_holds(&AffinityGate { enabled: false, ..gate.clone() }, &[e(40_000), e(1)], 0));
+        assert!(!session_holds(&gate, &[e(1)], 3), "not a candidate");
     }
 }

@@ -107,7 +107,7 @@ pub(crate) mod testing {
             models: vec!["m".into()],
             role: Role::Both,
             ready: true,
-            metrics: Some(EndpointMetrics { waiting, running: 0.0, kv_usage: kv, age_ms: age, ttft_ms: 0.0 }),
+            metrics: Some(EndpointMetrics { waiting, kv_usage: kv, age_ms: age, ..Default::default() }),
             ..Default::default()
         }
     }
