@@ -24,9 +24,12 @@ use attache_e2e::client::{self, Outcome};
 use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use serde_json::{json, Value};
 
+use crate::closed_loop::{self, Throughput};
+use crate::conversation::{Conversation, MODEL};
 use crate::peers::{self, Peer, PeerVersions};
+use crate::repeats::{Figures, SystemSeeds};
 use crate::run::{round2, RunSummary, Sent, StageSummary};
-use crate::scenario::{ApiKind, Scenario, SessionPlan, Stage};
+use crate::scenario::{ApiKind, ClosedLoop, Scenario, SessionPlan, Stage};
 
 pub const SYSTEMS: &str =
     "round-robin,attache-approx,attache-precise,vllm-router-cache-aware,vllm-router-kv-aware,smg-cache-aware";
@@ -48,15 +51,23 @@ pub struct Args {
     pub peers: PeerVersions,
     #[arg(long, default_value_t = 2)]
     pub envoy_concurrency: u32,
+    /// Runs per system, each on its own seed (the scenario's, then the next ones), interleaved:
+    /// every system runs seed 1 before any runs seed 2, in an order rotated per seed.
+    #[arg(long, default_value_t = 1)]
+    pub seeds: usize,
+    /// After each open-loop run, a closed-loop one on a fresh pool: `CONCURRENCY:SECONDS`
+    /// (simulated), for throughput. Overrides the scenario's `closed_loop`.
+    #[arg(long)]
+    pub closed_loop: Option<ClosedLoop>,
 }
-
-const MODEL: &str = "tinyllama";
 
 /// What one system produced.
 struct SystemRun {
     summary: RunSummary,
     stages: Vec<StageSummary>,
     extra: Value,
+    /// Attaché's own expected prefix hit rate ([`expected_hit_rate`]).
+    expected_hit_rate: Option<f64>,
 }
 
 /// Reference-model tokens per generated word, measured with the tokenizer the engines use.
@@ -66,82 +77,6 @@ fn words_per_token() -> anyhow::Result<f64> {
     let text = crate::scenario::TextGen::new(1, 1.0).words(4000);
     let n = t.encode(&text, false, usize::MAX).len();
     Ok(4000.0 / n.max(1) as f64)
-}
-
-/// Claude Code's tools, as an agent declares them (the template does not render them; the
-/// approximate index hashes them).
-fn agent_tools() -> Value {
-    let tool = |name: &str, what: &str| {
-        json!({"name": name, "description": what, "input_schema": {"type": "object",
-               "properties": {"command": {"type": "string"}, "path": {"type": "string"}}}})
-    };
-    json!([
-        tool("bash", "Run a shell command in the repository."),
-        tool("read", "Read a file."),
-        tool("edit", "Replace text in a file."),
-        tool("grep", "Search the repository.")
-    ])
-}
-
-/// One session's conversation in its API's shape, growing turn by turn.
-struct Conversation {
-    api: ApiKind,
-    messages: Vec<Value>,
-    /// The assistant's last answer, to append before the next turn.
-    last: Option<String>,
-}
-
-impl Conversation {
-    fn new(api: ApiKind, p: &SessionPlan) -> Self {
-        let messages = match api {
-            ApiKind::Chat => vec![json!({"role": "system", "content": &*p.system})],
-            ApiKind::Messages | ApiKind::Generate => Vec::new(),
-        };
-        Self { api, messages, last: None }
-    }
-
-    /// The body of turn `k` (whose new input is `user`).
-    fn turn(&mut self, p: &SessionPlan, k: usize, user: &str) -> Value {
-        match self.api {
-            ApiKind::Chat => {
-                if let Some(a) = self.last.take() {
-                    self.messages.push(json!({"role": "assistant", "content": a}));
-                }
-                self.messages.push(json!({"role": "user", "content": user}));
-                json!({"model": MODEL, "messages": self.messages, "max_tokens": p.max_tokens,
-                    "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}})
-            }
-            ApiKind::Messages => {
-                // After the first turn, the model called a tool; the turn is its result.
-                match self.last.take() {
-                    Some(a) => {
-                        let id = format!("toolu_{}_{k}", p.id);
-                        self.messages.push(json!({"role": "assistant", "content": [
-                            {"type": "text", "text": a},
-                            {"type": "tool_use", "id": id, "name": "bash", "input": {"command": format!("make step-{k}")}}]}));
-                        self.messages.push(json!({"role": "user", "content": [
-                            {"type": "tool_result", "tool_use_id": id, "content": user}]}));
-                    }
-                    None => self.messages.push(json!({"role": "user", "content": user})),
-                }
-                // Claude Code's attribution block changes on every request; vLLM drops it.
-                let billing = format!("x-anthropic-billing-header: cc_version=2.1; cch={:05x}", p.id * 31 + k);
-                json!({"model": MODEL, "max_tokens": p.max_tokens, "stream": true, "ignore_eos": true,
-                    "system": [{"type": "text", "text": billing}, {"type": "text", "text": &*p.system}],
-                    "tools": agent_tools(), "messages": self.messages,
-                    "metadata": {"user_id": format!("user_{}_session_{}", p.id % 7, p.id)}})
-            }
-            ApiKind::Generate => {
-                let ids = p.prompt_ids.as_deref().unwrap_or(&[]);
-                json!({"model": MODEL, "token_ids": ids, "stream": true, "stream_options": {"include_usage": true},
-                    "sampling_params": {"max_tokens": p.max_tokens, "ignore_eos": true, "temperature": 1.0}})
-            }
-        }
-    }
-
-    fn answered(&mut self, text: String) {
-        self.last = Some(text);
-    }
 }
 
 /// Drive the whole plan against `url`: each session starts at its time and runs its turns in
@@ -218,7 +153,7 @@ fn summarise(system: &str, sc: &Scenario, stages: &[Stage], sent: &[Sent], hit_r
     let rates: Vec<f64> = stages.iter().map(|s| s.rate).collect();
     let (summary, stages) =
         crate::run::summarise_stages(system, sc.pool.time_scale, &rates, sent, hit_rate, sc.slo_ttft_p90_ms);
-    SystemRun { summary, stages, extra: json!({}) }
+    SystemRun { summary, stages, extra: json!({}), expected_hit_rate: None }
 }
 
 /// Prometheus samples of `prefix` from a peer's metrics endpoint, as `{"name{labels}": value}`.
@@ -238,9 +173,23 @@ async fn peer_metrics(port: u16, prefix: &str) -> Value {
     Value::Object(m)
 }
 
-async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a: &Args) -> anyhow::Result<SystemRun> {
-    let stages = sc.stages()?;
-    let blocks = sc.blocks_per_engine(plan.len());
+/// A system up and serving on a fresh, cold pool.
+struct Started {
+    stack: Stack,
+    url: String,
+    proxy_pid: u32,
+    /// A peer router's process and Prometheus port.
+    peer: Option<(attache_e2e::process::Proc, u16)>,
+}
+
+/// `blocks`: KV blocks per engine (sized by the open-loop plan, so both loops get one pool).
+async fn start(
+    system: &str,
+    sc: &Scenario,
+    first: Option<&SessionPlan>,
+    blocks: usize,
+    a: &Args,
+) -> anyhow::Result<Started> {
     let pool = &sc.pool;
     let sim = SimOpts {
         engines: pool.engines,
@@ -260,9 +209,7 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
     };
     let mut stack = Stack::new(&format!("peers-{}-{system}", sc.name))?;
     stack.start_sim(sim)?;
-    let mut peer_proc = None;
-    let proxy_pid;
-    let url = if let Some(peer) = Peer::from_name(system) {
+    if let Some(peer) = Peer::from_name(system) {
         let bin = peers::ensure_venv(&stack.paths.root, &a.peers)?;
         let workers = stack.engine_addrs();
         let kv: Vec<(String, String)> = (0..pool.engines)
@@ -272,34 +219,54 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
             })
             .collect();
         let (p, port, metrics) = peers::start(&stack, &bin, peer, &workers, &kv, pool.block_size)?;
-        proxy_pid = p.pid();
-        peer_proc = Some((p, metrics));
+        let proxy_pid = p.pid();
+        let peer_proc = Some((p, metrics));
         peers::wait_serving(&format!("http://127.0.0.1:{port}/v1/chat/completions"), MODEL).await?;
         let url = format!("http://127.0.0.1:{port}{}", sc.api.path());
-        if let (true, Some(first)) = (sc.api != ApiKind::Chat, plan.first()) {
+        if let (true, Some(first)) = (sc.api != ApiKind::Chat, first) {
             // A peer that does not route this API is reported as such, not run.
             let probe = Conversation::new(sc.api, first).turn(first, 0, first.users.first().map_or("", |u| &**u));
             let o = client::post(&stack.http, &url, probe.to_string().into_bytes(), &[]).await;
             anyhow::ensure!(o.ok(), "{UNSUPPORTED}: {} answered {} {:?}", sc.api.path(), o.status, o.error);
         }
-        url
-    } else {
-        let (kind, config) = match system {
-            "round-robin" => (EnvoyKind::RoundRobin, Stack::default_scheduler_config()),
-            "attache-approx" => (EnvoyKind::Attache, Stack::default_scheduler_config()),
-            "attache-precise" => (EnvoyKind::Attache, crate::overhead::precise_config()?),
-            other => anyhow::bail!("unknown system {other} (known: {SYSTEMS})"),
-        };
-        if kind != EnvoyKind::RoundRobin {
-            stack.start_host()?;
-        }
-        stack.start_envoy(kind, &config, a.envoy_concurrency)?;
-        if kind != EnvoyKind::RoundRobin {
-            stack.wait_snapshot(usize::from(pool.engines), Duration::from_secs(30))?;
-        }
-        proxy_pid = stack.envoy.as_ref().map_or(0, |p| p.pid());
-        stack.url(sc.api.path())
+        return Ok(Started { stack, url, proxy_pid, peer: peer_proc });
+    }
+    let (kind, config) = match system {
+        "round-robin" => (EnvoyKind::RoundRobin, Stack::default_scheduler_config()),
+        "attache-approx" => (EnvoyKind::Attache, Stack::default_scheduler_config()),
+        "attache-precise" => (EnvoyKind::Attache, crate::overhead::precise_config()?),
+        other => anyhow::bail!("unknown system {other} (known: {SYSTEMS})"),
     };
+    if kind != EnvoyKind::RoundRobin {
+        stack.start_host()?;
+    }
+    stack.start_envoy(kind, &config, a.envoy_concurrency)?;
+    if kind != EnvoyKind::RoundRobin {
+        stack.wait_snapshot(usize::from(pool.engines), Duration::from_secs(30))?;
+    }
+    let proxy_pid = stack.envoy.as_ref().map_or(0, |p| p.pid());
+    let url = stack.url(sc.api.path());
+    Ok(Started { stack, url, proxy_pid, peer: None })
+}
+
+/// The hit rate Attaché's index expected for the endpoints it picked: prefix blocks its primary
+/// was believed to hold over the blocks of the prompts (`attache.prefix.blocks_*`, added from
+/// each worker's tick). `None` for systems without the counters.
+async fn expected_hit_rate(stack: &Stack) -> Option<f64> {
+    stack.envoy.as_ref()?;
+    // The counters lag the requests by at most one tick.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let stats = stack.envoy_stats();
+    let get = |n: &str| attache_e2e::stats::stat_value(&stats, n) as f64;
+    let total = get("wasmcustom.attache.prefix.blocks_total");
+    (total > 0.0).then(|| get("wasmcustom.attache.prefix.blocks_matched") / total)
+}
+
+async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a: &Args) -> anyhow::Result<SystemRun> {
+    let stages = sc.stages()?;
+    let pool = &sc.pool;
+    let blocks = sc.blocks_per_engine(plan.len());
+    let Started { stack, url, proxy_pid, peer: peer_proc } = start(system, sc, plan.first(), blocks, a).await?;
     let (q0, h0) = stack.prefix_counters().await?;
     let lost0 = stack.sim_lost_ms().await?;
     let t0 = Instant::now();
@@ -336,9 +303,11 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
     }
     if system.starts_with("attache") {
         run.extra["session_sticky_hits"] = json!(stack.envoy_stat("wasmcustom.attache.session.sticky_hits"));
+        run.expected_hit_rate = expected_hit_rate(&stack).await;
     }
+    let expected = run.expected_hit_rate.map_or(String::new(), |e| format!(" (index expected {e:.3})"));
     println!(
-        "  {system:<24} {} requests in {real:.0} s real, simulator lag {lag:.2}%, prefix hit rate {hit:.3}, per engine {per_engine:?}",
+        "  {system:<24} {} requests in {real:.0} s real, simulator lag {lag:.2}%, prefix hit rate {hit:.3}{expected}, per engine {per_engine:?}",
         sent.len()
     );
     println!(
@@ -353,6 +322,28 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
     }
     drop(peer_proc);
     Ok(run)
+}
+
+/// The closed-loop throughput of `system` on a fresh, cold pool.
+async fn run_closed(
+    system: &str,
+    sc: &Scenario,
+    plan: Arc<Vec<SessionPlan>>,
+    cl: ClosedLoop,
+    blocks: usize,
+    a: &Args,
+) -> anyhow::Result<Throughput> {
+    let Started { stack, url, peer, .. } = start(system, sc, plan.first(), blocks, a).await?;
+    let engines = stack.engine_addrs();
+    let t =
+        closed_loop::drive(&url, &engines, sc.api, plan.clone(), cl, sc.pool.time_scale, sc.request_timeout_s).await;
+    let exhausted = if t.sessions >= plan.len() { " (the plan ran out: raise its stretch)" } else { "" };
+    println!(
+        "  {system:<24} closed loop, {} clients for {} s: {} turns, {:.1} output tok/s, {} errors{exhausted}",
+        cl.concurrency, cl.seconds, t.requests, t.output_tok_per_s, t.errors
+    );
+    drop((stack, peer));
+    Ok(t)
 }
 
 /// The error of a peer that does not serve the scenario's API.
@@ -375,11 +366,15 @@ fn groups_on_one_engine(plan: &[SessionPlan], sent: &[Sent]) -> Value {
            "share": round2(one as f64 / engines.len().max(1) as f64)})
 }
 
-/// Must-show checks of the issue, computed from this run's rows.
-fn checks(sc: &Scenario, rows: &[RunSummary], extra: &serde_json::Map<String, Value>) -> Value {
+/// Must-show checks of the issues, computed from the mean rows over the seeds and, for the
+/// comparisons with the peers, from the intervals.
+fn checks(sc: &Scenario, rows: &[RunSummary], figs: &[Figures], extra: &serde_json::Map<String, Value>) -> Value {
     let row = |s: &str| rows.iter().find(|r| r.system == s);
+    let fig = |s: &str| figs.iter().find(|f| f.system == s);
     let mut out = serde_json::Map::new();
     let ratio = |a: f64, b: f64| if b > 0.0 { (a / b * 1000.0).round() / 1000.0 } else { 0.0 };
+    // The first seed's extras of a system.
+    let first = |s: &str| extra.get(s).and_then(|e| e["seeds"].get(0)).cloned().unwrap_or(Value::Null);
     if let (ApiKind::Messages, Some(rr)) = (sc.api, row("round-robin")) {
         // The coding agent on the Messages API: TTFT p50 at most half of round-robin's, and an
         // engine-reported prefix hit rate of at least 0.8.
@@ -395,7 +390,7 @@ fn checks(sc: &Scenario, rows: &[RunSummary], extra: &serde_json::Map<String, Va
         }
     }
     if let (ApiKind::Generate, Some(rr)) = (sc.api, row("round-robin")) {
-        let cpu = |s: &str| extra.get(s).and_then(|e| e["proxy_cpu_us_per_request"].as_f64()).unwrap_or(0.0);
+        let cpu = |s: &str| first(s)["proxy_cpu_us_per_request"].as_f64().unwrap_or(0.0);
         for sys in ["attache-approx", "attache-precise"] {
             if let Some(r) = row(sys) {
                 out.insert(
@@ -403,7 +398,7 @@ fn checks(sc: &Scenario, rows: &[RunSummary], extra: &serde_json::Map<String, Va
                     json!({"prefix_hit_rate": [r.prefix_hit_rate, rr.prefix_hit_rate],
                            "output_tok_per_s_ratio": ratio(r.output_tok_per_s, rr.output_tok_per_s),
                            "ttft_p50_ratio": ratio(r.ttft_p50_ms, rr.ttft_p50_ms),
-                           "groups_on_one_engine": extra.get(sys).map(|e| e["groups"]["share"].clone()),
+                           "groups_on_one_engine": first(sys)["groups"]["share"].clone(),
                            "proxy_cpu_us_per_request": cpu(sys)}),
                 );
             }
@@ -411,20 +406,55 @@ fn checks(sc: &Scenario, rows: &[RunSummary], extra: &serde_json::Map<String, Va
         out.insert(
             "precise_vs_approx_proxy_cpu".into(),
             json!({"ratio": ratio(cpu("attache-precise"), cpu("attache-approx")),
-                   "note": "one run each; the overhead benchmark's --api generate measures it over ten rounds"}),
+                   "note": "the first seed's run; the overhead benchmark's --api generate measures it over ten rounds"}),
         );
     }
-    if let Some(p) = row("attache-precise") {
-        for peer in rows.iter().filter(|r| Peer::from_name(&r.system).is_some()) {
-            let lower_ttft = p.ttft_p50_ms < peer.ttft_p50_ms;
-            let tput = p.output_tok_per_s >= peer.output_tok_per_s;
-            out.insert(
-                format!("attache-precise_vs_{}", peer.system),
-                json!({"ttft_p50_ms": [p.ttft_p50_ms, peer.ttft_p50_ms], "lower_ttft_p50": lower_ttft,
-                       "output_tok_per_s": [p.output_tok_per_s, peer.output_tok_per_s], "higher_or_equal_throughput": tput,
-                       "met": lower_ttft && tput}),
-            );
+    if sc.name == "kv-pressure" {
+        // Under KV pressure, both modes at least match round-robin's output (the closed loop's
+        // where it ran) and keep its TTFT p95, on the same runs.
+        if let Some(rr) = fig("round-robin") {
+            for sys in ["attache-approx", "attache-precise"] {
+                let Some(f) = fig(sys) else { continue };
+                let mean = |s: &Option<crate::spread::Spread>| s.as_ref().map_or(f64::NAN, |s| s.mean);
+                let output = |f: &Figures| {
+                    if f.closed_output_tok_per_s.is_some() {
+                        mean(&f.closed_output_tok_per_s)
+                    } else {
+                        mean(&f.output_tok_per_s)
+                    }
+                };
+                let (o, p95) = (ratio(output(f), output(rr)), ratio(mean(&f.ttft_p95_ms), mean(&rr.ttft_p95_ms)));
+                out.insert(
+                    format!("{sys}_under_kv_pressure_vs_round-robin"),
+                    json!({"output_ratio": o, "output_target": ">= 1.0", "ttft_p95_ratio": p95,
+                           "ttft_p95_target": "<= 1.0", "met": o >= 1.0 && p95 <= 1.0}),
+                );
+            }
         }
+    }
+    // The issue's goals against the best peer (lowest mean TTFT p50 among the peers run).
+    let best_peer = figs
+        .iter()
+        .filter(|f| Peer::from_name(&f.system).is_some())
+        .filter_map(|f| Some((f.system.as_str(), f.ttft_p50_ms.as_ref()?.mean)))
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    let best_attache = figs
+        .iter()
+        .filter(|f| f.system.starts_with("attache"))
+        .filter_map(|f| Some((f.system.as_str(), f.ttft_p50_ms.as_ref()?.mean)))
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    if let (Some((peer, pt)), Some((sys, at))) = (best_peer, best_attache) {
+        let goal = match sc.name.as_str() {
+            "shared-prefix" | "agentic" => Some(0.8),
+            "bursty-chat" => Some(1.0),
+            _ => None,
+        };
+        let r = ratio(at, pt);
+        out.insert(
+            "ttft_p50_vs_best_peer".into(),
+            json!({"attache": sys, "best_peer": peer, "ratio_of_means": r,
+                   "goal": goal.map(|g| format!("<= {g}")), "met": goal.map(|g| r <= g)}),
+        );
     }
     if sc.name == "low-cache" {
         if let Some(rr) = row("round-robin") {
@@ -442,24 +472,23 @@ fn checks(sc: &Scenario, rows: &[RunSummary], extra: &serde_json::Map<String, Va
     Value::Object(out)
 }
 
-fn markdown(sc: &Scenario, rows: &[RunSummary], per_stage: &[(String, Vec<StageSummary>)], date: &str) -> String {
+fn markdown(
+    sc: &Scenario,
+    seeds: usize,
+    figs: &[Figures],
+    per_stage: &[(String, Vec<StageSummary>)],
+    date: &str,
+) -> String {
     let mut m = String::new();
     let _ = writeln!(m, "# {} ({date})\n\n{}\n", sc.name, sc.description);
     let _ = writeln!(
         m,
-        "Command: `cargo xtask bench peers --scenario bench/scenarios/{}.json`. Simulated time.\n",
+        "Command: `cargo xtask bench peers --scenario bench/scenarios/{}.json --seeds {seeds}`. Simulated time. \
+         Each figure is the mean over the seeds with the lowest and highest in brackets.\n",
         sc.name
     );
-    let _ = writeln!(m, "| system | requests | TTFT p50 ms | TTFT p95 ms | output tok/s | prefix hit rate | errors |");
-    let _ = writeln!(m, "|---|---:|---:|---:|---:|---:|---:|");
-    for r in rows {
-        let _ = writeln!(
-            m,
-            "| {} | {} | {:.0} | {:.0} | {:.0} | {:.3} | {} |",
-            r.system, r.requests, r.ttft_p50_ms, r.ttft_p95_ms, r.output_tok_per_s, r.prefix_hit_rate, r.errors
-        );
-    }
-    let _ = writeln!(m, "\nTTFT p50 (ms) per stage:\n");
+    m.push_str(&crate::repeats::markdown(figs));
+    let _ = writeln!(m, "\nTTFT p50 (ms) per stage, seed {}:\n", sc.seed);
     let qps: Vec<String> =
         per_stage.first().map(|(_, v)| v.iter().map(|s| s.qps.to_string()).collect()).unwrap_or_default();
     let _ = writeln!(m, "| system | {} |", qps.join(" | "));
@@ -553,8 +582,16 @@ pub fn svg(title: &str, per_stage: &[(String, Vec<StageSummary>)]) -> String {
     out
 }
 
+/// Sessions a closed-loop run may need: every client starting a session each quarter of a
+/// simulated second that its turns take at the least.
+fn closed_sessions(sc: &Scenario, plan: &[SessionPlan], cl: ClosedLoop) -> usize {
+    let turns = plan.iter().map(|p| p.users.len()).max().unwrap_or(1).max(1);
+    (cl.concurrency as f64 * (cl.seconds / (turns as f64 * 0.25)).ceil()).max(1.0) as usize
+        + usize::from(sc.pool.engines)
+}
+
 async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
-    let mut sc = Scenario::load(path)?;
+    let mut base = Scenario::load(path)?;
     if (a.rate_scale - 1.0).abs() > 1e-9 {
         let scale = |s: &str| -> anyhow::Result<String> {
             Ok(crate::scenario::parse_stages(s)?
@@ -563,72 +600,131 @@ async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(","))
         };
-        sc.arrivals.ladder = scale(&sc.arrivals.ladder)?;
-        sc.arrivals.warmup = scale(&sc.arrivals.warmup)?;
+        base.arrivals.ladder = scale(&base.arrivals.ladder)?;
+        base.arrivals.warmup = scale(&base.arrivals.warmup)?;
     }
-    let plan = Arc::new(sc.plan(wpt)?);
-    let stages = sc.stages()?;
-    let requests: usize = plan.iter().map(|p| p.users.len()).sum();
-    println!(
-        "\npeers/{}: {} sessions, {} requests ({} in warm-up sessions), {} engines x {} KV blocks, time scale {}",
-        sc.name,
-        plan.len(),
-        requests,
-        plan.iter().filter(|p| p.stage == 0).map(|p| p.users.len()).sum::<usize>(),
-        sc.pool.engines,
-        sc.blocks_per_engine(plan.len()),
-        sc.pool.time_scale
-    );
-    let mut rows = Vec::new();
-    let mut per_stage = Vec::new();
+    let closed = a.closed_loop.or(base.closed_loop);
+    let seeds = a.seeds.max(1);
+    let systems: Vec<&str> = a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let stages = base.stages()?;
+    let mut all: Vec<SystemSeeds> = systems.iter().map(|s| SystemSeeds::new(s, seeds)).collect();
+    // The first seed's per-stage figures and extras (the plot and the per-engine spread).
+    let mut per_stage: Vec<Option<Vec<StageSummary>>> = vec![None; systems.len()];
     let mut extra = serde_json::Map::new();
-    for system in a.systems.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let steal = crate::procstat::StealMeter::start();
-        let mut r = match run_system(system, &sc, plan.clone(), a).await {
-            Err(e) if e.to_string().contains(UNSUPPORTED) => {
-                println!("  {system:<24} skipped: {e}");
-                extra.insert(system.to_string(), json!({"unsupported": e.to_string()}));
+    let mut blocks = 0;
+    for r in 0..seeds {
+        let sc = Scenario { seed: base.seed + r as u64, ..base.clone() };
+        let plan = Arc::new(sc.plan(wpt)?);
+        blocks = sc.blocks_per_engine(plan.len());
+        let closed_plan = match closed {
+            Some(cl) => Some(Arc::new(sc.closed_plan(wpt, closed_sessions(&sc, &plan, cl))?)),
+            None => None,
+        };
+        let requests: usize = plan.iter().map(|p| p.users.len()).sum();
+        println!(
+            "\npeers/{} seed {} ({}/{seeds}): {} sessions, {} requests ({} in warm-up sessions), {} engines x {blocks} KV blocks, time scale {}",
+            sc.name,
+            sc.seed,
+            r + 1,
+            plan.len(),
+            requests,
+            plan.iter().filter(|p| p.stage == 0).map(|p| p.users.len()).sum::<usize>(),
+            sc.pool.engines,
+            sc.pool.time_scale
+        );
+        for i in crate::spread::rotation(systems.len(), r) {
+            let system = systems[i];
+            if extra.get(system).is_some_and(|e: &Value| e.get("unsupported").is_some()) {
                 continue;
             }
-            other => other.with_context(|| format!("{}: {system}", sc.name))?,
-        };
-        // Hypervisor steal while this system ran: the other guests' share of this VM's CPUs,
-        // which moves a system's figures between runs.
-        if let (Some(o), Some(p)) = (r.extra.as_object_mut(), steal.percent()) {
-            o.insert("steal_pct".into(), json!((p * 10.0).round() / 10.0));
+            let steal = crate::procstat::StealMeter::start();
+            let mut run = match run_system(system, &sc, plan.clone(), a).await {
+                Err(e) if e.to_string().contains(UNSUPPORTED) => {
+                    println!("  {system:<24} skipped: {e}");
+                    extra.insert(system.to_string(), json!({"unsupported": e.to_string()}));
+                    continue;
+                }
+                other => other.with_context(|| format!("{} seed {}: {system}", sc.name, sc.seed))?,
+            };
+            if let (Some(cl), Some(cp)) = (closed, &closed_plan) {
+                let t = run_closed(system, &sc, cp.clone(), cl, blocks, a)
+                    .await
+                    .with_context(|| format!("{} seed {} closed loop: {system}", sc.name, sc.seed))?;
+                all[i].closed[r] = Some(t);
+            }
+            // Hypervisor steal while this system ran: the other guests' share of this VM's
+            // CPUs, which moves a system's figures between runs.
+            if let (Some(o), Some(p)) = (run.extra.as_object_mut(), steal.percent()) {
+                o.insert("steal_pct".into(), json!((p * 10.0).round() / 10.0));
+            }
+            all[i].open[r] = Some(run.summary);
+            all[i].expected_hit[r] = run.expected_hit_rate;
+            let seen = extra.entry(system.to_string()).or_insert_with(|| json!({"seeds": []}));
+            if let Some(v) = seen["seeds"].as_array_mut() {
+                v.push(run.extra);
+            }
+            if per_stage[i].is_none() {
+                per_stage[i] = Some(std::mem::take(&mut run.stages));
+            }
         }
-        rows.push(r.summary);
-        per_stage.push((system.to_string(), r.stages));
-        extra.insert(system.to_string(), r.extra);
     }
-    crate::run::print_table(&format!("peers/{} (simulated time)", sc.name), &rows);
-    let checks = checks(&sc, &rows, &extra);
+    let figs: Vec<Figures> =
+        all.iter().filter(|s| s.open.iter().any(Option::is_some)).map(SystemSeeds::figures).collect();
+    let rows: Vec<RunSummary> = all.iter().filter_map(SystemSeeds::mean_row).collect();
+    let per_stage: Vec<(String, Vec<StageSummary>)> =
+        systems.iter().zip(per_stage).filter_map(|(s, v)| Some(((*s).to_string(), v?))).collect();
+    crate::repeats::print(&format!("peers/{} (simulated time)", base.name), &figs);
+    let comparisons = crate::repeats::comparisons(&figs);
+    if let Some(pairs) = comparisons.as_object() {
+        for pair in pairs.keys() {
+            let v =
+                |f: &str| crate::repeats::verdict_of(&comparisons, pair, f).map_or("-".into(), |v| format!("{v:?}"));
+            println!(
+                "  {pair}: TTFT p50 {}, TTFT p95 {}, output {}",
+                v("ttft_p50_ms"),
+                v("ttft_p95_ms"),
+                v("output_tok_per_s")
+            );
+        }
+    }
+    let mut checks = checks(&base, &rows, &figs, &extra);
+    checks["calibration"] = crate::repeats::calibration(&figs, 0.1);
     println!("checks: {}", serde_json::to_string_pretty(&checks)?);
     let doc = json!({
-        "scenario": sc.name,
-        "command": format!("cargo xtask bench peers --scenario {}", path.display()),
+        "scenario": base.name,
+        "command": format!("cargo xtask bench peers --scenario {} --seeds {seeds}{}", path.display(),
+            a.closed_loop.map_or(String::new(), |c| format!(" --closed-loop {}:{}", c.concurrency, c.seconds))),
         "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
-        "scenario_file": sc,
+        "scenario_file": base,
+        "seeds": (0..seeds).map(|r| base.seed + r as u64).collect::<Vec<_>>(),
+        "interval": "lowest to highest over the seeds; a comparison is a win only when the intervals do not overlap",
+        "closed_loop": closed,
         "reference_tokens_per_word": round2(1.0 / wpt),
-        "num_gpu_blocks_per_engine": sc.blocks_per_engine(plan.len()),
+        "num_gpu_blocks_per_engine": blocks,
         "peer_versions": {"vllm-router": a.peers.vllm_router_version, "smg": a.peers.smg_version},
+        "figures": figs,
+        "comparisons": comparisons,
         "runs": rows,
         "stages": per_stage.iter().map(|(n, v)| (n.clone(), json!(v))).collect::<serde_json::Map<_, _>>(),
         "checks": checks,
         "per_system": extra,
         "ladder": stages.iter().skip(1).map(|s| s.rate).collect::<Vec<_>>(),
     });
-    let base = a.out_dir.join(format!("peers-{}", sc.name));
-    crate::run::write_results(&base.with_extension("json"), doc)?;
+    let out = a.out_dir.join(format!("peers-{}", base.name));
+    crate::run::write_results(&out.with_extension("json"), doc)?;
     let date = std::process::Command::new("date")
         .arg("-u")
         .arg("+%Y-%m-%d")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    std::fs::write(base.with_extension("md"), markdown(&sc, &rows, &per_stage, &date))?;
-    std::fs::write(base.with_extension("svg"), svg(&format!("{} ({date}, simulated time)", sc.name), &per_stage))?;
-    println!("wrote {}.md and {}.svg", base.display(), base.display());
+    let md = markdown(&base, seeds, &figs, &per_stage, &date);
+    std::fs::write(out.with_extension("md"), md)?;
+    std::fs::write(
+        out.with_extension("svg"),
+        svg(&format!("{} ({date}, seed {}, simulated time)", base.name, base.seed), &per_stage),
+    )?;
+    println!("wrote {}.md and {}.svg", out.display(), out.display());
     Ok(())
 }
 
@@ -671,32 +767,46 @@ mod tests {
     }
 
     #[test]
-    fn precise_must_beat_each_peer_on_both_figures() {
+    fn kv_pressure_and_low_cache_checks_read_the_means_over_the_seeds() {
         let row = |s: &str, t: f64, tp: f64| RunSummary {
             system: s.into(),
             requests: 1,
             ttft_p50_ms: t,
-            ttft_p95_ms: t,
+            ttft_p95_ms: t * 2.0,
             output_tok_per_s: tp,
             prefix_hit_rate: 0.0,
             errors: 0,
             wall_s: 1.0,
         };
-        let sc: Scenario = serde_json::from_str(
-            r#"{"name": "low-cache", "description": "", "pool": {"engines": 1, "time_scale": 1},
-                "workload": {"kind": "unique", "prompt_tokens": 1, "output_tokens": 1}, "arrivals": {"ladder": "1:1"}}"#,
-        )
-        .unwrap();
-        let rows = vec![
-            row("round-robin", 50.0, 100.0),
-            row("attache-precise", 40.0, 96.0),
-            row("smg-cache-aware", 45.0, 97.0),
-            row("attache-approx", 40.0, 94.0),
-        ];
-        let c = checks(&sc, &rows, &serde_json::Map::new());
-        assert_eq!(c["attache-precise_vs_smg-cache-aware"]["met"], json!(false), "lower throughput fails");
-        assert_eq!(c["attache-precise_vs_smg-cache-aware"]["lower_ttft_p50"], json!(true));
-        assert_eq!(c["attache-precise_throughput_vs_round-robin"]["met"], json!(true));
-        assert_eq!(c["attache-approx_throughput_vs_round-robin"]["met"], json!(false));
+        let sc = |name: &str| -> Scenario {
+            serde_json::from_str(&format!(
+                r#"{{"name": "{name}", "description": "", "pool": {{"engines": 1, "time_scale": 1}},
+                    "workload": {{"kind": "unique", "prompt_tokens": 1, "output_tokens": 1}}, "arrivals": {{"ladder": "1:1"}}}}"#
+            ))
+            .unwrap()
+        };
+        let systems = [("round-robin", 50.0, 100.0), ("attache-precise", 40.0, 96.0), ("attache-approx", 55.0, 101.0)];
+        let mut all = Vec::new();
+        for (s, t, tp) in systems {
+            let mut seeds = SystemSeeds::new(s, 2);
+            seeds.open = vec![Some(row(s, t, tp)), Some(row(s, t + 2.0, tp + 2.0))];
+            all.push(seeds);
+        }
+        let figs: Vec<Figures> = all.iter().map(SystemSeeds::figures).collect();
+        let rows: Vec<RunSummary> = all.iter().filter_map(SystemSeeds::mean_row).collect();
+        let c = checks(&sc("low-cache"), &rows, &figs, &serde_json::Map::new());
+        assert_eq!(c["attache-precise_throughput_vs_round-robin"]["met"], json!(true), "0.96 of round-robin");
+        let c = checks(&sc("kv-pressure"), &rows, &figs, &serde_json::Map::new());
+        let precise = &c["attache-precise_under_kv_pressure_vs_round-robin"];
+        assert_eq!(precise["met"], json!(false), "lower output fails");
+        assert_eq!(precise["ttft_p95_ratio"], json!(0.804));
+        let approx = &c["attache-approx_under_kv_pressure_vs_round-robin"];
+        assert_eq!((approx["output_ratio"].clone(), approx["met"].clone()), (json!(1.01), json!(false)), "p95 1.1x");
+        // With closed-loop figures, output is read from them.
+        all[1].closed = vec![Some(Throughput { output_tok_per_s: 120.0, ..Throughput::default() }); 2];
+        all[0].closed = vec![Some(Throughput { output_tok_per_s: 100.0, ..Throughput::default() }); 2];
+        let figs: Vec<Figures> = all.iter().map(SystemSeeds::figures).collect();
+        let c = checks(&sc("kv-pressure"), &rows, &figs, &serde_json::Map::new());
+        assert_eq!(c["attache-precise_under_kv_pressure_vs_round-robin"]["met"], json!(true));
     }
 }

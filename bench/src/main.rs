@@ -4,7 +4,9 @@
 #![allow(clippy::too_many_lines)]
 
 mod agents;
+mod closed_loop;
 mod compare;
+mod conversation;
 mod epp;
 mod flow_control;
 mod kv_ingest;
@@ -16,10 +18,12 @@ mod peers;
 mod policy;
 mod procstat;
 mod progress;
+mod repeats;
 mod run;
 mod scale;
 mod scenario;
 mod shared_prefix;
+mod spread;
 mod up;
 mod workload;
 

@@ -29,6 +29,30 @@ pub struct Scenario {
     /// The inference API the clients call.
     #[serde(default)]
     pub api: ApiKind,
+    /// Clients and window of the closed-loop throughput run (`--closed-loop` overrides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub closed_loop: Option<ClosedLoop>,
+}
+
+/// Clients and duration of a closed-loop run (`CONCURRENCY:SECONDS`, simulated seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClosedLoop {
+    pub concurrency: usize,
+    pub seconds: f64,
+}
+
+impl std::str::FromStr for ClosedLoop {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (c, d) = s.split_once(':').ok_or_else(|| format!("{s:?}: expected CONCURRENCY:SECONDS"))?;
+        let concurrency = c.trim().parse::<usize>().map_err(|e| format!("concurrency {c:?}: {e}"))?;
+        let seconds = d.trim().parse::<f64>().map_err(|e| format!("seconds {d:?}: {e}"))?;
+        if concurrency == 0 || !(seconds > 0.0 && seconds.is_finite()) {
+            return Err(format!("{s:?}: concurrency and seconds must be positive"));
+        }
+        Ok(Self { concurrency, seconds })
+    }
 }
 
 /// Which API a scenario's requests use.
@@ -409,6 +433,32 @@ impl Scenario {
     }
 }
 
+impl Scenario {
+    /// At least `sessions` sessions for a closed-loop run, which takes them in order and ignores
+    /// their start times: this scenario's plan with its ladder stretched (the same seed, so the
+    /// same shared prompts), doubled until it is long enough.
+    pub fn closed_plan(&self, words_per_token: f64, sessions: usize) -> anyhow::Result<Vec<SessionPlan>> {
+        let mut stretch = 1.0;
+        loop {
+            let mut sc = self.clone();
+            let longer = |s: &str| -> anyhow::Result<String> {
+                Ok(parse_stages(s)?
+                    .iter()
+                    .map(|st| format!("{}:{}", st.rate, st.seconds * stretch))
+                    .collect::<Vec<_>>()
+                    .join(","))
+            };
+            sc.arrivals.ladder = longer(&self.arrivals.ladder)?;
+            let plan = sc.plan(words_per_token)?;
+            anyhow::ensure!(!plan.is_empty(), "scenario {} plans no sessions", self.name);
+            if plan.len() >= sessions || stretch >= 1024.0 {
+                return Ok(plan);
+            }
+            stretch *= 2.0;
+        }
+    }
+}
+
 fn one_turn(id: usize, t: f64, stage: usize, system: Arc<str>, user: Arc<str>, max_tokens: u64) -> SessionPlan {
     SessionPlan {
         start_s: t,
@@ -500,6 +550,14 @@ mod tests {
                 .is_some_and(|ids| ids.len() == 64 && ids.iter().all(|&t| (3..2048).contains(&t))));
         }
         assert_ne!(p[0].prompt_ids, p[4].prompt_ids, "groups differ");
+    }
+
+    #[test]
+    fn closed_loop_parses_concurrency_and_seconds_and_refuses_nonsense() {
+        assert_eq!("32:60".parse::<ClosedLoop>(), Ok(ClosedLoop { concurrency: 32, seconds: 60.0 }));
+        assert!("0:60".parse::<ClosedLoop>().is_err());
+        assert!("8:-1".parse::<ClosedLoop>().is_err());
+        assert!("8".parse::<ClosedLoop>().is_err());
     }
 
     #[test]
