@@ -298,7 +298,13 @@ mod tests {
     fn an_agent_reports_its_workers_decisions_and_applies_the_other_envoys() {
         publish(&snapshot(4));
         let mut agent = Filter::configure(r#"{"role":"agent"}"#);
-        let (mut worker, ok) = Filter::try_configure_as(2, "");
+        // The test's turns are unrelated prompts whose requests never end, so the session's
+        // endpoint only gathers queue: sessions must not yield here, the subject is which
+        // binding wins.
+        let (mut worker, ok) = Filter::try_configure_as(
+            2,
+            r#"{"scheduler":{"prefix":{"affinity_filter":{"max_session_penalty_ms":1e9}}}}"#,
+        );
         assert!(ok);
         let primary = worker.send(Request::completion(&long_prompt(1)).header("x-session-id", "s1")).primary();
         let primary = primary.expect("routed");
