@@ -769,18 +769,26 @@ mod tests {
         // 500 queued + 640 new there, against 1,280 new elsewhere: holding pays.
         let d = case(500).schedule(&s, &p, &st).unwrap();
         assert!(d.sticky && d.endpoints[0] == target);
-        // 700 queued: 1,340 there, 1,280 elsewhere. The session moves.
-        let d = case(700).schedule(&s, &p, &st).unwrap();
+        // 700 queued: 1,340 there, 1,280 elsewhere, 4 ms worse: within the default 1 s of
+        // hysteresis, so the session stays; with none, it moves.
+        assert!(case(700).schedule(&s, &p, &st).unwrap().sticky);
+        let mut eager = SchedulerConfig::default();
+        eager.prefix.affinity_filter.max_session_penalty_ms = 0.0;
+        let s_eager = Scheduler::new(eager).unwrap();
+        let d = case(700).schedule(&s_eager, &p, &s_eager.new_state()).unwrap();
+        assert!(!d.sticky && d.endpoints[0] != target, "{:?}", d.endpoints);
+        // 17,000 queued: 17,640 there against 1,280, 1.03 s worse. The session moves.
+        let d = case(17_000).schedule(&s, &p, &st).unwrap();
         assert!(!d.sticky && d.endpoints[0] != target, "{:?}", d.endpoints);
         // The engine's learned rate is four times the configured one: its queue clears sooner.
         p.endpoints[3].metrics = Some(EndpointMetrics { prefill_tokens_per_s: 4.0 * 15_928.0, ..Default::default() });
-        assert!(case(700).schedule(&s, &p, &st).unwrap().sticky);
+        assert!(case(17_000).schedule(&s, &p, &st).unwrap().sticky);
         // A silent host (load-only) or the gate turned off: the binding holds, as before.
         p.endpoints[3].metrics = None;
-        assert!(case(700).load_only(true).schedule(&s, &p, &st).unwrap().sticky);
+        assert!(case(17_000).load_only(true).schedule(&s, &p, &st).unwrap().sticky);
         let mut off = SchedulerConfig::default();
         off.prefix.affinity_filter.enabled = false;
         let s_off = Scheduler::new(off).unwrap();
-        assert!(case(700).schedule(&s_off, &p, &s_off.new_state()).unwrap().sticky);
+        assert!(case(17_000).schedule(&s_off, &p, &s_off.new_state()).unwrap().sticky);
     }
 }

@@ -313,8 +313,10 @@ async fn utility_routes_go_by_load_alone_and_are_counted() {
     let s = attache_stack("utility", SimOpts { engines: 3, time_scale: 0.2, max_num_seqs: 2, ..SimOpts::default() });
     let http = fresh_client();
     let busy = s.engine_addrs()[0].clone();
-    let load = load_engine_at(&http, &busy, 8, 400);
-    wait_for_queue_at(&s, &busy, 4.0).await;
+    // Long enough to outlast the utility calls on a slow machine; aborted at the end.
+    let load = load_engine_at(&http, &busy, 8, 4_000);
+    let waiting = wait_for_queue_at(&s, &busy, 4.0).await;
+    assert!(waiting >= 4.0, "the busy engine never queued: {waiting} waiting");
     let mut seen: HashMap<&str, HashSet<String>> = HashMap::new();
     let messages = json!({"model": MODEL, "messages": [{"role": "user", "content": "count me"}]});
     for (path, body) in [
@@ -328,6 +330,8 @@ async fn utility_routes_go_by_load_alone_and_are_counted() {
             seen.entry(path).or_default().insert(o.engine_address.unwrap_or_default());
         }
     }
+    let still = wait_for_queue_at(&s, &busy, 1.0).await;
+    assert!(still >= 1.0, "the busy engine drained before the last utility call: {still} waiting");
     for (path, engines) in &seen {
         assert!(!engines.contains(&busy), "{path} went to the busy engine: {engines:?}");
     }
