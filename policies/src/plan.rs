@@ -111,6 +111,8 @@ pub struct MetricsDelta {
     /// The request's session or conversation was bound to an endpoint that is no longer its
     /// primary: gone, saturated, or holding it no longer paid (the affinity gate's estimate).
     pub rebound: bool,
+    /// The request's hot prefix spread to an endpoint that did not hold it.
+    pub spread: bool,
     /// The request was split; the prefill endpoint.
     pub disaggregated: Option<String>,
 }
@@ -260,6 +262,7 @@ fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, bound: b
         total_blocks: decision.total_blocks,
         sticky_hit: bound && decision.sticky,
         rebound: bound && !decision.sticky,
+        spread: decision.spread,
         disaggregated: decision.prefiller().map(str::to_owned),
     }
 }

@@ -35,6 +35,9 @@ pub struct Decision {
     pub prefill: Option<ScoredEndpoint>,
     /// The primary is the request's sticky endpoint.
     pub sticky: bool,
+    /// The request's prefix was hot on its holders and spread to another endpoint
+    /// ([`prefix_affinity::spread_to`]).
+    pub spread: bool,
     /// Per candidate of `all`, the tier it leads in ([`tier`]): what the custom-scorer picker
     /// must keep when it re-picks (`scoring::TIERS_PROPERTY`).
     pub tiers: Vec<u8>,
@@ -85,6 +88,14 @@ impl SchedulerState {
             self.index.record_at(block_hashes, anchors, &p.address, p.kv_written);
         }
     }
+}
+
+/// Per candidate, the tier it leads in; whether the sticky endpoint leads; whether a hot
+/// prefix spread.
+struct Tiers {
+    tiers: Vec<u8>,
+    sticky: bool,
+    spread: bool,
 }
 
 /// The configured profiles.
@@ -173,7 +184,7 @@ impl Scheduler {
         probe::mark("schedule.shortlist");
         let (all, cold) = self.run(&self.decode, pool, input, &matches, state).score(&candidates);
         probe::mark("schedule.score");
-        let (tiers, sticky) = self.tiers(&all, &pool.endpoints, input);
+        let Tiers { tiers, sticky, spread } = self.tiers(&all, &pool.endpoints, input);
         let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
         let mut order = self.decode.picker.pick(&totals, &tiers, input.seed);
         order.truncate(if sticky { self.config.max_endpoints.max(1) } else { self.config.max_endpoints });
@@ -212,6 +223,7 @@ impl Scheduler {
             cold,
             prefill,
             sticky,
+            spread: spread && !sticky,
             tiers,
         })
     }
@@ -219,9 +231,10 @@ impl Scheduler {
     /// The tier each candidate leads in: a session's sticky endpoint while it is a candidate
     /// (ready, serving the model, not saturated) and holding it pays
     /// ([`prefix_affinity::session_holds`]), then the affine candidates when the affinity
-    /// filter holds (the primary keeps the cache; the others remain fallbacks). Within each
-    /// tier the score order stands. Also returns whether the sticky endpoint leads.
-    fn tiers(&self, all: &[Scored], endpoints: &[Endpoint], input: &SchedulingInput<'_>) -> (Vec<u8>, bool) {
+    /// filter holds (the primary keeps the cache; the others remain fallbacks), or the one
+    /// candidate a hot prefix spreads to ([`prefix_affinity::spread_to`]). Within each tier
+    /// the score order stands.
+    fn tiers(&self, all: &[Scored], endpoints: &[Endpoint], input: &SchedulingInput<'_>) -> Tiers {
         let endpoint = |s: &Scored| endpoints.get(s.position);
         let address = |s: &Scored| endpoint(s).map_or("", |e| e.address.as_str());
         let gate = &self.config.prefix.affinity_filter;
@@ -243,7 +256,8 @@ impl Scheduler {
         } else {
             Vec::new()
         };
-        let affinity_held = weigh && some_affine && prefix_affinity::holds(gate, &estimates);
+        let spread = if weigh && some_affine { prefix_affinity::spread_to(gate, &estimates) } else { None };
+        let affinity_held = spread.is_none() && weigh && some_affine && prefix_affinity::holds(gate, &estimates);
         let sticky = sticky.filter(|&i| !weigh || prefix_affinity::session_holds(gate, &estimates, i));
         let tiers = all
             .iter()
@@ -251,14 +265,14 @@ impl Scheduler {
             .map(|(i, s)| {
                 if sticky == Some(i) {
                     tier::STICKY
-                } else if affinity_held && s.affine {
+                } else if spread == Some(i) || (affinity_held && s.affine) {
                     tier::AFFINE
                 } else {
                     tier::NONE
                 }
             })
             .collect();
-        (tiers, sticky.is_some())
+        Tiers { tiers, sticky: sticky.is_some(), spread: spread.is_some() }
     }
 }
 
@@ -655,11 +669,46 @@ mod tests {
         assert_ne!(d.endpoints[0], holder);
         assert!(d.tiers.iter().all(|&t| t == tier::NONE), "no filter, no tier: {:?}", d.tiers);
         s.config.prefix.affinity_filter.enabled = true;
-        // The TTFT gate: 300,000 queued uncached tokens at 15,928 tokens/s is 18.8 s behind an
-        // idle endpoint's 6,400 / 15,928 = 0.4 s, more than the 18 s penalty.
+        // The TTFT gate, with hot prefixes never spreading: 300,000 queued uncached tokens at
+        // 15,928 tokens/s is 18.8 s behind an idle endpoint's 6,400 / 15,928 = 0.4 s, more than
+        // the 18 s penalty.
+        s.config.prefix.affinity_filter.hot_prefix_ttft_ms = 0.0;
         assert_ne!(case(300_000).schedule(&s, &p, &st).unwrap().endpoints[0], holder, "the gate yields to load");
         let d = case(280_000).schedule(&s, &p, &st).unwrap();
         assert_eq!(d.endpoints[0], holder, "17.6 s + 0.04 s behind 0.4 s is within 18 s");
+        assert!(!d.spread);
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_to_an_idle_endpoint_before_its_holder_queues() {
+        // As above: endpoint 0 holds 90% of a 6,400-token prompt; 1 and 2 are idle and would
+        // compute all of it in 402 ms.
+        let s = scheduler();
+        let mut p = pool(3);
+        for (i, e) in p.endpoints.iter_mut().enumerate() {
+            e.id = i as u32;
+            e.block_size = 16;
+        }
+        let holder = p.endpoints[0].address.clone();
+        let st = s.new_state();
+        let case = |queued: u64| {
+            Case::new().hashes(&[1, 2, 3]).tokens(6_400).seed(2).precise(0, 0.9, 360).queued_tokens(&holder, queued)
+        };
+        // 1,000 queued + 640 new: 103 ms, under the 250 ms target. The holder keeps it.
+        let d = case(1_000).schedule(&s, &p, &st).unwrap();
+        assert!(d.endpoints[0] == holder && !d.spread);
+        // 4,000 queued: 291 ms, hot, but the others would take 402 ms. Still the holder.
+        let d = case(4_000).schedule(&s, &p, &st).unwrap();
+        assert!(d.endpoints[0] == holder && !d.spread);
+        // 6,000 queued: 417 ms. An idle endpoint answers sooner computing it all: it leads, and
+        // the holder follows as a fallback.
+        let d = case(6_000).schedule(&s, &p, &st).unwrap();
+        assert!(d.endpoints[0] != holder && d.spread, "{:?}", d.endpoints);
+        assert!(d.endpoints.contains(&holder));
+        assert_eq!(d.tiers.iter().filter(|&&t| t == tier::AFFINE).count(), 1, "only the replica leads");
+        // A session bound to the holder stays within its 1 s of hysteresis, and nothing spreads.
+        let d = case(6_000).sticky(&holder).schedule(&s, &p, &st).unwrap();
+        assert!(d.endpoints[0] == holder && d.sticky && !d.spread);
     }
 
     #[test]

@@ -348,6 +348,12 @@ impl HttpContext for SchedulerHttp {
         let Ok(mut st) = self.st.try_borrow_mut() else {
             return Action::Continue;
         };
+        // The first bytes of the answer: the engine has prefilled the prompt.
+        if let Some((endpoint, tokens)) = st.prefilled() {
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                w.prefilled(endpoint, tokens);
+            }
+        }
         // Learn `previous_response_id` → endpoint from the first bytes of a Responses body.
         let Some(served) = st.learn_response.take() else {
             return Action::Continue;
@@ -563,6 +569,50 @@ mod tests {
         let w = filter.worker();
         assert!(w.borrow().inflight_tokens.is_empty(), "tokens released too");
         assert!(w.borrow().inflight.is_empty(), "an endpoint with nothing in flight leaves the table");
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_while_its_holder_prefills_and_returns_once_it_answers() {
+        publish(&snapshot(3));
+        let filter = Filter::configure("");
+        // About 4,000 tokens: 251 ms at the default 15,928 tokens/s, over the 250 ms target.
+        let preamble = "You are a coding agent with these tools. ".repeat(400);
+        let turn = |n: usize| filter.send(Request::completion(&prompt(&format!("{preamble} task {n}"))));
+        let mut first = turn(1);
+        let holder = first.primary().expect("routed");
+        // The holder is still prefilling it: the next request would wait behind ~4,000 tokens
+        // there, and an idle endpoint computes the whole prompt sooner.
+        let second = turn(2);
+        assert_ne!(second.primary().as_deref(), Some(holder.as_str()), "spread");
+        assert_eq!(metric("attache.prefix.spread"), Some(1));
+        assert!(second.destinations().contains(&holder), "the holder remains a fallback");
+        // Both answer: nothing queues, and the prefix stays with its holders.
+        first.respond(200, &[]);
+        first.respond_body("data: {}");
+        let mut second = second;
+        second.respond(200, &[]);
+        second.respond_body("data: {}");
+        let holders = [holder, second.primary().expect("routed")];
+        let third = turn(3);
+        assert!(holders.contains(&third.primary().expect("routed")), "{:?} not {holders:?}", third.primary());
+        assert_eq!(metric("attache.prefix.spread"), Some(1), "nothing hot, nothing spread");
+    }
+
+    #[test]
+    fn a_prompt_stops_queueing_once_its_answer_starts() {
+        publish(&snapshot(2));
+        let filter = Filter::configure("");
+        let mut a = filter.send(Request::completion(&prompt("a long prompt that the engine prefills")));
+        let endpoint = a.primary().expect("routed");
+        let tokens = |f: &Filter| f.worker().borrow().inflight_tokens.get(endpoint.as_str()).copied().unwrap_or(0);
+        assert!(tokens(&filter) > 0, "its uncached tokens queue ahead of the next request's");
+        a.respond(200, &[]);
+        assert!(tokens(&filter) > 0, "headers alone say nothing of the prefill");
+        a.respond_body("data: {}");
+        assert_eq!(tokens(&filter), 0, "the first bytes of the answer: prefilled");
+        assert_eq!(filter.inflight(&endpoint), 1, "the request itself is in flight until it ends");
+        a.finish();
+        assert_eq!(filter.inflight(&endpoint), 0);
     }
 
     #[test]

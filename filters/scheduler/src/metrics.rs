@@ -42,6 +42,7 @@ pub struct Metrics {
     disaggregated: Option<u32>,
     sticky_hits: Option<u32>,
     rebound: Option<u32>,
+    spread: Option<u32>,
     responses_learned: Option<u32>,
     affinity_learned: Option<u32>,
     fleet: FleetMetrics,
@@ -175,6 +176,7 @@ impl Metrics {
             disaggregated: define(MetricType::Counter, "attache.pd.disaggregated"),
             sticky_hits: define(MetricType::Counter, "attache.session.sticky_hits"),
             rebound: define(MetricType::Counter, "attache.session.rebound"),
+            spread: define(MetricType::Counter, "attache.prefix.spread"),
             responses_learned: define(MetricType::Counter, "attache.session.responses_learned"),
             fleet: FleetMetrics {
                 reported: define(MetricType::Counter, "attache.fleet.reported"),
@@ -315,6 +317,9 @@ impl Metrics {
         }
         if m.rebound {
             inc(self.rebound, 1);
+        }
+        if m.spread {
+            inc(self.spread, 1);
         }
         if let Some(prefill) = &m.disaggregated {
             self.disaggregated(prefill);

@@ -24,7 +24,7 @@ pub struct RequestState {
     pub answered: bool,
     /// Endpoint counted in the worker's in-flight load, released when the request ends.
     pub dispatched: Option<String>,
-    /// Uncached prompt tokens counted for `dispatched`.
+    /// Uncached prompt tokens counted for `dispatched` until the engine has prefilled them.
     pub dispatched_tokens: u64,
     /// The first configured rollout session header's value (custom scorers' bucket).
     pub session: Option<String>,
@@ -68,6 +68,14 @@ impl RequestState {
         self.flow_headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
     }
 
+    /// The response's first bytes arrived: the engine has prefilled the prompt, so its tokens
+    /// no longer queue ahead of others. Returns them with their endpoint, once; the request
+    /// itself stays counted until it ends.
+    pub fn prefilled(&mut self) -> Option<(&str, u64)> {
+        let tokens = std::mem::take(&mut self.dispatched_tokens);
+        self.dispatched.as_deref().filter(|_| tokens > 0).map(|a| (a, tokens))
+    }
+
     /// The request ended: what it counted in the worker's in-flight load, to release.
     pub fn release(&mut self) -> Option<(String, u64)> {
         let tokens = std::mem::take(&mut self.dispatched_tokens);
@@ -91,5 +99,16 @@ mod tests {
         st.dispatched_tokens = 40;
         assert_eq!(st.release(), Some(("10.0.0.1:8000".into(), 40)));
         assert_eq!((st.release(), st.dispatched_tokens), (None, 0), "released once");
+    }
+
+    #[test]
+    fn prefilled_tokens_leave_before_the_request_does() {
+        let mut st = RequestState::new(7);
+        assert_eq!(st.prefilled(), None, "nothing dispatched");
+        st.dispatched = Some("10.0.0.1:8000".into());
+        st.dispatched_tokens = 40;
+        assert_eq!(st.prefilled(), Some(("10.0.0.1:8000", 40)));
+        assert_eq!(st.prefilled(), None, "once");
+        assert_eq!(st.release(), Some(("10.0.0.1:8000".into(), 0)), "the request itself stays counted");
     }
 }

@@ -164,6 +164,14 @@ impl Worker {
         *self.inflight_tokens.entry_ref(d.endpoint.as_str()).or_insert(0) += d.uncached_tokens;
     }
 
+    /// The engine at `endpoint` prefilled a request's `tokens` uncached prompt tokens: they no
+    /// longer queue ahead of the next request's (the affinity gate's TTFT estimate).
+    pub fn prefilled(&mut self, endpoint: &str, tokens: u64) {
+        if let Some(t) = self.inflight_tokens.get_mut(endpoint) {
+            *t = t.saturating_sub(tokens);
+        }
+    }
+
     /// A request to `endpoint` with `tokens` uncached prompt tokens ended. An endpoint with
     /// nothing left in flight leaves the tables: they hold what is in flight now, not every
     /// endpoint ever used, so a decision's lookups stay in a small table (none at all while the
@@ -177,9 +185,7 @@ impl Worker {
                 return;
             }
         }
-        if let Some(t) = self.inflight_tokens.get_mut(endpoint) {
-            *t = t.saturating_sub(tokens);
-        }
+        self.prefilled(endpoint, tokens);
     }
 }
 

@@ -365,6 +365,15 @@ impl Picker {
         Some(corrected)
     }
 
+    /// The engine at `endpoint` prefilled a request's `tokens` uncached prompt tokens (its
+    /// answer started): they no longer queue ahead of the next request's.
+    pub fn prefilled(&self, endpoint: &str, tokens: u64) {
+        let mut st = lock(&self.state);
+        if let Some(t) = st.inflight_tokens.get_mut(endpoint) {
+            *t = t.saturating_sub(tokens);
+        }
+    }
+
     /// A request of `api` ended: release its in-flight count, and, if flow control gated it,
     /// let a waiting one go.
     pub fn release(&self, api: Option<Api>, endpoint: &str, tokens: u64) {
@@ -376,6 +385,12 @@ impl Picker {
                 self.pump(&mut st);
             }
         }
+    }
+
+    /// Uncached prompt tokens routed to `endpoint` and not yet prefilled.
+    #[cfg(test)]
+    pub fn queued_tokens(&self, endpoint: &str) -> u64 {
+        lock(&self.state).inflight_tokens.get(endpoint).copied().unwrap_or(0)
     }
 
     /// Bind a Responses API response id to the endpoint that produced it.

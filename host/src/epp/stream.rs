@@ -44,6 +44,8 @@ struct Planned {
     learn_response: bool,
     /// The endpoint that served, once the gateway said (else the primary).
     served: Option<String>,
+    /// Its uncached prompt tokens were released: the answer started, so the engine prefilled.
+    prefilled: bool,
     /// Its in-flight count was released.
     released: bool,
 }
@@ -113,6 +115,7 @@ impl Stream {
                 vec![out]
             }
             Some(R::ResponseBody(b)) => {
+                self.prefilled();
                 self.learn_response_id(&b.body);
                 if b.end_of_stream {
                     self.release();
@@ -254,7 +257,7 @@ impl Stream {
         let out = self.route(&plan);
         self.picker.metrics.decision(started.elapsed().as_secs_f64() * 1e6);
         let learn_response = intake::learns_response(self.picker.config(), api);
-        self.planned = Some(Planned { plan, learn_response, served: None, released: false });
+        self.planned = Some(Planned { plan, learn_response, served: None, prefilled: false, released: false });
         self.outcome = Some(Outcome::Scheduled);
         out
     }
@@ -315,7 +318,17 @@ impl Stream {
     fn release(&mut self) {
         if let Some(p) = self.planned.as_mut().filter(|p| !p.released) {
             p.released = true;
-            self.picker.release(self.head.api, &p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens);
+            let tokens = if p.prefilled { 0 } else { p.plan.dispatch.uncached_tokens };
+            self.picker.release(self.head.api, &p.plan.dispatch.endpoint, tokens);
+        }
+    }
+
+    /// The answer's first bytes passed: the engine has prefilled the prompt, so its uncached
+    /// tokens no longer queue ahead of the next request's. Once; the request stays in flight.
+    fn prefilled(&mut self) {
+        if let Some(p) = self.planned.as_mut().filter(|p| !p.prefilled && !p.released) {
+            p.prefilled = true;
+            self.picker.prefilled(&p.plan.dispatch.endpoint, p.plan.dispatch.uncached_tokens);
         }
     }
 }
@@ -608,6 +621,15 @@ mod tests {
             "the token names who served"
         );
         assert_eq!(p.load().0, [(other.clone(), 1)].into(), "in flight moved to the endpoint that served");
+        assert!(p.queued_tokens(&other) > 0 && p.queued_tokens(&primary) == 0, "its prompt queues there too");
+        let first = HttpBody { body: b"data: {}\n\n".to_vec(), end_of_stream: false, ..Default::default() };
+        s.on_message(ProcessingRequest {
+            request: Some(processing_request::Request::ResponseBody(first)),
+            ..Default::default()
+        })
+        .await;
+        assert_eq!(p.queued_tokens(&other), 0, "the answer started: the engine prefilled it");
+        assert_eq!(p.load().0, [(other.clone(), 1)].into(), "the request stays in flight");
         let last = HttpBody { body: b"data: [DONE]\n\n".to_vec(), end_of_stream: true, ..Default::default() };
         let out = s
             .on_message(ProcessingRequest {

@@ -16,6 +16,11 @@ use serde::{Deserialize, Serialize};
 ///   `max_session_penalty_ms` worse than the best other's: the context it holds saves more
 ///   prefill than its queue costs. Otherwise the session is routed afresh, and rebound.
 ///
+/// - A hot prefix spreads: when even the best affine endpoint's estimate exceeds
+///   `hot_prefix_ttft_ms`, and some other candidate would answer sooner while computing the
+///   whole prompt, the request goes to that one, which then holds the prefix too. Its holders'
+///   queues stay near the target instead of growing to the penalty.
+///
 /// Saturated endpoints are filtered out before this, whatever their cache.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -31,6 +36,9 @@ pub struct AffinityGate {
     /// only on a clear difference rather than flapping between engines on noise; 0 moves it
     /// whenever holding is estimated not to pay.
     pub max_session_penalty_ms: f64,
+    /// The estimated TTFT on a prefix's best holder above which the prefix counts as hot and
+    /// spreads to the candidate that would answer first (0: never spread).
+    pub hot_prefix_ttft_ms: f64,
 }
 
 impl Default for AffinityGate {
@@ -40,6 +48,7 @@ impl Default for AffinityGate {
             peak_prefill_tokens_per_s: 15_928.0,
             max_ttft_penalty_ms: 18_000.0,
             max_session_penalty_ms: 1_000.0,
+            hot_prefix_ttft_ms: 250.0,
         }
     }
 }
@@ -77,6 +86,24 @@ pub fn holds(gate: &AffinityGate, candidates: &[Estimate]) -> bool {
     best(true) - best(false) <= gate.max_ttft_penalty_ms
 }
 
+/// The candidate a hot prefix spreads to: when the best affine candidate's estimate exceeds
+/// `hot_prefix_ttft_ms`, the non-affine candidate with the lowest estimate, if it is lower.
+pub fn spread_to(gate: &AffinityGate, candidates: &[Estimate]) -> Option<usize> {
+    if !gate.enabled || gate.hot_prefix_ttft_ms <= 0.0 {
+        return None;
+    }
+    let best = |affine: bool| {
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.affine == affine)
+            .min_by(|(_, a), (_, b)| a.ttft_ms.total_cmp(&b.ttft_ms))
+    };
+    let (_, holder) = best(true)?;
+    let (i, other) = best(false)?;
+    (holder.ttft_ms > gate.hot_prefix_ttft_ms && other.ttft_ms < holder.ttft_ms).then_some(i)
+}
+
 /// Whether a session stays on candidate `bound`: its estimated TTFT is within the session
 /// penalty of the best other candidate's (or it is the only one).
 pub fn session_holds(gate: &AffinityGate, candidates: &[Estimate], bound: usize) -> bool {
@@ -108,6 +135,25 @@ mod tests {
         assert!(!holds(&gate, &[e(true, 1), e(true, 1)]), "every candidate affine: nothing to filter");
         assert!(!holds(&gate, &[e(false, 1), e(false, 1)]));
         assert!(!holds(&AffinityGate { enabled: false, ..gate }, &[e(true, 1), e(false, 1)]));
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_to_whoever_answers_first_computing_it_all() {
+        let gate = AffinityGate::default();
+        let e = |affine, tokens| est(&gate, affine, tokens);
+        // The holder: 200 new tokens behind 1,000 queued (75 ms). Under the 250 ms target.
+        assert_eq!(spread_to(&gate, &[e(true, 1_200), e(false, 1_700)]), None);
+        // Behind 6,000 queued (389 ms): hot. Idle others compute 1,700 tokens in 107 ms.
+        let c = [e(true, 6_200), e(false, 2_500), e(false, 1_700), e(true, 9_000)];
+        assert_eq!(spread_to(&gate, &c), Some(2));
+        // Hot, but every other would answer later still.
+        assert_eq!(spread_to(&gate, &[e(true, 6_200), e(false, 7_000)]), None);
+        // Every candidate holds it, or none does: nothing to spread.
+        assert_eq!(spread_to(&gate, &[e(true, 6_200), e(true, 1_000)]), None);
+        assert_eq!(spread_to(&gate, &[e(false, 6_200), e(false, 1_000)]), None);
+        let off = AffinityGate { hot_prefix_ttft_ms: 0.0, ..gate.clone() };
+        assert_eq!(spread_to(&off, &c), None);
+        assert_eq!(spread_to(&AffinityGate { enabled: false, ..gate }, &c), None);
     }
 
     #[test]
