@@ -692,7 +692,8 @@ async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
     println!("checks: {}", serde_json::to_string_pretty(&checks)?);
     let doc = json!({
         "scenario": base.name,
-        "command": format!("cargo xtask bench peers --scenario {} --seeds {seeds}{}", path.display(),
+        "command": format!("cargo xtask bench peers --scenario {} --seeds {seeds}{}{}", path.display(),
+            if a.systems == SYSTEMS { String::new() } else { format!(" --systems {}", a.systems) },
             a.closed_loop.map_or(String::new(), |c| format!(" --closed-loop {}:{}", c.concurrency, c.seconds))),
         "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
         "scenario_file": base,
