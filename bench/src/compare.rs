@@ -474,7 +474,7 @@ fn checks(sc: &Scenario, rows: &[RunSummary], figs: &[Figures], extra: &serde_js
 
 fn markdown(
     sc: &Scenario,
-    seeds: usize,
+    command: &str,
     figs: &[Figures],
     per_stage: &[(String, Vec<StageSummary>)],
     date: &str,
@@ -483,9 +483,8 @@ fn markdown(
     let _ = writeln!(m, "# {} ({date})\n\n{}\n", sc.name, sc.description);
     let _ = writeln!(
         m,
-        "Command: `cargo xtask bench peers --scenario bench/scenarios/{}.json --seeds {seeds}`. Simulated time. \
-         Each figure is the mean over the seeds with the lowest and highest in brackets.\n",
-        sc.name
+        "Command: `{command}`. Simulated time. \
+         Each figure is the mean over the seeds with the lowest and highest in brackets.\n"
     );
     m.push_str(&crate::repeats::markdown(figs));
     let _ = writeln!(m, "\nTTFT p50 (ms) per stage, seed {}:\n", sc.seed);
@@ -690,11 +689,15 @@ async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
     let mut checks = checks(&base, &rows, &figs, &extra);
     checks["calibration"] = crate::repeats::calibration(&figs, 0.1);
     println!("checks: {}", serde_json::to_string_pretty(&checks)?);
+    let command = format!(
+        "cargo xtask bench peers --scenario {} --seeds {seeds}{}{}",
+        path.display(),
+        if a.systems == SYSTEMS { String::new() } else { format!(" --systems {}", a.systems) },
+        a.closed_loop.map_or(String::new(), |c| format!(" --closed-loop {}:{}", c.concurrency, c.seconds))
+    );
     let doc = json!({
         "scenario": base.name,
-        "command": format!("cargo xtask bench peers --scenario {} --seeds {seeds}{}{}", path.display(),
-            if a.systems == SYSTEMS { String::new() } else { format!(" --systems {}", a.systems) },
-            a.closed_loop.map_or(String::new(), |c| format!(" --closed-loop {}:{}", c.concurrency, c.seconds))),
+        "command": command,
         "units": "simulated time: latencies are real ms / time_scale, rates per simulated second",
         "scenario_file": base,
         "seeds": (0..seeds).map(|r| base.seed + r as u64).collect::<Vec<_>>(),
@@ -719,7 +722,7 @@ async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
-    let md = markdown(&base, seeds, &figs, &per_stage, &date);
+    let md = markdown(&base, &command, &figs, &per_stage, &date);
     std::fs::write(out.with_extension("md"), md)?;
     std::fs::write(
         out.with_extension("svg"),
