@@ -289,6 +289,16 @@ mod tests {
         PoolState { version: 1, endpoints, ..Default::default() }
     }
 
+    /// `n` endpoints with KV-event ids 0..n and 16-token blocks, for precise matches.
+    fn precise_pool(n: usize) -> PoolState {
+        let mut p = pool(n);
+        for (i, e) in p.endpoints.iter_mut().enumerate() {
+            e.id = i as u32;
+            e.block_size = 16;
+        }
+        p
+    }
+
     fn scheduler() -> Scheduler {
         Scheduler::new(SchedulerConfig::default()).unwrap()
     }
@@ -640,11 +650,7 @@ mod tests {
         // Endpoint 0 holds 90% of a 6,400-token prompt but is the busiest (its queue and KV
         // below saturation); endpoints 1 and 2 are idle and hold nothing.
         let mut s = scheduler();
-        let mut p = pool(3);
-        for (i, e) in p.endpoints.iter_mut().enumerate() {
-            e.id = i as u32;
-            e.block_size = 16;
-        }
+        let mut p = precise_pool(3);
         p.endpoints[0].metrics = Some(EndpointMetrics { waiting: 4.0, kv_usage: 0.9, ..Default::default() });
         let holder = p.endpoints[0].address.clone();
         let st = s.new_state();
@@ -684,11 +690,7 @@ mod tests {
         // As above: endpoint 0 holds 90% of a 6,400-token prompt; 1 and 2 are idle and would
         // compute all of it in 402 ms.
         let s = scheduler();
-        let mut p = pool(3);
-        for (i, e) in p.endpoints.iter_mut().enumerate() {
-            e.id = i as u32;
-            e.block_size = 16;
-        }
+        let p = precise_pool(3);
         let holder = p.endpoints[0].address.clone();
         let st = s.new_state();
         let case = |queued: u64| {

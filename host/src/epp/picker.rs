@@ -368,10 +368,7 @@ impl Picker {
     /// The engine at `endpoint` prefilled a request's `tokens` uncached prompt tokens (its
     /// answer started): they no longer queue ahead of the next request's.
     pub fn prefilled(&self, endpoint: &str, tokens: u64) {
-        let mut st = lock(&self.state);
-        if let Some(t) = st.inflight_tokens.get_mut(endpoint) {
-            *t = t.saturating_sub(tokens);
-        }
+        unqueue(&mut lock(&self.state), endpoint, tokens);
     }
 
     /// A request of `api` ended: release its in-flight count, and, if flow control gated it,
@@ -411,6 +408,11 @@ fn release(st: &mut State, endpoint: &str, tokens: u64) {
     if let Some(n) = st.inflight.get_mut(endpoint) {
         *n = n.saturating_sub(1);
     }
+    unqueue(st, endpoint, tokens);
+}
+
+/// `tokens` of a request's uncached prompt no longer queue at `endpoint`.
+fn unqueue(st: &mut State, endpoint: &str, tokens: u64) {
     if let Some(t) = st.inflight_tokens.get_mut(endpoint) {
         *t = t.saturating_sub(tokens);
     }
