@@ -105,6 +105,7 @@ async fn drive(
         tokio::time::sleep_until(start + Duration::from_secs_f64(p.start_s * scale)).await;
         progress.stage(p.stage);
         let (http, url, plan, progress) = (http.clone(), url.to_string(), plan.clone(), progress.clone());
+        let label = label.to_string();
         handles.push(tokio::spawn(async move {
             let p = &plan[i];
             let sid = format!("session-{}", p.id);
@@ -123,6 +124,7 @@ async fn drive(
                 let at = start.elapsed();
                 let mut o = client::post(&http, &url, body.to_string().into_bytes(), &headers).await;
                 convo.answered(o.streamed_text());
+                trace(&label, &sid, k, at, &o);
                 o.events.clear();
                 o.body.truncate(300);
                 let failed = !(o.ok() && o.done);
@@ -147,6 +149,30 @@ async fn drive(
         }
     }
     all
+}
+
+/// With `ATTACHE_BENCH_TRACE=FILE`, one JSON line per request (system, session, turn, time
+/// sent, TTFT, engine, prompt and cached tokens), appended: to see where a system's tail comes
+/// from. Times are real, not simulated.
+fn trace(label: &str, session: &str, turn: usize, at: Duration, o: &Outcome) {
+    use std::io::Write as _;
+    let Some(path) = std::env::var_os("ATTACHE_BENCH_TRACE") else { return };
+    let usage = o
+        .events
+        .iter()
+        .rev()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+        .unwrap_or(Value::Null);
+    let line = json!({
+        "system": label, "session": session, "turn": turn, "at_s": at.as_secs_f64(),
+        "ttft_ms": o.ttft.map(|t| t.as_secs_f64() * 1000.0), "engine": o.engine_address,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": usage.pointer("/prompt_tokens_details/cached_tokens"),
+    });
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = writeln!(f, "{line}");
+    }
 }
 
 fn summarise(system: &str, sc: &Scenario, stages: &[Stage], sent: &[Sent], hit_rate: f64) -> SystemRun {

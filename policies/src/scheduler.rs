@@ -248,9 +248,10 @@ impl Scheduler {
             let own = |s: &Scored| input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
             all.iter()
                 .map(|s| {
-                    let rate = endpoint(s).and_then(|e| e.metrics).map_or(0.0, |m| m.prefill_tokens_per_s);
-                    let tokens = queued(address(s)).saturating_add(own(s));
-                    prefix_affinity::Estimate { affine: s.affine, ttft_ms: gate.ttft_ms(tokens, rate) }
+                    let m = endpoint(s).and_then(|e| e.metrics).unwrap_or_default();
+                    let ttft_ms =
+                        gate.estimate_ms(queued(address(s)), own(s), m.prefill_tokens_per_s, m.waiting, m.ttft_ms);
+                    prefix_affinity::Estimate { affine: s.affine, ttft_ms }
                 })
                 .collect()
         } else {
@@ -834,6 +835,12 @@ mod tests {
         // The engine's learned rate is four times the configured one: its queue clears sooner.
         p.endpoints[3].metrics = Some(EndpointMetrics { prefill_tokens_per_s: 4.0 * 15_928.0, ..Default::default() });
         assert!(case(17_000).schedule(&s, &p, &st).unwrap().sticky);
+        // Nothing queued from here, but the engine reports two requests waiting for KV and
+        // first tokens taking 3 s: the session moves, and stays while nothing waits there.
+        p.endpoints[3].metrics = Some(EndpointMetrics { waiting: 2.0, ttft_ms: 3_000.0, ..Default::default() });
+        assert!(!case(0).schedule(&s, &p, &st).unwrap().sticky);
+        p.endpoints[3].metrics = Some(EndpointMetrics { waiting: 0.0, ttft_ms: 3_000.0, ..Default::default() });
+        assert!(case(0).schedule(&s, &p, &st).unwrap().sticky);
         // A silent host (load-only) or the gate turned off: the binding holds, as before.
         p.endpoints[3].metrics = None;
         assert!(case(17_000).load_only(true).schedule(&s, &p, &st).unwrap().sticky);

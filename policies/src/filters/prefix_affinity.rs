@@ -7,9 +7,12 @@
 use serde::{Deserialize, Serialize};
 
 /// When the affinity filter, and a session's binding, yield to load (llm-d's TTFT load gate):
-/// each endpoint's time to first token is estimated as (its in-flight uncached prompt tokens +
-/// this request's uncached tokens there) / its prefill rate. The rate is the one the host
-/// learned from the engine's metrics; `peak_prefill_tokens_per_s` stands in until it has one.
+/// each endpoint's time to first token is estimated as the wait ahead of this request plus
+/// this request's uncached tokens there over its prefill rate. The wait is the in-flight
+/// uncached prompt tokens over the same rate, or, when the engine reports requests waiting
+/// and `engine_backlog` is on, its recent mean TTFT if that is longer: a queue held back by a
+/// full KV cache, which no count of prompt tokens shows. The rate is the one the host learned
+/// from the engine's metrics; `peak_prefill_tokens_per_s` stands in until it has one.
 /// - If the best affine endpoint's estimate is more than `max_ttft_penalty_ms` worse than the
 ///   best other's, the filter is skipped for this request.
 /// - A session stays on its bound endpoint while that endpoint's estimate is at most
@@ -39,6 +42,10 @@ pub struct AffinityGate {
     /// The estimated TTFT on a prefix's best holder above which the prefix counts as hot and
     /// spreads to the candidate that would answer first (0: never spread).
     pub hot_prefix_ttft_ms: f64,
+    /// Count an engine's reported backlog (requests waiting, at its recent mean TTFT) in the
+    /// estimate. When contexts near the KV capacity, a request waits for the KV that running
+    /// requests hold until they finish decoding; only the engine's own figures show it.
+    pub engine_backlog: bool,
 }
 
 impl Default for AffinityGate {
@@ -49,6 +56,7 @@ impl Default for AffinityGate {
             max_ttft_penalty_ms: 18_000.0,
             max_session_penalty_ms: 1_000.0,
             hot_prefix_ttft_ms: 250.0,
+            engine_backlog: true,
         }
     }
 }
@@ -62,6 +70,16 @@ impl AffinityGate {
             return 0.0;
         }
         tokens as f64 * 1000.0 / rate
+    }
+
+    /// Estimated time to first token (ms) of a request needing `own` uncached tokens on an
+    /// endpoint with `queued` uncached prompt tokens in flight, prefilling at `learned`
+    /// tokens/s, whose engine reports `waiting` requests and a recent mean TTFT of
+    /// `recent_ttft_ms`.
+    pub fn estimate_ms(&self, queued: u64, own: u64, learned: f64, waiting: f64, recent_ttft_ms: f64) -> f64 {
+        let queue = self.ttft_ms(queued, learned);
+        let backlog = if self.engine_backlog && waiting > 0.0 { recent_ttft_ms.max(0.0) } else { 0.0 };
+        queue.max(backlog) + self.ttft_ms(own, learned)
     }
 }
 
@@ -154,6 +172,19 @@ mod tests {
         let off = AffinityGate { hot_prefix_ttft_ms: 0.0, ..gate.clone() };
         assert_eq!(spread_to(&off, &c), None);
         assert_eq!(spread_to(&AffinityGate { enabled: false, ..gate }, &c), None);
+    }
+
+    #[test]
+    fn an_engine_backlog_counts_only_while_requests_wait() {
+        let gate = AffinityGate::default();
+        // 1,000 tokens in flight (500 ms at 2,000/s) and 2,000 own (1 s).
+        assert!((gate.estimate_ms(1_000, 2_000, 2_000.0, 0.0, 9_000.0) - 1_500.0).abs() < 1e-9, "nothing waits");
+        // Requests wait behind a full KV cache: the engine's first tokens take 9 s.
+        assert!((gate.estimate_ms(1_000, 2_000, 2_000.0, 3.0, 9_000.0) - 10_000.0).abs() < 1e-9);
+        // The in-flight tokens alone would take longer: they stand.
+        assert!((gate.estimate_ms(30_000, 2_000, 2_000.0, 3.0, 9_000.0) - 16_000.0).abs() < 1e-9);
+        let off = AffinityGate { engine_backlog: false, ..gate };
+        assert!((off.estimate_ms(1_000, 2_000, 2_000.0, 3.0, 9_000.0) - 1_500.0).abs() < 1e-9, "off");
     }
 
     #[test]
