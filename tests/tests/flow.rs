@@ -242,6 +242,13 @@ async fn higher_priority_waiting_requests_go_first_across_workers() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(snapshot(&s).await["saturation"].as_f64().unwrap_or(0.0) >= 1.0, "the pool saturates");
+    // The host knows; the filters learn it from the next push. Wait until a worker's tick
+    // reports it, then one more flow tick so that both workers have it: a request sent before
+    // that is dispatched to the engine, not queued, and the order below would test the race.
+    while s.envoy_stat("wasmcustom.attache.flow.saturation_permille") < 1000 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
     let saturated_after = started.elapsed();
     // Low priority first, then high priority, each on its own connection (both workers).
     for i in 0..4 {
