@@ -152,8 +152,9 @@ async fn drive(
 }
 
 /// With `ATTACHE_BENCH_TRACE=FILE`, one JSON line per request (system, session, turn, time
-/// sent, TTFT, engine, prompt and cached tokens), appended: to see where a system's tail comes
-/// from. Times are real, not simulated.
+/// sent, TTFT, engine, prompt tokens, and cached tokens where the usage reports them),
+/// appended: to see where a system's tail comes from. Times are real, not simulated. Each line
+/// goes out in one write, so concurrent sessions do not interleave their lines.
 fn trace(label: &str, session: &str, turn: usize, at: Duration, o: &Outcome) {
     use std::io::Write as _;
     let Some(path) = std::env::var_os("ATTACHE_BENCH_TRACE") else { return };
@@ -171,7 +172,7 @@ fn trace(label: &str, session: &str, turn: usize, at: Duration, o: &Outcome) {
         "cached_tokens": usage.pointer("/prompt_tokens_details/cached_tokens"),
     });
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-        let _ = writeln!(f, "{line}");
+        let _ = f.write_all(format!("{line}\n").as_bytes());
     }
 }
 
