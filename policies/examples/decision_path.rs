@@ -188,6 +188,7 @@ impl Worker {
             session_key: None,
             rollout_session: None,
             subset: None,
+            now_ms: u64::from(id),
         };
         let view = StateView {
             pool,

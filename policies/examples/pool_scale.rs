@@ -57,6 +57,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     sticky: None,
                     load_only: false,
                     subset: None,
+                    session_key: None,
                 };
                 let d = scheduler.schedule(&input, &p, &state)?;
                 state.commit(&d, &h, &[]);

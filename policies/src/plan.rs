@@ -71,6 +71,8 @@ pub struct PlanRequest<'a> {
     pub rollout_session: Option<&'a str>,
     /// The gateway's subset hint (the endpoint picker's; the filter passes `None`).
     pub subset: Option<&'a Subset>,
+    /// The caller's clock in milliseconds, read once per request: active sessions age by it.
+    pub now_ms: u64,
 }
 
 /// A filter-state property: key and value.
@@ -83,6 +85,8 @@ pub struct SessionBinding {
     pub endpoint: String,
     pub ttl_ms: u64,
     pub slots: u64,
+    /// The request's prompt tokens: the context the session will send again, longer.
+    pub tokens: u64,
 }
 
 /// What this scheduler learns from the decision.
@@ -142,6 +146,8 @@ pub struct Plan {
     pub index: IndexUpdate,
     pub dispatch: Dispatch,
     pub metrics: MetricsDelta,
+    /// When it was planned ([`PlanRequest::now_ms`]).
+    pub now_ms: u64,
 }
 
 impl Plan {
@@ -193,8 +199,10 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         sticky: request.sticky,
         load_only,
         subset: request.subset,
+        session_key: request.session_key,
     };
     let decision = config.scheduler.schedule(&input, view.pool, view.state).map_err(|e| ErrorResponse::from(&e))?;
+    let prompt_tokens = input.prompt_tokens;
     probe::mark("plan.schedule");
     let best = decision.scores.first().ok_or_else(|| ErrorResponse::from(&ScheduleError::NoEndpoints))?;
     let dispatch = Dispatch {
@@ -218,8 +226,19 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         (Vec::new(), None)
     };
     probe::mark("plan.handoff");
-    let (session, session_token) = bind_session(request, &decision, config.sessions);
-    Ok(Plan { decision, headers, properties, handed_off, session, session_token, index, dispatch, metrics })
+    let (session, session_token) = bind_session(request, &decision, config.sessions, prompt_tokens);
+    Ok(Plan {
+        decision,
+        headers,
+        properties,
+        handed_off,
+        session,
+        session_token,
+        index,
+        dispatch,
+        metrics,
+        now_ms: request.now_ms,
+    })
 }
 
 /// Precise scores from the engines' KV events, when the request has engine token ids and the
@@ -326,6 +345,7 @@ fn bind_session(
     request: &PlanRequest<'_>,
     decision: &Decision,
     cfg: &SessionConfig,
+    prompt_tokens: usize,
 ) -> (Option<SessionBinding>, Option<String>) {
     // Utility routes (tokenize, count_tokens, ...) are routed by load alone: they bind no
     // session and name no endpoint for the next turn.
@@ -337,12 +357,13 @@ fn bind_session(
         endpoint: primary.clone(),
         ttl_ms: cfg.ttl_ms,
         slots: cfg.slots,
+        tokens: prompt_tokens as u64,
     });
     (binding, Some(primary.clone()))
 }
 
-/// Apply what a plan teaches this scheduler: its index and LRU, and its cross-worker table.
-/// Returns the `(hash, endpoint)` entries to publish to the other workers, at most `room`.
+/// Apply what a plan teaches this scheduler: its index, LRU and active sessions, and its
+/// cross-worker table. Returns the `(hash, endpoint)` entries to publish to the other workers, at most `room`.
 pub fn learn(
     plan: &Plan,
     state: &mut SchedulerState,
@@ -350,6 +371,10 @@ pub fn learn(
     room: usize,
 ) -> Vec<(u64, String)> {
     state.commit(&plan.decision, &plan.index.hashes, &plan.index.anchors);
+    state.sessions.expire(plan.now_ms);
+    if let Some(b) = &plan.session {
+        state.sessions.touch(b.key, &b.endpoint, b.tokens, plan.now_ms);
+    }
     let (Some(table), Some(primary)) = (affinity, plan.decision.endpoints.first()) else {
         return Vec::new();
     };
@@ -494,6 +519,7 @@ mod tests {
             session_key: None,
             rollout_session: None,
             subset: None,
+            now_ms: 0,
         }
     }
 
@@ -519,6 +545,34 @@ mod tests {
         assert!(again.index.shared.is_empty(), "the table proves it already");
         assert_eq!(again.metrics.matched_blocks, again.metrics.total_blocks);
         assert!(again.log_line("m", 1).contains(&primary));
+    }
+
+    #[test]
+    fn a_new_session_goes_where_active_sessions_leave_the_most_cache() {
+        // Engines of 2,048 blocks of 16 tokens (32,768). Sessions 1-3 are bound to engines 0-2
+        // with contexts of about 30k, 20k and 10k tokens; engine 3 got the last cold request
+        // without a session, so the no-hit LRU alone would send a cold request to engine 0.
+        let mut p = pool(4);
+        for e in &mut p.endpoints {
+            e.kv_blocks = 2_048;
+        }
+        let mut w = World::new(p);
+        let addr = |i: usize| format!("10.0.0.{i}:8000");
+        let body = |tag: &str, words: usize| format!(r#"{{"model":"m","prompt":"{tag} {}"}}"#, "word ".repeat(words));
+        for (i, words) in [(0, 24_000), (1, 16_000), (2, 8_000), (3, 10)] {
+            let r = request(&body(&format!("session {i}"), words));
+            let key = (i < 3).then_some(i as u64 + 1);
+            let a = addr(i);
+            let p = w.route(&PlanRequest { sticky: Some(&a), session_key: key, now_ms: 1_000, ..req(&r) });
+            assert_eq!(p.dispatch.endpoint, a);
+        }
+        assert!(w.state.sessions.tokens(&addr(0)) > 25_000 && w.state.sessions.tokens(&addr(3)) == 0);
+        let new = request(&body("a new session", 50));
+        let placed = w.plan(&PlanRequest { session_key: Some(9), now_ms: 2_000, ..req(&new) }, None).unwrap();
+        assert_eq!(placed.dispatch.endpoint, addr(3), "{:?}", placed.decision.scores);
+        // Sessions lapse 30 s after their last turn, as this scheduler routes requests.
+        w.route(&PlanRequest { now_ms: 31_000, ..req(&request(&body("x", 1))) });
+        assert!(w.state.sessions.is_empty() && w.state.sessions.tokens(&addr(0)) == 0);
     }
 
     #[test]
@@ -667,7 +721,7 @@ mod tests {
             }
         }
         let mut m = Mem::default();
-        let b = SessionBinding { key: 9, endpoint: "10.0.0.1:8000".into(), ttl_ms: 100, slots: 64 };
+        let b = SessionBinding { key: 9, endpoint: "10.0.0.1:8000".into(), ttl_ms: 100, slots: 64, tokens: 0 };
         bind(&mut m, &b, 1_000);
         assert_eq!(session::lookup(&mut m, 64, 9, 1_050).as_deref(), Some("10.0.0.1:8000"));
         assert_eq!(session::lookup(&mut m, 64, 9, 1_100), None, "expired");

@@ -163,6 +163,7 @@ mod tests {
             sticky: None,
             load_only: false,
             subset: None,
+            session_key: None,
         }
     }
 

@@ -14,6 +14,7 @@ use crate::probe;
 use crate::profiles::pd;
 use crate::profiles::{Profile, ProfileError, ProfileRun, SchedulingInput, Scored, ScoredEndpoint};
 use crate::scorers::no_hit_lru::LastCold;
+use crate::scorers::session_load::ActiveSessions;
 
 /// The scheduler's verdict.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,11 +68,16 @@ impl Decision {
 pub struct SchedulerState {
     pub index: ApproxPrefixIndex,
     pub no_hit_lru: LastCold,
+    pub sessions: ActiveSessions,
 }
 
 impl SchedulerState {
     pub fn new(config: &SchedulerConfig) -> Self {
-        Self { index: ApproxPrefixIndex::new(config.prefix.index_capacity), no_hit_lru: LastCold::default() }
+        Self {
+            index: ApproxPrefixIndex::new(config.prefix.index_capacity),
+            no_hit_lru: LastCold::default(),
+            sessions: ActiveSessions::default(),
+        }
     }
 
     /// Record a decision (llm-d's `PreRequest` step): the approximate index learns where the
@@ -137,6 +143,7 @@ impl Scheduler {
             input,
             matches,
             last_cold: &state.no_hit_lru,
+            sessions: &state.sessions,
             saturation: &self.config.saturation,
             affinity_threshold: self.config.prefix.affinity_threshold,
             block_tokens: self.config.prefix.block_size_tokens,
@@ -383,6 +390,7 @@ mod tests {
                 sticky: self.sticky.as_deref(),
                 load_only: self.load_only,
                 subset: None,
+                session_key: None,
             }
         }
         fn schedule(&self, s: &Scheduler, pool: &PoolState, st: &SchedulerState) -> Result<Decision, ScheduleError> {

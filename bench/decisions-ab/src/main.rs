@@ -120,6 +120,7 @@ fn main() {
                 sticky: sticky.as_deref(),
                 load_only,
                 subset: None,
+                session_key: None,
             };
             let od = os.schedule(&oi, &opool, &mut ost);
             let nd = ns.schedule(&ni, &npool, &nst);

@@ -83,6 +83,7 @@ pub fn route(
         session_key: st.session_key,
         rollout_session: st.session.as_deref(),
         subset: None,
+        now_ms,
     };
     let view = StateView {
         pool: &w.cache.pool,

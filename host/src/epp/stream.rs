@@ -249,6 +249,7 @@ impl Stream {
             session_key: intake::body_session_key(self.picker.config(), self.head.session_key, &req),
             rollout_session: self.head.rollout_session.as_deref(),
             subset: self.subset.as_ref(),
+            now_ms: super::picker::now_ms(),
         };
         let plan = match self.picker.plan(&request) {
             Ok(p) => p,

@@ -66,6 +66,7 @@ impl Default for ProfilesConfig {
                 w(scorers::kv_cache_utilization::NAME, 2.0),
                 w(scorers::no_hit_lru::NAME, 1.0),
                 w(scorers::lora_affinity::NAME, 5.0),
+                w(scorers::session_load::NAME, 2.0),
                 p("max-score-picker"),
             ],
         ]
@@ -256,7 +257,7 @@ mod tests {
         let d = ProfilesConfig::default();
         let decode = Profile::resolve("decode", &d.decode).unwrap();
         assert_eq!(decode.filters.len(), 3);
-        assert_eq!(decode.scorers.len(), 6);
+        assert_eq!(decode.scorers.len(), 7);
         assert_eq!(decode.picker.name(), "max-score-picker");
         Profile::resolve("prefill", &d.prefill).unwrap();
         let bad = |plugins: Vec<PluginRef>| Profile::resolve("t", &ProfileConfig { plugins }).unwrap_err().to_string();

@@ -8,6 +8,7 @@ use crate::endpoint::Endpoint;
 use crate::filters::saturation::SaturationConfig;
 use crate::index;
 use crate::scorers::no_hit_lru::LastCold;
+use crate::scorers::session_load::ActiveSessions;
 use crate::scorers::ScoreContext;
 
 /// What scheduling needs to know about one request.
@@ -42,6 +43,8 @@ pub struct SchedulingInput<'a> {
     pub load_only: bool,
     /// The gateway's subset hint: only these endpoints may be chosen (`None`: the whole pool).
     pub subset: Option<&'a crate::filters::subset::Subset>,
+    /// The request's session key (`None`: no session header).
+    pub session_key: Option<u64>,
 }
 
 /// One scored candidate, by its position in the pool: what the picker orders. The candidates
@@ -148,6 +151,7 @@ pub struct ProfileRun<'a> {
     /// Leading blocks each endpoint holds by this scheduler's approximate index.
     pub matches: &'a HashMap<String, usize>,
     pub last_cold: &'a LastCold,
+    pub sessions: &'a ActiveSessions,
     pub saturation: &'a SaturationConfig,
     /// `prefix.affinity_threshold`.
     pub affinity_threshold: f64,
@@ -211,6 +215,8 @@ impl ProfileRun<'_> {
             load_only: input.load_only,
             saturation: self.saturation,
             last_cold: self.last_cold,
+            sessions: self.sessions,
+            session_key: input.session_key,
         };
         // One buffer, a column of `n` per scorer.
         let n = chosen.len();

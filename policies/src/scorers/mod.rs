@@ -41,6 +41,9 @@ pub struct ScoreContext<'a> {
     pub saturation: &'a SaturationConfig,
     /// The `no-hit-lru-scorer`'s memory of cold requests.
     pub last_cold: &'a no_hit_lru::LastCold,
+    /// The `session-load-scorer`'s active sessions, and the request's own session key.
+    pub sessions: &'a session_load::ActiveSessions,
+    pub session_key: Option<u64>,
 }
 
 /// One scoring plugin.
@@ -88,6 +91,7 @@ registry! {
     kv_cache_utilization::KvCacheUtilization,
     no_hit_lru::NoHitLru,
     lora_affinity::LoraAffinity,
+    session_load::SessionLoad,
 }
 
 /// The scorer registered under `name`.
@@ -116,6 +120,7 @@ pub(crate) mod testing {
     pub fn score(scorer: &dyn Scorer, eps: &[&Endpoint], tweak: impl FnOnce(&mut ScoreContext<'_>)) -> Vec<f64> {
         let sat = SaturationConfig::default();
         let last_cold = no_hit_lru::LastCold::default();
+        let sessions = session_load::ActiveSessions::default();
         let zeros = vec![0u32; eps.len()];
         let blocks = vec![0usize; eps.len()];
         let mut ctx = ScoreContext {
@@ -129,6 +134,8 @@ pub(crate) mod testing {
             load_only: false,
             saturation: &sat,
             last_cold: &last_cold,
+            sessions: &sessions,
+            session_key: None,
         };
         tweak(&mut ctx);
         let mut out = vec![f64::NAN; ctx.candidates.len()];

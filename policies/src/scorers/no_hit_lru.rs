@@ -82,6 +82,7 @@ mod tests {
         lru.record("a");
         lru.record("c");
         let sat = crate::filters::saturation::SaturationConfig::default();
+        let sessions = crate::scorers::session_load::ActiveSessions::default();
         let ctx = |cold| ScoreContext {
             model: "m",
             candidates: &refs,
@@ -93,6 +94,8 @@ mod tests {
             load_only: false,
             saturation: &sat,
             last_cold: &lru,
+            sessions: &sessions,
+            session_key: None,
         };
         let scored = |c: &ScoreContext<'_>| {
             let mut out = vec![f64::NAN; 3];
