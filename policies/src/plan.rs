@@ -370,9 +370,20 @@ pub fn learn(
     affinity: Option<&mut AffinityTable>,
     room: usize,
 ) -> Vec<(u64, String)> {
+    learn_with(plan, state, affinity, room, true)
+}
+
+/// [`learn`], moving the plan's session in the active sessions only when `session`.
+fn learn_with(
+    plan: &Plan,
+    state: &mut SchedulerState,
+    affinity: Option<&mut AffinityTable>,
+    room: usize,
+    session: bool,
+) -> Vec<(u64, String)> {
     state.commit(&plan.decision, &plan.index.hashes, &plan.index.anchors);
     state.sessions.expire(plan.now_ms);
-    if let Some(b) = &plan.session {
+    if let Some(b) = plan.session.as_ref().filter(|_| session) {
         state.sessions.touch(b.key, &b.endpoint, b.tokens, plan.now_ms);
     }
     let (Some(table), Some(primary)) = (affinity, plan.decision.endpoints.first()) else {
@@ -426,10 +437,19 @@ pub fn learn_served(
     affinity: Option<&mut AffinityTable>,
 ) -> Option<Plan> {
     let corrected = served_by(plan, served)?;
-    if let Some(primary) = plan.decision.endpoints.first() {
+    let primary = plan.decision.endpoints.first();
+    if let Some(primary) = primary {
         state.index.unrecord(&plan.index.hashes, &plan.index.anchors, plan.metrics.matched_blocks, primary);
     }
-    learn(&corrected, state, affinity, 0);
+    // The session moves with this turn only if no later turn has been planned since (a later
+    // one is bound where it went, with its own context).
+    let latest = plan.session.as_ref().is_some_and(|b| {
+        state
+            .sessions
+            .bound(b.key)
+            .is_none_or(|(at, tokens)| Some(at) == primary.map(String::as_str) && tokens == b.tokens)
+    });
+    learn_with(&corrected, state, affinity, 0, latest);
     Some(corrected)
 }
 
@@ -626,11 +646,18 @@ mod tests {
         learn(&first, &mut w.state, Some(&mut w.affinity), usize::MAX);
         let learned = learn_served(&first, &other, &mut w.state, Some(&mut w.affinity)).unwrap();
         assert_eq!(learned, served);
+        let tokens = first.session.as_ref().map(|b| b.tokens).unwrap();
+        assert_eq!(w.state.sessions.bound(7), Some((other.as_str(), tokens)), "the session moved with it");
         // The next request with that prompt goes where it was served, not to the primary.
         let next = w.plan(&req(&r), None).unwrap();
         assert_eq!(next.dispatch.endpoint, other);
         assert_eq!(next.metrics.matched_blocks, next.metrics.total_blocks);
         assert!(learn_served(&next, &other, &mut w.state, None).is_none());
+        // A report about an older turn, once a later one is planned: the later one stands.
+        let third = w.pool.endpoints.iter().map(|e| e.address.clone()).find(|a| *a != primary && *a != other).unwrap();
+        w.state.sessions.touch(7, &primary, tokens + 100, 10);
+        assert!(learn_served(&first, &third, &mut w.state, None).is_some());
+        assert_eq!(w.state.sessions.bound(7), Some((primary.as_str(), tokens + 100)));
     }
 
     #[test]

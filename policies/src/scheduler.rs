@@ -80,6 +80,12 @@ impl SchedulerState {
         }
     }
 
+    /// Age what ages with time to `now_ms` (active sessions lapse): a host calls it before
+    /// planning, so a request after a quiet spell is not scored on sessions long gone.
+    pub fn advance(&mut self, now_ms: u64) {
+        self.sessions.expire(now_ms);
+    }
+
     /// Record a decision (llm-d's `PreRequest` step): the approximate index learns where the
     /// prefix went, and a cold request moves its endpoint to the back of the no-hit LRU.
     pub fn commit(&mut self, decision: &Decision, block_hashes: &[u64], anchors: &[usize]) {

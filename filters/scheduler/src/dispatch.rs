@@ -70,6 +70,7 @@ pub fn route(
     let ids = prompt_ids(w, req, st.id);
     stages::mark(Stage::PromptTokens);
     let host_silent_ms = w.host_silent_ms(now_ms, w.config.scheduler.host_stale_ms);
+    w.state.advance(now_ms);
     let config = std::rc::Rc::clone(&w.config);
     // The reader reads the index's epoch from shared data: only a request with engine token ids
     // gets precise scores, so only such a request pays for that host call.

@@ -325,6 +325,7 @@ impl Picker {
         };
         let mut st = lock(&self.state);
         self.refresh(&mut st);
+        st.sched.advance(request.now_ms);
         let view = StateView {
             pool: &st.pool,
             state: &st.sched,

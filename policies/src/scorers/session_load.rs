@@ -5,7 +5,7 @@
 //! contexts then evict each other. This scorer counts, per endpoint, the context tokens of the
 //! sessions bound there and active within [`ACTIVE_MS`], and scores the endpoint by the share of
 //! its KV cache they leave free: 1 where no active session waits, 0 where their contexts fill
-//! the cache (or, when the cache size is unknown, on the endpoint with the most). The request's
+//! the cache (1 where the cache size is unknown: nothing to weigh them against). The request's
 //! own session does not count against its endpoint. With no active sessions anywhere it scores
 //! 0 everywhere (it has nothing to go on), so routing without sessions is unchanged. Sessions lapse as the scheduler
 //! routes requests ([`crate::plan::learn`]), so its view is as fresh as its last request.
@@ -58,11 +58,10 @@ impl Scorer for SessionLoad {
                 _ => tokens,
             }
         };
-        let most = ctx.candidates.iter().map(|e| load(&e.address)).max().unwrap_or(0);
         for (e, s) in ctx.candidates.iter().zip(out.iter_mut()) {
             let capacity = e.kv_blocks.saturating_mul(u64::from(e.block_size));
-            let scale = if capacity > 0 { capacity.max(most) } else { most };
-            *s = if scale == 0 { 1.0 } else { 1.0 - (load(&e.address) as f64 / scale as f64).min(1.0) };
+            // An engine whose cache size is unknown has nothing to weigh its sessions against.
+            *s = if capacity == 0 { 1.0 } else { 1.0 - (load(&e.address) as f64 / capacity as f64).min(1.0) };
         }
     }
 }
@@ -85,6 +84,9 @@ pub struct ActiveSessions {
     /// is stale.
     order: VecDeque<(u64, u64, u64)>,
     touches: u64,
+    /// The latest time seen: a clock that steps back (or a late, older report) ages nothing
+    /// backwards and keeps the queue in time order.
+    latest_ms: u64,
 }
 
 impl ActiveSessions {
@@ -111,6 +113,7 @@ impl ActiveSessions {
     /// Session `key` was routed to `endpoint` at `now_ms` with a `tokens`-token context.
     pub fn touch(&mut self, key: u64, endpoint: &str, tokens: u64, now_ms: u64) {
         self.expire(now_ms);
+        let now_ms = self.latest_ms;
         if let Some(old) = self.by_key.remove(&key) {
             self.release(&old);
         }
@@ -138,6 +141,8 @@ impl ActiveSessions {
 
     /// Sessions not seen for [`ACTIVE_MS`] before `now_ms` stop counting.
     pub fn expire(&mut self, now_ms: u64) {
+        self.latest_ms = self.latest_ms.max(now_ms);
+        let now_ms = self.latest_ms;
         while let Some(&(last_ms, seq, key)) = self.order.front() {
             if last_ms.saturating_add(ACTIVE_MS) > now_ms {
                 break;
@@ -218,6 +223,23 @@ mod tests {
         assert_eq!((s.tokens("a"), s.tokens("b"), s.tokens("c")), (0, 7_000, 23_000));
         assert_eq!(s.bound(2), None);
         assert_eq!(s.bound(1), Some(("c", 23_000)));
+        // A clock that steps back neither revives nor strands anything.
+        s.touch(4, "a", 1_000, 10_000);
+        assert_eq!(s.tokens("a"), 1_000);
+        s.expire(61_000);
+        assert!(s.is_empty() && s.tokens("a") == 0 && s.tokens("b") == 0);
+    }
+
+    #[test]
+    fn a_small_engine_nearly_full_scores_below_a_large_one_half_full() {
+        let mut pool = eps(1_024);
+        pool[1].kv_blocks = 4_096;
+        let refs: Vec<&Endpoint> = pool.iter().collect();
+        let mut s = ActiveSessions::default();
+        s.touch(1, "a", 15_000, 0);
+        s.touch(2, "b", 40_000, 0);
+        let v = score(&refs, &s, None);
+        assert!(v[0] < v[1] && v[1] < v[2], "{v:?}");
     }
 
     #[test]
@@ -250,11 +272,11 @@ mod tests {
         // Session 1's own context does not count against its endpoint.
         let own = score(&refs, &s, Some(1));
         assert!((own[0] - 1.0).abs() < 1e-9 && own[1] < 1.0, "{own:?}");
-        // Cache size unknown: the busiest endpoint scores 0.
+        // Cache size unknown: nothing to weigh the sessions against.
         let unknown = eps(0);
         let refs: Vec<&Endpoint> = unknown.iter().collect();
-        let scaled = score(&refs, &s, None);
-        assert!(scaled[0].abs() < 1e-9 && (scaled[2] - 1.0).abs() < 1e-9, "{scaled:?}");
+        let neutral = score(&refs, &s, None);
+        assert!(neutral.iter().all(|&v| (v - 1.0).abs() < 1e-9), "{neutral:?}");
         // No active session: nothing to go on, every endpoint scores 0.
         let none = ActiveSessions::default();
         assert!(score(&refs, &none, None).iter().all(|&v| v == 0.0));
