@@ -363,7 +363,8 @@ fn bind_session(
 }
 
 /// Apply what a plan teaches this scheduler: its index, LRU and active sessions, and its
-/// cross-worker table. Returns the `(hash, endpoint)` entries to publish to the other workers, at most `room`.
+/// cross-worker table. Returns the `(hash, endpoint)` entries to publish to the other
+/// workers, at most `room`.
 pub fn learn(
     plan: &Plan,
     state: &mut SchedulerState,

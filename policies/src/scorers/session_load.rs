@@ -7,8 +7,9 @@
 //! its KV cache they leave free: 1 where no active session waits, 0 where their contexts fill
 //! the cache (1 where the cache size is unknown: nothing to weigh them against). The request's
 //! own session does not count against its endpoint. With no active sessions anywhere it scores
-//! 0 everywhere (it has nothing to go on), so routing without sessions is unchanged. Sessions lapse as the scheduler
-//! routes requests ([`crate::plan::learn`]), so its view is as fresh as its last request.
+//! 0 everywhere (it has nothing to go on), so routing without sessions is unchanged. Sessions
+//! lapse by the host's clock: hosts call [`crate::SchedulerState::advance`] before each plan,
+//! and [`crate::plan::learn`] records each session's latest turn.
 
 use std::collections::VecDeque;
 
