@@ -45,6 +45,7 @@ pub struct Metrics {
     spread: Option<u32>,
     responses_learned: Option<u32>,
     affinity_learned: Option<u32>,
+    shared_corrupt: Option<u32>,
     fleet: FleetMetrics,
     /// Histogram samples taken on the request path, recorded from the worker's tick. Envoy
     /// merges histograms only at its stats flush (5 s), so this delays nothing a reader sees.
@@ -167,6 +168,7 @@ impl Metrics {
             host_silent_ms: define(MetricType::Gauge, "attache.host.silent_ms"),
             load_only: define(MetricType::Counter, "attache.host.load_only_decisions"),
             affinity_learned: define(MetricType::Counter, "attache.affinity.learned"),
+            shared_corrupt: define(MetricType::Counter, "attache.shared.corrupt_tables"),
             propagation_us: define(MetricType::Histogram, "attache.precise.propagation_us"),
             decision_us: define(MetricType::Histogram, "attache.decision_us"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
@@ -335,6 +337,11 @@ impl Metrics {
 
     /// A decision made on load alone because the host was silent.
     /// Entries learned from the other workers' affinity logs (`attache.affinity.learned`).
+    /// A table in shared data did not decode and was replaced (`attache.shared.corrupt_tables`).
+    pub fn shared_table_corrupt(&mut self) {
+        inc(self.shared_corrupt, 1);
+    }
+
     pub fn affinity_learned(&mut self, entries: usize) {
         if entries > 0 {
             inc(self.affinity_learned, entries as i64);

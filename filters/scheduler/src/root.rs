@@ -231,6 +231,7 @@ impl RootContext for AttacheRoot {
             w.housekeep(now);
             let reports_itself = self.fleet.is_some();
             let affinity = w.flush_affinity(now);
+            w.share_cold_lru();
             let bindings = w.flush_bindings(!reports_itself);
             if let Some(f) = self.fleet.as_mut() {
                 f.collect(&affinity, &bindings, &mut w.metrics);

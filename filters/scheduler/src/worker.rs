@@ -12,6 +12,7 @@ use crate::config::FilterConfig;
 use crate::flow_state::FlowState;
 use crate::hostcalls as host;
 use crate::metrics::Metrics;
+use crate::shared::cold_lru::SharedColdLru;
 use crate::shared::entry_log::{self, Entry, EntryLog, PENDING_MAX};
 use crate::shared::snapshot::{self, SnapshotCache};
 
@@ -37,6 +38,8 @@ pub struct Worker {
     pub affinity: AffinityTable,
     /// This worker's side of the affinity log in shared data ([`crate::shared::entry_log`]).
     pub affinity_log: EntryLog,
+    /// This worker's side of the no-hit LRU every worker shares, synced from the tick.
+    pub cold_lru: SharedColdLru,
     /// This worker's decisions not yet appended to its log: `(block hash, endpoint)`, written
     /// from the tick, off the request path.
     pub affinity_pending: Vec<(u64, String)>,
@@ -99,6 +102,14 @@ impl Worker {
         batch
     }
 
+    /// Share the no-hit LRU with the other workers (from the tick), counting a corrupt table.
+    pub fn share_cold_lru(&mut self) {
+        let shared = self.cold_lru.share(&mut self.state.no_hit_lru);
+        if shared.corrupt {
+            self.metrics.shared_table_corrupt();
+        }
+    }
+
     /// A session or Responses-id binding was made: keep it for the fleet (reported from the
     /// tick). Past [`PENDING_MAX`] waiting, it is dropped and counted. A `new` binding (a key
     /// not bound here before, or bound elsewhere) is also sent to the host at once: the next
@@ -143,6 +154,7 @@ impl Worker {
             affinity: AffinityTable::new(config.scheduler.prefix.shared_slots),
             affinity_log: EntryLog::new(entry_log::AFFINITY),
             affinity_pending: Vec::new(),
+            cold_lru: SharedColdLru::default(),
             bindings_pending: Vec::new(),
             bindings_log: EntryLog::new(entry_log::BINDINGS),
             envoy: None,
@@ -241,5 +253,33 @@ mod tests {
         two.tick();
         let matched = metric("attache.prefix.blocks_matched");
         assert!(matched > Some(0), "{matched:?}: worker two's decisions found the prefixes worker one routed");
+    }
+
+    #[test]
+    fn workers_share_the_no_hit_lru_so_new_prefixes_spread_over_the_pool() {
+        publish(&snapshot(4));
+        let mut one = Filter::configure("");
+        let (mut two, ok) = Filter::try_configure_as(2, "");
+        assert!(ok);
+        let prompts: Vec<String> = (0..4).map(|i| format!("{i} {}", "a distinct system prompt ".repeat(40))).collect();
+        // Workers take turns with new prefixes; between requests, the sender's tick shares
+        // its decision, then the other's adopts it.
+        let mut primaries = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let (sender, other) = if i % 2 == 0 { (&mut one, &mut two) } else { (&mut two, &mut one) };
+            primaries.push(sender.send(Request::completion(&prompt(p))).primary().expect("routed"));
+            sender.tick();
+            other.tick();
+        }
+        primaries.sort_unstable();
+        primaries.dedup();
+        assert_eq!(primaries.len(), 4, "each new prefix went to its own endpoint: {primaries:?}");
+        // A table another writer corrupted is replaced at the next tick, and counted.
+        crate::testing::with(|h| h.shared.insert(crate::shared::cold_lru::KEY.into(), (vec![1, 2, 3], 99)));
+        one.tick();
+        assert_eq!(metric("attache.shared.corrupt_tables"), Some(1));
+        let table = crate::testing::with(|h| h.shared.get(crate::shared::cold_lru::KEY).cloned());
+        let table = table.expect("rewritten").0;
+        assert!(attache_policies::scorers::no_hit_lru::LastCold::decode(&table).is_some());
     }
 }
