@@ -36,19 +36,30 @@ pub struct Throughput {
     pub errors: usize,
     /// Sessions started; the plan ran out when this equals its length.
     pub sessions: usize,
+    /// The engines' prefix-cache hit rate over the counted window (hits over queried tokens).
+    pub prefix_hit_rate: Option<f64>,
 }
 
-/// Output tokens the engines at `engines` (`host:port`) have generated, summed.
-async fn generated(http: &reqwest::Client, engines: &[String]) -> f64 {
-    let mut total = 0.0;
+/// What the engines at `engines` (`host:port`) have counted, summed over the pool: output
+/// tokens generated, prefix-cache hits and queries (tokens).
+async fn counters(http: &reqwest::Client, engines: &[String]) -> [f64; 3] {
+    let mut total = [0.0; 3];
     for e in engines {
         let Ok(r) = http.get(format!("http://{e}/metrics")).send().await else { continue };
         let text = r.text().await.unwrap_or_default();
-        total += text
-            .lines()
-            .filter(|l| l.starts_with("vllm:generation_tokens_total"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
+        let sum = |name: &str| {
+            text.lines()
+                .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        };
+        for (t, name) in total.iter_mut().zip([
+            "vllm:generation_tokens_total",
+            "vllm:prefix_cache_hits_total",
+            "vllm:prefix_cache_queries_total",
+        ]) {
+            *t += sum(name);
+        }
     }
     total
 }
@@ -107,9 +118,9 @@ pub async fn drive(
         }));
     }
     tokio::time::sleep_until(start + window.mul_f64(WARM_UP)).await;
-    let g0 = generated(&http, engines).await;
+    let [g0, h0, q0] = counters(&http, engines).await;
     tokio::time::sleep_until(deadline).await;
-    let g1 = generated(&http, engines).await;
+    let [g1, h1, q1] = counters(&http, engines).await;
     let mut out = Throughput { concurrency: cl.concurrency, seconds: cl.seconds, ..Throughput::default() };
     for c in clients {
         if let Ok((r, e)) = c.await {
@@ -119,6 +130,7 @@ pub async fn drive(
     }
     out.sessions = next.load(Ordering::Relaxed).min(plan.len());
     out.output_tokens = (g1 - g0).max(0.0) as u64;
+    out.prefix_hit_rate = (q1 > q0).then(|| crate::run::round2((h1 - h0) / (q1 - q0) * 100.0) / 100.0);
     out.output_tok_per_s = crate::run::round2(out.output_tokens as f64 / (cl.seconds * (1.0 - WARM_UP)));
     out
 }

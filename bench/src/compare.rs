@@ -366,8 +366,8 @@ async fn run_closed(
         closed_loop::drive(&url, &engines, sc.api, plan.clone(), cl, sc.pool.time_scale, sc.request_timeout_s).await;
     let exhausted = if t.sessions >= plan.len() { " (the plan ran out: raise its stretch)" } else { "" };
     println!(
-        "  {system:<24} closed loop, {} clients for {} s: {} turns, {:.1} output tok/s, {} errors{exhausted}",
-        cl.concurrency, cl.seconds, t.requests, t.output_tok_per_s, t.errors
+        "  {system:<24} closed loop, {} clients for {} s: {} turns, {:.1} output tok/s, engine hit rate {:?}, {} errors{exhausted}",
+        cl.concurrency, cl.seconds, t.requests, t.output_tok_per_s, t.prefix_hit_rate, t.errors
     );
     drop((stack, peer));
     Ok(t)

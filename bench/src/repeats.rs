@@ -34,6 +34,8 @@ pub struct Figures {
     pub closed_output_tok_per_s: Option<Spread>,
     /// The engines' own prefix-cache hit rate.
     pub prefix_hit_rate: Option<Spread>,
+    /// The same over the closed loop's counted window.
+    pub closed_prefix_hit_rate: Option<Spread>,
     /// What Attaché's index expected of the endpoints it picked.
     pub expected_hit_rate: Option<Spread>,
     pub errors: usize,
@@ -63,6 +65,7 @@ impl SystemSeeds {
             output_tok_per_s: spread_of(&self.open, |r| r.output_tok_per_s),
             closed_output_tok_per_s: spread_of(&self.closed, |t| t.output_tok_per_s),
             prefix_hit_rate: spread_of(&self.open, |r| r.prefix_hit_rate),
+            closed_prefix_hit_rate: spread_of(&self.closed, |t| t.prefix_hit_rate.unwrap_or(f64::NAN)),
             expected_hit_rate: spread_of(&self.expected_hit, |e| *e),
             errors: self.open.iter().flatten().map(|r| r.errors).sum(),
         }
@@ -163,13 +166,13 @@ pub fn markdown(figs: &[Figures]) -> String {
     let mut m = String::new();
     let _ = writeln!(
         m,
-        "| system | seeds | TTFT p50 ms | TTFT p95 ms | output tok/s (open) | output tok/s (closed) | engine hit rate | index expected | errors |"
+        "| system | seeds | TTFT p50 ms | TTFT p95 ms | output tok/s (open) | output tok/s (closed) | engine hit rate | index expected | hit rate (closed) | errors |"
     );
-    let _ = writeln!(m, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(m, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for f in figs {
         let _ = writeln!(
             m,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             f.system,
             f.seeds,
             cell(f.ttft_p50_ms.as_ref(), 0),
@@ -178,6 +181,7 @@ pub fn markdown(figs: &[Figures]) -> String {
             cell(f.closed_output_tok_per_s.as_ref(), 0),
             cell(f.prefix_hit_rate.as_ref(), 3),
             cell(f.expected_hit_rate.as_ref(), 3),
+            cell(f.closed_prefix_hit_rate.as_ref(), 3),
             f.errors
         );
     }
