@@ -91,7 +91,7 @@ async fn kv_match(
     }
     let keys = block_key::token_block_keys(block_key::chain_seed(&req.model, None), &req.token_ids, req.block_size);
     let ix = st.kv_index.lock().unwrap_or_else(|p| p.into_inner());
-    let m = precise::match_prefix(&keys, &precise::TierWeights::default(), |k| ix.holders(k));
+    let m = precise::match_prefix(keys.iter().copied(), &precise::TierWeights::default(), |k| ix.holders(k));
     let snap = st.snapshots.borrow().clone();
     let address = |id: u16| snap.endpoints.iter().find(|e| e.id == u32::from(id)).map(|e| e.address.clone());
     let mut eps: Vec<Value> = m

@@ -30,20 +30,22 @@ pub fn chain(prev: u64, block: &[u8]) -> u64 {
 /// blocks of the engine's block size, continuing from `parent` (the previous block's key, or
 /// [`chain_seed`] at the start).
 pub fn token_block_keys(parent: u64, tokens: &[u32], block_size: usize) -> Vec<u64> {
+    token_block_key_iter(parent, tokens, block_size).collect()
+}
+
+/// [`token_block_keys`] one key at a time: a caller that stops early hashes no further.
+pub fn token_block_key_iter(parent: u64, tokens: &[u32], block_size: usize) -> impl Iterator<Item = u64> + '_ {
     let bs = block_size.max(1);
     let mut prev = parent;
     let mut buf = Vec::with_capacity(bs * 4);
-    tokens
-        .chunks_exact(bs)
-        .map(|block| {
-            buf.clear();
-            for id in block {
-                buf.extend_from_slice(&id.to_le_bytes());
-            }
-            prev = chain(prev, &buf);
-            prev
-        })
-        .collect()
+    tokens.chunks_exact(bs).map(move |block| {
+        buf.clear();
+        for id in block {
+            buf.extend_from_slice(&id.to_le_bytes());
+        }
+        prev = chain(prev, &buf);
+        prev
+    })
 }
 
 #[cfg(test)]

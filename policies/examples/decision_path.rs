@@ -11,9 +11,9 @@
 //!
 //! `--cold` clears the CPU caches before each decision (it writes 8 MB), as Envoy's other work
 //! does between two requests: inside Envoy a decision starts with the pool, the tables and the
-//! code out of cache, and costs about twice the warm figure. `--features probes` adds each
-//! stage's time and allocations (`policies::probe`). Inside Envoy, each worker's decision time
-//! is `attache_decision_us`; a filter built with `--features stage-timings` splits it by stage.
+//! code out of cache, and costs about twice the warm figure. `--stages` adds each stage's time
+//! and allocations (`policies::probe`). Inside Envoy, each worker's decision time is
+//! `attache_decision_us`; the filter's `stage_timings` option splits it by stage.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -91,21 +91,36 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
     v.get(((v.len() as f64 - 1.0) * q) as usize).copied().unwrap_or(0.0)
 }
 
-/// Per-probe times of the decisions so far (a `--features probes` build).
+/// Per-probe times of the decisions so far (with `--stages`).
 mod probes {
     use std::cell::RefCell;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Instant;
+
+    static ON: AtomicBool = AtomicBool::new(false);
 
     thread_local! {
         static LAST: RefCell<Option<(Instant, u64)>> = const { RefCell::new(None) };
         static TIMES: RefCell<Vec<(&'static str, Vec<f64>, u64)>> = const { RefCell::new(Vec::new()) };
     }
 
+    /// Time the stages from now on, the probes inside `policies::plan` included.
+    pub fn enable() {
+        ON.store(true, Ordering::Relaxed);
+        attache_policies::probe::set(hook);
+    }
+
     pub fn begin() {
+        if !ON.load(Ordering::Relaxed) {
+            return;
+        }
         LAST.with(|l| *l.borrow_mut() = Some((Instant::now(), super::allocs())));
     }
 
     pub fn hook(name: &'static str) {
+        if !ON.load(Ordering::Relaxed) {
+            return;
+        }
         let now = (Instant::now(), super::allocs());
         let Some(last) = LAST.with(|l| l.borrow_mut().replace(now)) else { return };
         let us = now.0.duration_since(last.0).as_secs_f64() * 1e6;
@@ -122,17 +137,25 @@ mod probes {
         });
     }
 
-    pub fn report(quantile: fn(&mut [f64], f64) -> f64) {
+    /// Each probe's mean / p50 / p99 µs and allocations per decision, then cleared; empty
+    /// when nothing registered the hook (no `--stages`).
+    pub fn report(quantile: fn(&mut [f64], f64) -> f64) -> String {
         TIMES.with(|t| {
+            let mut out = String::new();
             for (name, v, allocs) in t.borrow_mut().iter_mut() {
                 let n = v.len().max(1) as f64;
                 let mean = v.iter().sum::<f64>() / n;
-                print!(" {name}={mean:.1}/{:.1}/{:.1}({:.0})", quantile(v, 0.5), quantile(v, 0.99), *allocs as f64 / n);
+                out.push_str(&format!(
+                    " {name}={mean:.1}/{:.1}/{:.1}({:.0})",
+                    quantile(v, 0.5),
+                    quantile(v, 0.99),
+                    *allocs as f64 / n
+                ));
                 v.clear();
                 *allocs = 0;
             }
-        });
-        println!();
+            out
+        })
     }
 }
 
@@ -255,16 +278,18 @@ fn row(
         quantile(&mut times, 0.99),
         counted as f64 / bodies.len() as f64,
     );
-    if cfg!(feature = "probes") {
-        print!("    by stage, mean / p50 / p99 us (allocations):");
-        probes::report(quantile);
+    let by_stage = probes::report(quantile);
+    if !by_stage.is_empty() {
+        println!("    by stage, mean / p50 / p99 us (allocations):{by_stage}");
     }
     Ok(())
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    attache_policies::probe::set(probes::hook);
     let cold = std::env::args().any(|a| a == "--cold");
+    if std::env::args().any(|a| a == "--stages") {
+        probes::enable();
+    }
     let scheduler = Scheduler::new(SchedulerConfig::default())?;
     let (sessions, scoring) = (SessionConfig::default(), ScoringConfig::default());
     let settings = PlanConfig { scheduler: &scheduler, sessions: &sessions, scoring: &scoring };

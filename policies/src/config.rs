@@ -91,6 +91,9 @@ pub struct PreciseConfig {
     /// `bos_token` / `eos_token` as the template sees them (from `tokenizer_config.json`).
     pub bos_token: String,
     pub eos_token: String,
+    /// Bytes of tokenized prompt prefixes each worker keeps, so that a conversation's next
+    /// turn tokenizes only what it added (`policies::token_prefix`); 0 keeps none.
+    pub prefix_store_bytes: usize,
 }
 
 /// One expected tokenization.
@@ -125,6 +128,7 @@ impl Default for PreciseConfig {
             chat_template: None,
             bos_token: String::new(),
             eos_token: String::new(),
+            prefix_store_bytes: 16 << 20,
         }
     }
 }

@@ -38,6 +38,7 @@ pub mod scorers;
 pub mod scoring;
 pub mod session;
 pub mod template_json;
+pub mod token_prefix;
 pub mod tokenizer;
 
 pub use config::SchedulerConfig;

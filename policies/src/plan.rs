@@ -257,7 +257,8 @@ fn precise_scores(
         m => m,
     };
     let seed = prefix::chain_seed(model, None);
-    Some(precise::scores(view.pool, &pc.tier_weights, |bs| prefix::token_block_keys(seed, ids, bs), |k| kv.holders(k)))
+    let keys_for = |bs: usize| (ids.len() / bs.max(1), prefix::token_block_key_iter(seed, ids, bs));
+    Some(precise::scores(view.pool, &pc.tier_weights, keys_for, |k| kv.holders(k)))
 }
 
 /// `bound`: the request's session or conversation was bound to an endpoint.

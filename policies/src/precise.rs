@@ -52,16 +52,16 @@ pub struct PreciseMatch {
 
 /// For each endpoint, the longest run of `keys` it holds from the start, and its weight.
 /// `holders(key)` lists (endpoint id, tier mask) for a key. Stops as soon as no endpoint
-/// continues its run, so a miss costs one lookup.
+/// continues its run, so a miss costs one lookup, and a lazy `keys` hashes no further block.
 pub fn match_prefix(
-    keys: &[u64],
+    keys: impl IntoIterator<Item = u64>,
     weights: &TierWeights,
     mut holders: impl FnMut(u64) -> Vec<(u16, u8)>,
 ) -> HashMap<u16, PreciseMatch> {
     let mut out: HashMap<u16, PreciseMatch> = HashMap::new();
-    for (i, k) in keys.iter().enumerate() {
+    for (i, k) in keys.into_iter().enumerate() {
         let mut any = false;
-        for (ep, mask) in holders(*k) {
+        for (ep, mask) in holders(k) {
             let w = weights.best(mask);
             if w <= 0.0 {
                 continue;
@@ -89,26 +89,27 @@ pub fn score(m: Option<&PreciseMatch>, total_blocks: usize) -> f64 {
     }
 }
 
-/// Precise scores for every endpoint with a known block size: the request's token ids are
-/// cut into that size's block keys (`keys_for(block_size)`), matched against the index, and
-/// scored. Returns endpoint id → (score, matched blocks).
-pub fn scores(
+/// Precise scores for every endpoint with a known block size: `keys_for(block_size)` gives the
+/// request's block count at that size and its block keys, which are matched against the index
+/// and scored. The keys are taken one at a time, so a lazy iterator stops hashing at the first
+/// block no endpoint holds. Returns endpoint id → (score, matched blocks).
+pub fn scores<K: IntoIterator<Item = u64>>(
     pool: &crate::PoolState,
     weights: &TierWeights,
-    mut keys_for: impl FnMut(usize) -> Vec<u64>,
+    mut keys_for: impl FnMut(usize) -> (usize, K),
     mut holders: impl FnMut(u64) -> Vec<(u16, u8)>,
 ) -> HashMap<u32, (f64, usize)> {
     let mut out = HashMap::new();
     for bs in pool.block_sizes() {
-        let keys = keys_for(bs as usize);
-        if keys.is_empty() {
+        let (total, keys) = keys_for(bs as usize);
+        if total == 0 {
             continue;
         }
         // Only the holders are visited, not the pool: a lookup each on large pools.
-        for (id, pm) in match_prefix(&keys, weights, &mut holders) {
+        for (id, pm) in match_prefix(keys, weights, &mut holders) {
             let id = u32::from(id);
             if pool.by_id(id).is_some_and(|e| e.block_size == bs) {
-                out.insert(id, (score(Some(&pm), keys.len()), pm.blocks));
+                out.insert(id, (score(Some(&pm), total), pm.blocks));
             }
         }
     }
@@ -140,7 +141,7 @@ mod tests {
             32 => vec![(1, GPU), (2, CPU)],
             _ => vec![],
         };
-        let keys = |bs: usize| if bs == 16 { vec![16, 17] } else { vec![32, 33] };
+        let keys = |bs: usize| (2, if bs == 16 { vec![16, 17] } else { vec![32, 33] });
         for n in [8, 1_000] {
             let mut p = pool(n, &[16, 32, 0]);
             assert_eq!(p.block_sizes(), vec![16, 32], "{n} endpoints");
@@ -164,13 +165,38 @@ mod tests {
             [(1, vec![(0, GPU), (1, CPU)]), (2, vec![(0, GPU), (1, CPU), (2, GPU)]), (3, vec![(1, CPU | GPU)])]
                 .into_iter()
                 .collect();
-        let m = match_prefix(&[1, 2, 3, 4], &TierWeights::default(), |k| table.get(&k).cloned().unwrap_or_default());
+        let m = match_prefix([1, 2, 3, 4], &TierWeights::default(), |k| table.get(&k).cloned().unwrap_or_default());
         assert_eq!(m[&0], PreciseMatch { blocks: 2, weighted: 2.0 });
         assert_eq!(m[&1].blocks, 3);
         assert!((m[&1].weighted - (0.8 + 0.8 + 1.0)).abs() < 1e-9);
         assert!(!m.contains_key(&2), "endpoint 2 lacks block 1");
         assert!((score(m.get(&1), 4) - 0.65).abs() < 1e-9);
         assert_eq!(score(None, 4), 0.0);
+    }
+
+    /// Keys are pulled one at a time: past the first block no endpoint holds, no further key
+    /// is hashed, and the score still counts every block of the request.
+    #[test]
+    fn matching_stops_hashing_at_the_first_block_nobody_holds() {
+        let tokens: Vec<u32> = (0..16 * 100).collect();
+        let seed = attache_kv::block_key::chain_seed("m", None);
+        let all = attache_kv::block_key::token_block_keys(seed, &tokens, 16);
+        let held: std::collections::HashSet<u64> = all.iter().take(3).copied().collect();
+        let hashed = std::cell::Cell::new(0usize);
+        let keys =
+            attache_kv::block_key::token_block_key_iter(seed, &tokens, 16).inspect(|_| hashed.set(hashed.get() + 1));
+        let m =
+            match_prefix(keys, &TierWeights::default(), |k| if held.contains(&k) { vec![(7, GPU)] } else { vec![] });
+        assert_eq!(m[&7].blocks, 3);
+        assert_eq!(hashed.get(), 4, "three held blocks and the first miss, of 100");
+        let p = pool(8, &[16]);
+        let s = scores(
+            &p,
+            &TierWeights::default(),
+            |bs| (tokens.len() / bs, attache_kv::block_key::token_block_key_iter(seed, &tokens, bs)),
+            |k| if held.contains(&k) { vec![(7, GPU)] } else { vec![] },
+        );
+        assert_eq!(s.get(&7), Some(&(0.03, 3)), "3 of 100 blocks");
     }
 
     #[test]

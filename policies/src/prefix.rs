@@ -9,7 +9,7 @@
 
 use attache_kv::block_key::chain;
 // The precise block-key rules live in attache-kv; callers that hash prompts find them here too.
-pub use attache_kv::block_key::{chain_seed, token_block_keys};
+pub use attache_kv::block_key::{chain_seed, token_block_key_iter, token_block_keys};
 
 use crate::config::PrefixConfig;
 use crate::request::Prompt;

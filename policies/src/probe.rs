@@ -1,24 +1,23 @@
 //! Measurement probes inside [`crate::plan::plan`]: named points a host can time.
 //!
-//! Only with the `probes` feature, which the filter's `stage-timings` measurement build turns
-//! on. The crate has no clock: the host registers a function ([`set`]) that reads its own and
-//! attributes the time since its previous reading to the probe's name. Without the feature,
-//! [`mark`] is empty and compiles away.
+//! The crate has no clock: a host that wants the split registers a function ([`set`]) that
+//! reads its own and attributes the time since its previous reading to the probe's name. The
+//! filter registers one when its `stage_timings` option is on; until something registers, a
+//! probe is one check of an empty cell.
+
+use std::sync::OnceLock;
 
 /// What a host calls at each probe.
 pub type Hook = fn(&'static str);
 
-#[cfg(feature = "probes")]
-static HOOK: std::sync::OnceLock<Hook> = std::sync::OnceLock::new();
+static HOOK: OnceLock<Hook> = OnceLock::new();
 
 /// Register the host's hook (the first registration wins).
-#[cfg(feature = "probes")]
 pub fn set(hook: Hook) {
     let _ = HOOK.set(hook);
 }
 
 /// The work named `name` just ended.
-#[cfg(feature = "probes")]
 #[inline]
 pub fn mark(name: &'static str) {
     if let Some(h) = HOOK.get() {
@@ -26,16 +25,7 @@ pub fn mark(name: &'static str) {
     }
 }
 
-/// Register the host's hook (no probes in this build).
-#[cfg(not(feature = "probes"))]
-pub fn set(_hook: Hook) {}
-
-/// The work named `name` just ended (no probes in this build).
-#[cfg(not(feature = "probes"))]
-#[inline(always)]
-pub fn mark(_name: &'static str) {}
-
-#[cfg(all(test, feature = "probes"))]
+#[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -43,6 +33,8 @@ mod tests {
 
     #[test]
     fn a_registered_hook_sees_each_mark() {
+        super::mark("before");
+        assert_eq!(SEEN.load(Ordering::Relaxed), 0, "no hook, no call");
         super::set(|name| {
             assert!(!name.is_empty());
             SEEN.fetch_add(1, Ordering::Relaxed);

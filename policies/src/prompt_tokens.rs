@@ -9,6 +9,7 @@
 use crate::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
 use crate::config::{PreciseConfig, TokenizerCheck};
 use crate::request::{Api, InferenceRequest, Prompt};
+use crate::token_prefix::{encode_with_store, StoreStats, TokenPrefixStore};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
 /// Why a request's prompt could not be turned into the engine's ids.
@@ -40,6 +41,8 @@ pub struct PromptTokenizer {
     /// The template renders a system message after others (vLLM's Messages route merges them
     /// into the leading one otherwise).
     inline_system: bool,
+    /// Tokenized prefixes: a conversation's next turn tokenizes only what it added.
+    store: TokenPrefixStore,
 }
 
 impl std::fmt::Debug for PromptTokenizer {
@@ -51,7 +54,18 @@ impl std::fmt::Debug for PromptTokenizer {
 impl PromptTokenizer {
     pub fn new(tokenizer: Tokenizer, template: Option<ChatTemplate>) -> Self {
         let inline_system = template.as_ref().is_some_and(ChatTemplate::accepts_inline_system);
-        Self { tokenizer, template, inline_system }
+        Self { tokenizer, template, inline_system, store: TokenPrefixStore::new(0) }
+    }
+
+    /// Keep up to `max_bytes` of tokenized prefixes ([`crate::token_prefix`]; 0: none).
+    pub fn with_prefix_store(mut self, max_bytes: usize) -> Self {
+        self.store = TokenPrefixStore::new(max_bytes);
+        self
+    }
+
+    /// What the prefix store has done.
+    pub fn prefix_store_stats(&self) -> StoreStats {
+        self.store.stats()
     }
 
     /// Build from the precise-routing configuration and run its `tokenizer_check`s. Returns the
@@ -65,7 +79,8 @@ impl PromptTokenizer {
         };
         let mut me = Self::new(tokenizer, template);
         let failed = cfg.tokenizer_check.iter().filter(|c| !me.check(c)).count();
-        Ok((me, failed))
+        // The checks' texts are not routed: the store starts empty.
+        Ok((me.with_prefix_store(cfg.prefix_store_bytes), failed))
     }
 
     /// The tokenizer precise routing uses, if it is configured: `Ok(None)` when precise routing
@@ -119,7 +134,7 @@ impl PromptTokenizer {
     ) -> Result<Vec<u32>, PromptTokensError> {
         let template = self.template.as_ref().ok_or(PromptTokensError::NoChatTemplate)?;
         let rendered = template.render_with_tools(messages, tools, add_generation_prompt)?;
-        Ok(self.tokenizer.encode(&rendered, false, max_tokens))
+        Ok(encode_with_store(&mut self.tokenizer, &mut self.store, &rendered, false, max_tokens))
     }
 
     /// An Anthropic Messages conversation as vLLM renders it: inline system messages merged
@@ -143,7 +158,7 @@ impl PromptTokenizer {
         }
         Ok(match &req.prompt {
             Prompt::Tokens(ids) => given_ids(ids, max_tokens),
-            Prompt::Text(text) => self.tokenizer.encode(text, true, max_tokens),
+            Prompt::Text(text) => encode_with_store(&mut self.tokenizer, &mut self.store, text, true, max_tokens),
         })
     }
 }

@@ -260,38 +260,78 @@ impl Tokenizer {
             out.extend_from_slice(&self.prefix_ids);
         }
         let limit = if max_tokens == 0 { usize::MAX } else { max_tokens };
-        let mut rest = text;
-        while !rest.is_empty() && out.len() < limit {
-            // Split out the leftmost (then longest) added token.
-            let mut best: Option<(usize, usize, u32)> = None;
-            for (content, id) in &self.added {
-                if let Some(pos) = rest.find(content.as_str()) {
-                    if best.is_none_or(|(p, l, _)| pos < p || (pos == p && content.len() > l)) {
-                        best = Some((pos, content.len(), *id));
-                    }
-                }
-            }
-            let (segment, special) = match best {
-                Some((pos, len, id)) => (rest.get(..pos).unwrap_or(""), Some((pos + len, id))),
-                None => (rest, None),
-            };
-            self.encode_segment(segment, &mut out, limit);
-            match special {
-                Some((end, id)) if out.len() < limit => {
-                    out.push(id);
-                    rest = rest.get(end..).unwrap_or("");
-                }
-                _ => break,
-            }
-        }
+        self.encode_from(text, 0, &mut out, limit, |_, _| {});
         out.truncate(limit);
         out
     }
 
-    fn encode_segment(&mut self, text: &str, out: &mut Vec<u32>, limit: usize) {
+    /// Longest added token, in bytes: text this close to a cut may still become one.
+    pub fn longest_added(&self) -> usize {
+        self.added.first().map_or(0, |(c, _)| c.len())
+    }
+
+    /// Tokenize `text[start..]` onto `out`, up to `limit` ids in all. `start` must be a
+    /// boundary of `text`'s full tokenization (0, or one `boundary` reported): the ids then
+    /// continue it exactly. `boundary(offset, ids)` is told each offset where a piece of the
+    /// full tokenization starts, with the ids before it, in order; a later call may resume
+    /// there, on this text or on any text that extends `text[..offset + margin]`, for the margin
+    /// of [`crate::token_prefix`].
+    pub fn encode_from(
+        &mut self,
+        text: &str,
+        start: usize,
+        out: &mut Vec<u32>,
+        limit: usize,
+        mut boundary: impl FnMut(usize, usize),
+    ) {
+        let mut at = start.min(text.len());
+        // The next occurrence of each added token at or after `at`, found once per token and
+        // searched again only after the scan passes it (one pass over the text per token,
+        // however many occurrences).
+        let mut next: Vec<Option<usize>> = vec![Some(at); self.added.len()];
+        let mut searched_from = vec![usize::MAX; self.added.len()];
+        while at < text.len() && out.len() < limit {
+            // The leftmost (then longest: `added` is longest first) added token.
+            let mut best: Option<(usize, usize, u32)> = None;
+            for (k, (content, id)) in self.added.iter().enumerate() {
+                let (Some(slot), Some(from)) = (next.get_mut(k), searched_from.get_mut(k)) else { continue };
+                let stale = *from == usize::MAX || slot.is_some_and(|p| p < at);
+                if stale {
+                    *slot = text.get(at..).and_then(|r| r.find(content.as_str())).map(|p| at + p);
+                    *from = at;
+                }
+                if let Some(pos) = *slot {
+                    if best.is_none_or(|(p, _, _)| pos < p) {
+                        best = Some((pos, content.len(), *id));
+                    }
+                }
+            }
+            let seg_end = best.map_or(text.len(), |(pos, _, _)| pos);
+            let segment = text.get(at..seg_end).unwrap_or("");
+            self.encode_segment(segment, at, out, limit, &mut boundary);
+            match best {
+                Some((pos, len, id)) if out.len() < limit => {
+                    boundary(pos, out.len());
+                    out.push(id);
+                    at = pos + len;
+                }
+                _ => break,
+            }
+        }
+    }
+
+    fn encode_segment(
+        &mut self,
+        text: &str,
+        base: usize,
+        out: &mut Vec<u32>,
+        limit: usize,
+        boundary: &mut impl FnMut(usize, usize),
+    ) {
         let mut i = 0;
         while i < text.len() && out.len() < limit {
             let end = next_pretoken(text, i);
+            boundary(base + i, out.len());
             let word = text.as_bytes().get(i..end).unwrap_or(&[]);
             self.encode_word(word, out);
             i = end.max(i + 1);

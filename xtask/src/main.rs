@@ -265,20 +265,6 @@ fn lint() -> Result<()> {
         "--",
         "-D",
         "warnings",
-    ]))?;
-    run(cargo().args([
-        "clippy",
-        "--profile",
-        TEST_PROFILE,
-        "-p",
-        "attache-scheduler-filter",
-        "--target",
-        "wasm32-wasip1",
-        "--features",
-        "stage-timings",
-        "--",
-        "-D",
-        "warnings",
     ]))
 }
 
@@ -403,8 +389,7 @@ fn bench_bin() -> PathBuf {
 /// One decision outside Envoy, natively and in V8 (Node's WASI), with allocations counted:
 /// `policies/examples/decision_path.rs`.
 fn decision_path() -> Result<()> {
-    // Probes split each decision by stage; they cost a clock reading each, in every figure.
-    let example = ["-p", "attache-policies", "--example", "decision_path", "--features", "probes"];
+    let example = ["-p", "attache-policies", "--example", "decision_path"];
     ensure_wasm_target()?;
     run(cargo().args(["build", "--release"]).args(example))?;
     run(cargo().args(["build", "--profile", "wasm", "--target", "wasm32-wasip1"]).args(example))?;
@@ -412,7 +397,8 @@ fn decision_path() -> Result<()> {
     let native = target.join("release/examples/decision_path");
     let wasm = target.join("wasm32-wasip1/wasm/examples/decision_path.wasm");
     for cold in [false, true] {
-        let mode: &[&str] = if cold { &["--cold"] } else { &[] };
+        // `--stages` splits each decision by stage; each probe is a clock reading, in every figure.
+        let mode: &[&str] = if cold { &["--stages", "--cold"] } else { &["--stages"] };
         println!("== native (release){}", if cold { ", cold caches" } else { "" });
         run(Command::new(&native).args(mode))?;
         println!("== V8 (node, wasm32-wasip1, profile wasm){}", if cold { ", cold caches" } else { "" });

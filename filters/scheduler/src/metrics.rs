@@ -33,6 +33,11 @@ pub struct Metrics {
     index_entries: Option<u32>,
     tokenizer_mismatch: Option<u32>,
     prompt_untokenized: Option<u32>,
+    /// The tokenization prefix store: hits, misses, bytes skipped, evictions (counters) and
+    /// bytes held (a gauge every worker moves by its own change, so Envoy's one stat sums them).
+    prefix_store: [Option<u32>; 5],
+    /// The store's figures at the last tick.
+    prefix_store_seen: attache_policies::token_prefix::StoreStats,
     index_seq: Option<u32>,
     propagation_us: Option<u32>,
     decision_us: Option<u32>,
@@ -174,6 +179,13 @@ impl Metrics {
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
+            prefix_store: [
+                define(MetricType::Counter, "attache.precise.prefix_store.hits"),
+                define(MetricType::Counter, "attache.precise.prefix_store.misses"),
+                define(MetricType::Counter, "attache.precise.prefix_store.bytes_skipped"),
+                define(MetricType::Counter, "attache.precise.prefix_store.evicted"),
+                define(MetricType::Gauge, "attache.precise.prefix_store.bytes"),
+            ],
             index_seq: define(MetricType::Gauge, "attache.precise.index_seq"),
             disaggregated: define(MetricType::Counter, "attache.pd.disaggregated"),
             sticky_hits: define(MetricType::Counter, "attache.session.sticky_hits"),
@@ -455,6 +467,24 @@ impl Metrics {
     /// failed); the request was routed without precise scores.
     pub fn prompt_untokenized(&mut self) {
         inc(self.prompt_untokenized, 1);
+    }
+
+    /// Add what the tokenization prefix store did since the last call (from the tick).
+    pub fn prefix_store(&mut self, now: attache_policies::token_prefix::StoreStats) {
+        let was = std::mem::replace(&mut self.prefix_store_seen, now);
+        let delta = |a: u64, b: u64| i64::try_from(a).unwrap_or(i64::MAX) - i64::try_from(b).unwrap_or(i64::MAX);
+        let changes = [
+            delta(now.hits, was.hits),
+            delta(now.misses, was.misses),
+            delta(now.bytes_skipped, was.bytes_skipped),
+            delta(now.evicted, was.evicted),
+            delta(now.bytes, was.bytes),
+        ];
+        for (id, by) in self.prefix_store.iter().zip(changes) {
+            if by != 0 {
+                inc(*id, by);
+            }
+        }
     }
 
     pub fn passthrough(&mut self) {

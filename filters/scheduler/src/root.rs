@@ -189,6 +189,7 @@ impl RootContext for AttacheRoot {
         let affinity_tick =
             (config.role == Role::Scheduler && prefix.shared_slots > 0).then_some(prefix.shared_flush_ms.max(1));
         let scheduler = config.role == Role::Scheduler;
+        crate::stages::enable(scheduler && config.stage_timings);
         let fleet_cfg = config.fleet.clone();
         let worker = match Worker::new(config) {
             Ok(w) => w,

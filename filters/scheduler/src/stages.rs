@@ -1,12 +1,17 @@
 //! Where a decision's time goes: clock readings between the stages of the body callback,
-//! summed per worker and logged at warn level every [`REPORT_EVERY`] decisions, as the mean of
-//! each stage in µs (`attache stages: n=4000 read_body=3.41 parse=8.84 ...`).
+//! summed per worker. With the plugin option `stage_timings` on, each worker adds its sums to
+//! Envoy counters at every tick (`attache.stage.<stage>.ns`, `attache.stage.decisions`, and the
+//! same under `attache.stage.slow.` for decisions slower than [`SLOW_NS`]), so the mean of a
+//! stage is the rate of its counter over the rate of decisions. Every [`REPORT_EVERY`]
+//! decisions it also logs the means at info level
+//! (`attache stages: n=4000 read_body=3.41 parse=8.84 ...`).
 //!
-//! Only in a measurement build (`--features stage-timings`): each reading is a host call, about
-//! 0.35 µs in Envoy's V8, which every stage's figure then includes. Without the feature the
-//! functions here are empty and compile away. The stages follow the direct path (flow control
-//! off, the default); with flow control on, a queued request is routed from another request's
-//! callbacks and its stages land there.
+//! Off by default: each reading is a host call, about 0.35 µs in Envoy's V8, which every
+//! stage's figure then includes. Off, each function here is one check of a thread-local flag.
+//! The stages follow the direct path (flow control off, the default); with flow control on, a
+//! queued request is routed from another request's callbacks and its stages land there.
+
+use std::cell::{Cell, RefCell};
 
 /// A stage of the body callback, in the order the callback runs them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +134,8 @@ pub struct Totals {
     current: Sums,
     /// The previous reading of the decision under way.
     last: Option<u64>,
+    /// Every decision, and the slow ones, since the last [`Totals::take_pending`].
+    pending: (Sums, Sums),
 }
 
 impl Totals {
@@ -168,10 +175,17 @@ impl Totals {
         self.last.take()?;
         self.current.decisions = 1;
         self.all.add(&self.current);
+        self.pending.0.add(&self.current);
         if self.current.total_ns() > SLOW_NS {
             self.slow.add(&self.current);
+            self.pending.1.add(&self.current);
         }
         self.all.decisions.is_multiple_of(REPORT_EVERY).then(|| self.report())
+    }
+
+    /// The sums since the previous call: over every decision, and over the slow ones.
+    fn take_pending(&mut self) -> (Sums, Sums) {
+        std::mem::take(&mut self.pending)
     }
 
     /// Mean µs per decision of each stage that took any time, over every decision so far, then
@@ -185,77 +199,134 @@ impl Totals {
     }
 }
 
-#[cfg(feature = "stage-timings")]
-mod build {
-    use std::cell::RefCell;
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static TOTALS: RefCell<Totals> = RefCell::new(Totals::default());
+    static COUNTERS: RefCell<Counters> = RefCell::new(Counters::default());
+}
 
-    use super::{Stage, Totals};
-
-    thread_local! {
-        static TOTALS: RefCell<Totals> = RefCell::new(Totals::default());
-    }
-
-    fn now_ns() -> u64 {
-        proxy_wasm::hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    }
-
-    fn probe(name: &'static str) {
-        let t = now_ns();
-        TOTALS.with(|s| {
-            if let Ok(mut s) = s.try_borrow_mut() {
-                s.probe(name, t);
-            }
-        });
-    }
-
-    pub fn begin() {
+/// Turn the timer on or off for this worker (the `stage_timings` option). On, the probes inside
+/// `policies::plan` report here too.
+pub fn enable(on: bool) {
+    ON.with(|f| f.set(on));
+    if on {
         attache_policies::probe::set(probe);
-        let t = now_ns();
-        TOTALS.with(|s| {
-            if let Ok(mut s) = s.try_borrow_mut() {
-                s.begin(t);
-            }
-        });
-    }
-
-    pub fn mark(stage: Stage) {
-        let t = now_ns();
-        TOTALS.with(|s| {
-            if let Ok(mut s) = s.try_borrow_mut() {
-                s.mark(stage, t);
-            }
-        });
-    }
-
-    pub fn finish() {
-        let report = TOTALS.with(|s| s.try_borrow_mut().ok().and_then(|mut s| s.finish()));
-        if let Some(r) = report {
-            crate::hostcalls::log(proxy_wasm::types::LogLevel::Warn, &r);
-        }
     }
 }
 
-#[cfg(feature = "stage-timings")]
-pub use build::{begin, finish, mark};
+fn on() -> bool {
+    ON.with(Cell::get)
+}
 
-/// A decision starts (a clock reading, in a `stage-timings` build).
-#[cfg(not(feature = "stage-timings"))]
-#[inline(always)]
-pub fn begin() {}
+fn now_ns() -> u64 {
+    proxy_wasm::hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+fn with_totals(f: impl FnOnce(&mut Totals)) {
+    TOTALS.with(|s| {
+        if let Ok(mut s) = s.try_borrow_mut() {
+            f(&mut s);
+        }
+    });
+}
+
+fn probe(name: &'static str) {
+    if on() {
+        let t = now_ns();
+        with_totals(|s| s.probe(name, t));
+    }
+}
+
+/// A decision starts.
+#[inline]
+pub fn begin() {
+    if on() {
+        let t = now_ns();
+        with_totals(|s| s.begin(t));
+    }
+}
 
 /// `stage` ended.
-#[cfg(not(feature = "stage-timings"))]
-#[inline(always)]
-pub fn mark(_stage: Stage) {}
+#[inline]
+pub fn mark(stage: Stage) {
+    if on() {
+        let t = now_ns();
+        with_totals(|s| s.mark(stage, t));
+    }
+}
 
 /// The decision ended.
-#[cfg(not(feature = "stage-timings"))]
-#[inline(always)]
-pub fn finish() {}
+#[inline]
+pub fn finish() {
+    if !on() {
+        return;
+    }
+    let mut report = None;
+    with_totals(|s| report = s.finish());
+    if let Some(r) = report {
+        crate::hostcalls::log(proxy_wasm::types::LogLevel::Info, &r);
+    }
+}
+
+/// Add the sums since the last flush to Envoy's counters (from the tick).
+pub fn flush() {
+    if !on() {
+        return;
+    }
+    let mut pending = None;
+    with_totals(|s| pending = Some(s.take_pending()));
+    let Some((all, slow)) = pending else { return };
+    COUNTERS.with(|c| {
+        if let Ok(mut c) = c.try_borrow_mut() {
+            c.add("attache.stage.", &all);
+            c.add("attache.stage.slow.", &slow);
+        }
+    });
+}
+
+/// The timer's counters, defined the first time each name has something to add.
+#[derive(Default)]
+struct Counters {
+    ids: Vec<(String, Option<u32>)>,
+}
+
+impl Counters {
+    fn add(&mut self, prefix: &str, sums: &Sums) {
+        if sums.decisions == 0 {
+            return;
+        }
+        self.inc(prefix, "decisions", sums.decisions);
+        for (stage, ns) in Stage::ALL.iter().zip(sums.ns) {
+            if ns > 0 {
+                self.inc(prefix, &format!("{}.ns", stage.name()), ns);
+            }
+        }
+        for (name, ns) in &sums.probes {
+            if *ns > 0 {
+                self.inc(prefix, &format!("{name}.ns"), *ns);
+            }
+        }
+    }
+
+    fn inc(&mut self, prefix: &str, name: &str, by: u64) {
+        let full = format!("{prefix}{name}");
+        let id = match self.ids.iter().find(|(n, _)| *n == full) {
+            Some((_, id)) => *id,
+            None => {
+                let id = proxy_wasm::hostcalls::define_metric(proxy_wasm::types::MetricType::Counter, &full).ok();
+                self.ids.push((full, id));
+                id
+            }
+        };
+        if let Some(id) = id {
+            let _ = proxy_wasm::hostcalls::increment_metric(id, i64::try_from(by).unwrap_or(i64::MAX));
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -307,6 +378,55 @@ mod tests {
             t.report(),
             "attache stages: n=2 parse=10.00 plan=0.50 plan.schedule=45.00 | over 80 us: n=1 parse=10.00 plan=1.00 plan.schedule=90.00"
         );
+    }
+
+    #[test]
+    fn pending_sums_are_taken_once() {
+        let mut t = Totals::default();
+        t.begin(0);
+        t.mark(Stage::Parse, 10_000);
+        t.finish();
+        t.begin(100_000);
+        t.mark(Stage::Plan, 200_000);
+        t.finish();
+        let (all, slow) = t.take_pending();
+        assert_eq!((all.decisions, slow.decisions), (2, 1));
+        assert_eq!(all.ns[Stage::Plan as usize], 100_000);
+        let (all, slow) = t.take_pending();
+        assert_eq!((all.decisions, slow.decisions), (0, 0), "taken already");
+        assert!(t.report().contains("n=2"), "the log's running sums are kept: {}", t.report());
+    }
+
+    /// Through the filter: off by default, nothing is defined; on, every stage's time reaches
+    /// Envoy's counters at the next tick.
+    #[test]
+    fn the_option_puts_each_stage_in_envoy_counters() {
+        use crate::testing::harness::{prompt, publish, snapshot, Filter, Request};
+        use crate::testing::{metric, with};
+
+        publish(&snapshot(2));
+        with(|h| h.clock_step_ns = 1_000);
+        let mut off = Filter::configure("");
+        off.send(Request::completion(&prompt("one"))).primary().expect("routed");
+        off.tick();
+        assert_eq!(metric("attache.stage.decisions"), None, "off by default");
+
+        let (mut on, ok) = Filter::try_configure_as(2, r#"{"stage_timings":true}"#);
+        assert!(ok);
+        for p in ["one", "two", "three"] {
+            on.send(Request::completion(&prompt(p))).primary().expect("routed");
+        }
+        assert_eq!(metric("attache.stage.decisions"), None, "added at the tick, not per request");
+        on.tick();
+        assert_eq!(metric("attache.stage.decisions"), Some(3));
+        for stage in ["read_body", "parse", "plan", "headers", "decision_metric"] {
+            let ns = metric(&format!("attache.stage.{stage}.ns")).unwrap_or(0);
+            assert!(ns >= 3_000, "{stage}: {ns} ns over 3 decisions, at least one 1 µs reading each");
+        }
+        let hashes = metric("attache.stage.plan.hashes.ns").unwrap_or(0);
+        assert!(hashes >= 3_000, "the probes inside policies::plan report too: {hashes}");
+        on.tick();
+        assert_eq!(metric("attache.stage.decisions"), Some(3), "each decision is added once");
     }
 
     #[test]

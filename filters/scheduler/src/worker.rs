@@ -73,10 +73,14 @@ impl Worker {
         silent(self.heard_ms)
     }
 
-    /// The tick's bookkeeping, kept off the request path: histogram samples, the host's
-    /// heartbeat and its silence gauge, Envoy's log level.
+    /// The tick's bookkeeping, kept off the request path: histogram samples, stage timings, the
+    /// host's heartbeat and its silence gauge, Envoy's log level.
     pub fn housekeep(&mut self, now_ms: u64) {
         self.metrics.flush_samples();
+        crate::stages::flush();
+        if let Some(t) = &self.tokenizer {
+            self.metrics.prefix_store(t.prefix_store_stats());
+        }
         if let Some(h) = snapshot::heard_ms() {
             self.heard_ms = Some(h);
             self.metrics.host_silence(now_ms.saturating_sub(h));
@@ -253,6 +257,33 @@ mod tests {
         two.tick();
         let matched = metric("attache.prefix.blocks_matched");
         assert!(matched > Some(0), "{matched:?}: worker two's decisions found the prefixes worker one routed");
+    }
+
+    /// Precise routing with the reference model's tokenizer and template: a conversation's
+    /// later turns resume from the worker's tokenization prefix store, and its counters say so.
+    #[test]
+    fn a_growing_conversation_resumes_from_the_tokenization_prefix_store() {
+        let model = |f: &str| attache_fixtures::read_vllm(&format!("model/{f}")).expect("reference model");
+        let config = serde_json::json!({"scheduler": {"precise": {
+            "enabled": true, "max_tokens": 0, "tokenizer_json": model("tokenizer.json"),
+            "chat_template": model("chat_template.jinja"), "bos_token": "<s>", "eos_token": "</s>"}}});
+        publish(&snapshot(2));
+        let mut f = Filter::configure(&config.to_string());
+        let mut messages = Vec::new();
+        for turn in 0..5 {
+            let said = format!("turn {turn}: {}", "the agent read the file and ran the tests again. ".repeat(120));
+            messages.push(serde_json::json!({"role": "user", "content": said}));
+            let body = serde_json::json!({"model": crate::testing::harness::MODEL, "messages": messages}).to_string();
+            f.send(Request::post("/v1/chat/completions", &body)).primary().expect("routed");
+            messages.push(serde_json::json!({"role": "assistant", "content": "done"}));
+        }
+        f.tick();
+        assert_eq!(metric("attache.precise.prompt_untokenized"), Some(0));
+        assert_eq!(metric("attache.precise.prefix_store.misses"), Some(1), "the first turn");
+        assert_eq!(metric("attache.precise.prefix_store.hits"), Some(4), "every later turn");
+        let skipped = metric("attache.precise.prefix_store.bytes_skipped").unwrap_or(0);
+        assert!(skipped > 4 * 4096, "each later turn skipped at least a chunk: {skipped}");
+        assert!(metric("attache.precise.prefix_store.bytes") > Some(0));
     }
 
     #[test]

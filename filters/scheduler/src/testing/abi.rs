@@ -134,6 +134,7 @@ pub unsafe extern "C" fn proxy_get_log_level(return_level: *mut LogLevel) -> Sta
 pub unsafe extern "C" fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> Status {
     status(try_with(|h| {
         put(return_time, h.now_ns);
+        h.now_ns += h.clock_step_ns;
         Status::Ok
     }))
 }

@@ -91,6 +91,9 @@ pub struct GrpcStream {
 pub struct MockHost {
     /// The host's clock, ns since the Unix epoch.
     pub now_ns: u64,
+    /// Each clock reading moves the clock on by this much (0: it stands still between
+    /// [`advance_ms`] calls), for tests that time what the filter does.
+    pub clock_step_ns: u64,
     /// Envoy's log level for the filter.
     pub log_level: LogLevel,
     pub logs: Vec<(LogLevel, String)>,
@@ -126,6 +129,7 @@ impl Default for MockHost {
     fn default() -> Self {
         Self {
             now_ns: START_MS * 1_000_000,
+            clock_step_ns: 0,
             // Trace, so every debug line's formatting runs too.
             log_level: LogLevel::Trace,
             logs: Vec::new(),
