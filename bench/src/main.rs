@@ -16,6 +16,7 @@ mod overhead;
 mod pd;
 mod peers;
 mod policy;
+mod precise_growth;
 mod procstat;
 mod progress;
 mod repeats;
@@ -63,6 +64,8 @@ enum Cmd {
     Agents(agents::Args),
     /// The cost of deciding in Envoy: added latency and Envoy CPU per request vs plain Envoy.
     Overhead(overhead::Args),
+    /// One conversation growing from 2k to 100k tokens: proxy CPU per request of each mode.
+    PreciseGrowth(precise_growth::Args),
     /// In-Envoy filter vs endpoint picker (ext_proc): added latency and CPU per request.
     Epp(epp::Args),
     /// Side by side with the peer routers on file-described scenarios (`bench/scenarios/`).
@@ -217,6 +220,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::FlowControl(a) => flow_control::run(a).await,
         Cmd::Pd(a) => pd::run(a).await,
         Cmd::Overhead(a) => overhead::run(a).await,
+        Cmd::PreciseGrowth(a) => precise_growth::run(a).await,
         Cmd::Epp(a) => epp::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
         Cmd::Load(a) => load::run(a).await,
