@@ -56,7 +56,11 @@ struct Entry {
 
 impl Entry {
     fn cost(&self) -> usize {
-        self.ids.len() * 4 + ENTRY_OVERHEAD
+        Self::cost_of(self.ids.len())
+    }
+
+    fn cost_of(ids: usize) -> usize {
+        ids * 4 + ENTRY_OVERHEAD
     }
 }
 
@@ -153,11 +157,11 @@ impl TokenPrefixStore {
     /// within the bound; an entry larger than the bound is not stored.
     pub fn insert(&mut self, key: u64, resume: usize, ids: &[u32], ids_at: usize) {
         let Some(prefix) = ids.get(..ids_at) else { return };
-        let entry = Entry { resume, ids: prefix.to_vec() };
-        let cost = entry.cost();
+        let cost = Entry::cost_of(prefix.len());
         if !self.enabled() || cost > self.max_bytes || resume == 0 {
             return;
         }
+        let entry = Entry { resume, ids: prefix.to_vec() };
         if let Some(old) = self.entries.pop(&key) {
             self.stats.bytes = self.stats.bytes.saturating_sub(old.cost() as u64);
         }

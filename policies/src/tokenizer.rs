@@ -288,19 +288,16 @@ impl Tokenizer {
         // The next occurrence of each added token at or after `at`, found once per token and
         // searched again only after the scan passes it (one pass over the text per token,
         // however many occurrences).
-        let mut next: Vec<Option<usize>> = vec![Some(at); self.added.len()];
-        let mut searched_from = vec![usize::MAX; self.added.len()];
+        // `None`: not searched yet; `Some(None)`: no occurrence left.
+        let mut next: Vec<Option<Option<usize>>> = vec![None; self.added.len()];
         while at < text.len() && out.len() < limit {
             // The leftmost (then longest: `added` is longest first) added token.
             let mut best: Option<(usize, usize, u32)> = None;
-            for (k, (content, id)) in self.added.iter().enumerate() {
-                let (Some(slot), Some(from)) = (next.get_mut(k), searched_from.get_mut(k)) else { continue };
-                let stale = *from == usize::MAX || slot.is_some_and(|p| p < at);
-                if stale {
-                    *slot = text.get(at..).and_then(|r| r.find(content.as_str())).map(|p| at + p);
-                    *from = at;
+            for ((content, id), slot) in self.added.iter().zip(next.iter_mut()) {
+                if slot.is_none_or(|found| found.is_some_and(|p| p < at)) {
+                    *slot = Some(text.get(at..).and_then(|r| r.find(content.as_str())).map(|p| at + p));
                 }
-                if let Some(pos) = *slot {
+                if let Some(Some(pos)) = *slot {
                     if best.is_none_or(|(p, _, _)| pos < p) {
                         best = Some((pos, content.len(), *id));
                     }
