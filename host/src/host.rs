@@ -100,7 +100,7 @@ impl Host {
         let admin_state = admin::AdminState { snapshots: rx, kv_index, kv_counters, picker, fleet: Some(fleet) };
         let admin_router = admin_router(admin_state, admin_token, policy);
         let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));
-        let grpc = grpc.serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(grpc_listener));
+        let grpc = grpc.serve_with_incoming(crate::tcp::no_delay(grpc_listener));
         let serve = async move {
             // Alive as long as the servers: ECDS streams end when their sender is gone, and
             // EDS streams when the membership's is.

@@ -19,6 +19,7 @@ pub mod policy;
 pub mod push;
 pub mod scrape;
 pub mod state;
+pub mod tcp;
 pub mod telemetry;
 
 pub use config::HostConfig;

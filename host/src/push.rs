@@ -172,9 +172,14 @@ impl IndexFeed {
         let feed = Self { index, tx };
         let f = feed.clone();
         tokio::spawn(async move {
+            let mut last_push: Option<tokio::time::Instant> = None;
             loop {
                 let _ = tokio::time::timeout(interval, changed.notified()).await;
-                tokio::time::sleep(coalesce).await;
+                // Gather a burst's changes only inside a burst: after a quiet spell the first
+                // change goes at once, and the pause bounds the rate under load.
+                if last_push.is_some_and(|t| t.elapsed() < coalesce * 5) {
+                    tokio::time::sleep(coalesce).await;
+                }
                 let msg = {
                     let mut ix = f.index.lock().unwrap_or_else(|p| p.into_inner());
                     if !ix.has_deltas() {
@@ -186,6 +191,7 @@ impl IndexFeed {
                 };
                 // No subscriber is fine: each new one starts from a full resend.
                 let _ = f.tx.send(Arc::new(msg));
+                last_push = Some(tokio::time::Instant::now());
             }
         });
         feed

@@ -20,12 +20,14 @@ pub struct Subscriber {
     token: Option<u32>,
     last_message_ms: u64,
     pub received: u64,
+    /// When the host sent the last update (its clock, 0 = not said).
+    pub last_sent_unix_ns: u64,
     pub reconnects: u64,
 }
 
 impl Subscriber {
     pub fn new(cfg: SubscribeConfig) -> Self {
-        Self { cfg, token: None, last_message_ms: 0, received: 0, reconnects: 0 }
+        Self { cfg, token: None, last_message_ms: 0, received: 0, last_sent_unix_ns: 0, reconnects: 0 }
     }
 
     pub fn tick_ms(&self) -> u64 {
@@ -86,6 +88,7 @@ impl Subscriber {
         match v1::Update::decode(bytes.as_slice()) {
             Ok(u) => {
                 self.received += 1;
+                self.last_sent_unix_ns = u.sent_unix_ns;
                 match u.kind {
                     Some(v1::update::Kind::Heartbeat(_)) | None => None,
                     k => k,

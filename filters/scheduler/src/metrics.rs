@@ -40,6 +40,7 @@ pub struct Metrics {
     prefix_store_seen: attache_policies::token_prefix::StoreStats,
     index_seq: Option<u32>,
     propagation_us: Option<u32>,
+    wire_us: Option<u32>,
     decision_us: Option<u32>,
     /// Per rollout arm (`<slot>.<arm>`): requests, 5xx, traps, latency sum, hit sum.
     rollout: HashMap<String, [Option<u32>; 5]>,
@@ -175,6 +176,7 @@ impl Metrics {
             affinity_learned: define(MetricType::Counter, "attache.affinity.learned"),
             shared_corrupt: define(MetricType::Counter, "attache.shared.corrupt_tables"),
             propagation_us: define(MetricType::Histogram, "attache.precise.propagation_us"),
+            wire_us: define(MetricType::Histogram, "attache.precise.wire_us"),
             decision_us: define(MetricType::Histogram, "attache.decision_us"),
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
@@ -402,11 +404,14 @@ impl Metrics {
         self.sample(self.decision_us, us);
     }
 
-    /// `propagation_us`: engine event time to this delta being applied here (0 = unknown).
-    pub fn index_delta(&mut self, entries: usize, seq: u64, propagation_us: Option<u64>) {
+    /// `propagation_us`: engine event time to this delta being applied here; `wire_us`: the
+    /// host sending it to the same moment (both `None` = unknown).
+    pub fn index_delta(&mut self, entries: usize, seq: u64, propagation_us: Option<u64>, wire_us: Option<u64>) {
         inc(self.index_entries, entries as i64);
-        if let (Some(id), Some(us)) = (self.propagation_us, propagation_us) {
-            let _ = hostcalls::record_metric(id, us);
+        for (id, us) in [(self.propagation_us, propagation_us), (self.wire_us, wire_us)] {
+            if let (Some(id), Some(us)) = (id, us) {
+                let _ = hostcalls::record_metric(id, us);
+            }
         }
         if let Some(id) = self.index_seq {
             let _ = hostcalls::record_metric(id, seq);

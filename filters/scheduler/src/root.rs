@@ -136,11 +136,15 @@ impl Context for AttacheRoot {
                     .and_then(|w| w.try_borrow().ok().map(|w| w.config.scheduler.precise.slots))
                     .unwrap_or(262_144);
                 kv_table::apply(&d, slots);
+                let now_us = host::now_us();
                 let propagation_us =
-                    (d.oldest_event_unix_us > 0).then(|| host::now_us().saturating_sub(d.oldest_event_unix_us));
+                    (d.oldest_event_unix_us > 0).then(|| now_us.saturating_sub(d.oldest_event_unix_us));
+                // The part after the host sent it: the gRPC stream, Envoy's main thread, the apply.
+                let sent_ns = self.subscriber.as_ref().map_or(0, |s| s.last_sent_unix_ns);
+                let wire_us = (propagation_us.is_some() && sent_ns > 0).then(|| now_us.saturating_sub(sent_ns / 1000));
                 if let Some(w) = &self.worker {
                     if let Ok(mut w) = w.try_borrow_mut() {
-                        w.metrics.index_delta(d.keys.len(), d.seq, propagation_us);
+                        w.metrics.index_delta(d.keys.len(), d.seq, propagation_us, wire_us);
                     }
                 }
             }

@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, Processin
 use futures::Stream as FuturesStream;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, Instrument};
@@ -130,21 +130,6 @@ impl Health for HealthService {
     }
 }
 
-/// Accepted connections with Nagle's algorithm off: a small gRPC message otherwise waits for
-/// the peer's delayed ACK (40 ms on Linux) whenever the one before it is still unacknowledged.
-fn no_delay(
-    listener: TcpListener,
-) -> impl FuturesStream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
-    use futures::StreamExt as _;
-    TcpListenerStream::new(listener).map(|conn| {
-        conn.inspect(|c| {
-            if let Err(e) = c.set_nodelay(true) {
-                debug!(error = %e, "TCP_NODELAY not set");
-            }
-        })
-    })
-}
-
 /// Bind the picker's listeners and return the future that serves them (and runs flow
 /// control's clock when flow control is on).
 pub async fn serve(
@@ -163,11 +148,12 @@ pub async fn serve(
         server = server.tls_config(ServerTlsConfig::new().identity(Identity::from_pem(cert, key)))?;
     }
     let processor = ExternalProcessorServer::new(Processor { picker: picker.clone() });
-    let main = server.add_service(processor).add_service(health.clone()).serve_with_incoming(no_delay(listener));
+    let main =
+        server.add_service(processor).add_service(health.clone()).serve_with_incoming(crate::tcp::no_delay(listener));
     let health_only = match cfg.health_listen {
         Some(addr) => {
             let l = TcpListener::bind(addr).await.with_context(|| format!("binding the picker's health on {addr}"))?;
-            Some(Server::builder().add_service(health).serve_with_incoming(no_delay(l)))
+            Some(Server::builder().add_service(health).serve_with_incoming(crate::tcp::no_delay(l)))
         }
         None => None,
     };
