@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use attache_kv::engine::Engine;
-use attache_kv::events::{self, EventBatch, KvEvent, Medium};
+use attache_kv::events::{self, BatchInfo, EventBatch, EventRef, KvEventError, Medium};
 use attache_kv::KvIndex;
 
 use crate::telemetry::KvCounters;
@@ -284,7 +284,7 @@ impl Worker {
         };
         let n = batches.len();
         for (_, b) in &batches {
-            self.apply(src, b);
+            self.apply_owned(src, b);
         }
         if let Some((seq, b)) = batches.last() {
             let mut seqs = self.seqs.lock().unwrap_or_else(|p| p.into_inner());
@@ -344,35 +344,58 @@ impl Worker {
         }
         // The sequence advances even if the payload is garbage: replaying it would not help.
         self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last = Some(seq);
-        match src.engine.event_format().decode(msg.payload) {
-            Ok(batch) => {
+        match self.apply(src, |visit| src.engine.event_format().visit(msg.payload, visit)) {
+            Ok(info) => {
                 self.seqs.lock().unwrap_or_else(|p| p.into_inner()).entry(src.endpoint_id).or_default().last_ts_bits =
-                    batch.ts.to_bits();
-                self.apply(src, &batch)
+                    info.ts.to_bits();
             }
             Err(e) => {
+                // The events before the malformed one were complete and are applied.
                 self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                debug!(engine = %src.address, seq, error = %e, "kv events: undecodable payload skipped");
+                debug!(engine = %src.address, seq, error = %e, "kv events: malformed payload; the rest of it skipped");
             }
         }
     }
 
-    fn apply(&self, src: &EngineSource, batch: &EventBatch) {
-        self.counters.events.fetch_add(batch.events.len() as u64, Ordering::Relaxed);
-        crate::telemetry::metrics().kv_ingested(&src.address, batch.events.len() as u64);
-        self.counters.skipped_events.fetch_add(batch.skipped as u64, Ordering::Relaxed);
-        let other = batch.events.iter().filter(|e| event_medium(e) == Some(Medium::Other)).count();
-        self.counters.unknown_media.fetch_add(other as u64, Ordering::Relaxed);
+    /// Apply one batch's events under one hold of the index lock, as `read` hands them over
+    /// (read in place from a payload, or from a replayed batch).
+    fn apply<'a>(
+        &self,
+        src: &EngineSource,
+        read: impl FnOnce(&mut dyn FnMut(EventRef<'a>)) -> Result<BatchInfo, KvEventError>,
+    ) -> Result<BatchInfo, KvEventError> {
+        let (mut n, mut other) = (0u64, 0u64);
         let mut ix = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        for e in &batch.events {
-            ix.apply(src.endpoint_id, &src.model, e);
-        }
-        if batch.ts.is_finite() && batch.ts > 0.0 {
-            ix.note_event_time((batch.ts * 1e6) as u64);
+        let res = read(&mut |e| {
+            n += 1;
+            other += u64::from(e.medium() == Some(Medium::Other));
+            ix.apply_ref(src.endpoint_id, &src.model, e);
+        });
+        if let Ok(info) = &res {
+            if info.ts.is_finite() && info.ts > 0.0 {
+                ix.note_event_time((info.ts * 1e6) as u64);
+            }
+            self.counters.skipped_events.fetch_add(info.skipped as u64, Ordering::Relaxed);
         }
         drop(ix);
+        self.counters.events.fetch_add(n, Ordering::Relaxed);
+        crate::telemetry::metrics().kv_ingested(&src.address, n);
+        self.counters.unknown_media.fetch_add(other, Ordering::Relaxed);
         self.changed.notify_one();
         self.activity.wake(&src.address);
+        res
+    }
+
+    fn apply_owned(&self, src: &EngineSource, b: &EventBatch) {
+        let _ = self.apply(src, |visit| {
+            b.events.iter().for_each(|e| visit(e.as_ref()));
+            Ok(BatchInfo {
+                ts: b.ts,
+                data_parallel_rank: b.data_parallel_rank,
+                events: b.events.len(),
+                skipped: b.skipped,
+            })
+        });
     }
 
     /// Fetch batches `from..until` from the engine's replay socket and apply them in order.
@@ -380,7 +403,7 @@ impl Worker {
         let batches = self.fetch(src, from);
         let mut n = 0;
         for (_, b) in batches.iter().filter(|(seq, _)| *seq < until) {
-            self.apply(src, b);
+            self.apply_owned(src, b);
             n += 1;
         }
         self.counters.replayed_batches.fetch_add(n, Ordering::Relaxed);
@@ -431,12 +454,4 @@ impl Worker {
 
 fn kv_events_end() -> &'static [u8] {
     &[0xff; 8]
-}
-
-/// The tier an event names, if it names one.
-fn event_medium(e: &KvEvent) -> Option<Medium> {
-    match e {
-        KvEvent::BlockStored { medium, .. } | KvEvent::BlockRemoved { medium, .. } => Some(*medium),
-        KvEvent::AllBlocksCleared => None,
-    }
 }

@@ -5,7 +5,7 @@
 //! `llm-d.ai/engine-type` label); the host's scraper and KV-event subscriber ask the profile
 //! instead of comparing names.
 
-use crate::events::{self, EventBatch, KvEventError};
+use crate::events::{self, BatchInfo, EventBatch, EventRef, KvEventError};
 
 /// A model server's profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -165,10 +165,18 @@ pub enum EventFormat {
 }
 
 impl EventFormat {
-    /// Decode one batch payload.
+    /// Decode one batch payload into owned events, all or nothing.
     pub fn decode(self, payload: &[u8]) -> Result<EventBatch, KvEventError> {
         match self {
             EventFormat::VllmMsgpack => events::decode_batch(payload),
+        }
+    }
+
+    /// Read one batch payload in place, handing each complete event to `visit`
+    /// ([`events::visit_batch`]).
+    pub fn visit<'a>(self, payload: &'a [u8], visit: impl FnMut(EventRef<'a>)) -> Result<BatchInfo, KvEventError> {
+        match self {
+            EventFormat::VllmMsgpack => events::visit_batch(payload, visit),
         }
     }
 }

@@ -15,7 +15,7 @@
 use hashbrown::HashMap;
 
 use crate::block_key;
-use crate::events::KvEvent;
+use crate::events::{EventRef, KvEvent, Tokens};
 use crate::open_table::{Entry, OpenTable};
 
 pub use crate::tier::{CPU, DISK, GPU, OTHER};
@@ -101,7 +101,16 @@ pub struct KvIndex {
     delta_seq: u64,
     /// Oldest engine timestamp (µs) behind the pending deltas, 0 if none.
     pending_event_us: u64,
+    /// Reused per event, so applying one allocates nothing once warm.
+    scratch: Scratch,
     pub stats: IndexStats,
+}
+
+#[derive(Default)]
+struct Scratch {
+    keys: Vec<u64>,
+    hashes: Vec<u64>,
+    block: Vec<u8>,
 }
 
 impl KvIndex {
@@ -116,6 +125,7 @@ impl KvIndex {
             deltas: Vec::new(),
             delta_seq: 0,
             pending_event_us: 0,
+            scratch: Scratch::default(),
             stats: IndexStats::default(),
         }
     }
@@ -151,7 +161,10 @@ impl KvIndex {
 
     pub fn take_deltas(&mut self) -> Vec<Delta> {
         self.delta_seq += 1;
-        std::mem::take(&mut self.deltas)
+        // The next batch of changes is likely as large as this one: one allocation, not a
+        // doubling series (bounded, so one burst does not keep its memory).
+        let cap = self.deltas.len().min(1024);
+        std::mem::replace(&mut self.deltas, Vec::with_capacity(cap))
     }
 
     pub fn has_deltas(&self) -> bool {
@@ -252,65 +265,92 @@ impl KvIndex {
 
     /// Set `endpoint`'s tier mask for `key` (0 removes it), queueing a delta on change.
     fn set(&mut self, key: u64, endpoint: u16, tiers: u8) {
+        self.update(key, endpoint, |_| tiers);
+    }
+
+    /// Change `endpoint`'s tier mask for `key` to `f(old)` with one probe of the block table,
+    /// queueing a delta on change. Returns (old, new).
+    fn update(&mut self, key: u64, endpoint: u16, f: impl FnOnce(u8) -> u8) -> (u8, u8) {
         let key = nz(key);
-        let i = match self.blocks.find(key) {
-            Some(i) => i,
-            None if tiers == 0 => return,
-            None => {
-                if self.blocks.is_full() {
-                    self.make_room();
+        let probe = self.blocks.probe(key);
+        let found = probe.ok();
+        let (old, pos) = match found {
+            None => (0, None),
+            Some(i) => {
+                let s = self.blocks.get(i);
+                match s.eps[..usize::from(s.len)].iter().position(|e| *e == endpoint) {
+                    Some(j) => (s.tiers[j], Some(Ok(j))),
+                    None if s.flags & OVERFLOW != 0 => {
+                        let o = self.overflow.get(&key).and_then(|v| v.iter().position(|h| h.0 == endpoint));
+                        match o {
+                            Some(j) => (self.overflow.get(&key).map_or(0, |v| v[j].1), Some(Err(j))),
+                            None => (0, None),
+                        }
+                    }
+                    None => (0, None),
                 }
-                match self.blocks.insert(Slot { key, flags: REFERENCED, ..Slot::default() }) {
+            }
+        };
+        let tiers = f(old);
+        if let Some(i) = found {
+            self.blocks.get_mut(i).flags |= REFERENCED;
+        }
+        if old == tiers {
+            return (old, tiers);
+        }
+        let i = match found {
+            Some(i) => i,
+            None => {
+                let slot = Slot { key, flags: REFERENCED, ..Slot::default() };
+                let at = match probe {
+                    Err(i) if !self.blocks.is_full() => self.blocks.insert_at(i, slot),
+                    _ => {
+                        self.make_room();
+                        self.blocks.insert(slot)
+                    }
+                };
+                match at {
                     Some(i) => i,
-                    None => return,
+                    None => return (old, old),
                 }
             }
         };
         let s = self.blocks.get_mut(i);
-        s.flags |= REFERENCED;
         let n = usize::from(s.len);
-        let old;
-        if let Some(j) = s.eps[..n].iter().position(|e| *e == endpoint) {
-            old = s.tiers[j];
-            if tiers == 0 {
+        match pos {
+            Some(Ok(j)) if tiers == 0 => {
                 s.eps.copy_within(j + 1..n, j);
                 s.tiers.copy_within(j + 1..n, j);
                 s.len -= 1;
-            } else {
-                s.tiers[j] = tiers;
             }
-        } else if s.flags & OVERFLOW != 0 && self.overflow.get(&key).is_some_and(|v| v.iter().any(|h| h.0 == endpoint))
-        {
-            let v = self.overflow.entry(key).or_default();
-            let j = v.iter().position(|h| h.0 == endpoint).unwrap_or(0);
-            old = v[j].1;
-            if tiers == 0 {
-                v.swap_remove(j);
-            } else {
-                v[j].1 = tiers;
-            }
-        } else {
-            old = 0;
-            if tiers != 0 {
-                if n < INLINE {
-                    s.eps[n] = endpoint;
-                    s.tiers[n] = tiers;
-                    s.len += 1;
+            Some(Ok(j)) => s.tiers[j] = tiers,
+            Some(Err(j)) => {
+                let v = self.overflow.entry(key).or_default();
+                if tiers == 0 {
+                    v.swap_remove(j);
                 } else {
-                    s.flags |= OVERFLOW;
-                    self.overflow.entry(key).or_default().push((endpoint, tiers));
+                    v[j].1 = tiers;
                 }
             }
+            None if n < INLINE => {
+                s.eps[n] = endpoint;
+                s.tiers[n] = tiers;
+                s.len += 1;
+            }
+            None => {
+                s.flags |= OVERFLOW;
+                self.overflow.entry(key).or_default().push((endpoint, tiers));
+            }
         }
-        if old != tiers {
-            self.deltas.push(Delta { key, endpoint, tiers });
+        self.deltas.push(Delta { key, endpoint, tiers });
+        if tiers == 0 {
+            let s = *self.blocks.get(i);
+            if s.len == 0 && self.overflow.get(&key).is_none_or(Vec::is_empty) {
+                self.overflow.remove(&key);
+                self.blocks.remove_at(i);
+            }
         }
-        let s = *self.blocks.get(i);
-        let overflow_empty = self.overflow.get(&key).is_none_or(Vec::is_empty);
-        if s.len == 0 && overflow_empty {
-            self.overflow.remove(&key);
-            self.blocks.remove_at(i);
-        }
+        (old, tiers)
     }
 
     /// Tier mask of `endpoint` for `key` (0 if not held). Marks the block as recently used.
@@ -345,14 +385,17 @@ impl KvIndex {
 
     fn remember(&mut self, endpoint: u16, engine_hash: u64, our_key: u64) {
         let k = engine_key(endpoint, engine_hash);
-        if let Some(i) = self.engines.find(k) {
-            self.engines.get_mut(i).our_key = our_key;
-            return;
+        let entry = EngineEntry { key: k, our_key, endpoint };
+        match self.engines.probe(k) {
+            Ok(i) => self.engines.get_mut(i).our_key = our_key,
+            Err(i) if !self.engines.is_full() => {
+                let _ = self.engines.insert_at(i, entry);
+            }
+            Err(_) => {
+                self.make_room();
+                let _ = self.engines.insert(entry);
+            }
         }
-        if self.engines.is_full() {
-            self.make_room();
-        }
-        let _ = self.engines.insert(EngineEntry { key: k, our_key, endpoint });
     }
 
     /// Forget everything `endpoint` holds (engine restart, AllBlocksCleared, endpoint gone).
@@ -375,48 +418,89 @@ impl KvIndex {
     /// Apply one decoded event from `endpoint`. `model` seeds chains that start at block 0
     /// (the event's `lora_name` replaces it when present, as vLLM keys LoRA blocks by name).
     pub fn apply(&mut self, endpoint: u16, model: &str, event: &KvEvent) {
+        self.apply_ref(endpoint, model, event.as_ref());
+    }
+
+    /// [`apply`](Self::apply) for an event read in place ([`crate::events::BatchRef`]).
+    ///
+    /// Each block costs one probe of the block table and one of the engine-hash table. Both
+    /// tables are far larger than the CPU's caches, so a probe is a cache miss: the keys of
+    /// the whole event are computed first and every home slot is touched before any is used,
+    /// so the misses overlap instead of queueing one behind the other.
+    pub fn apply_ref(&mut self, endpoint: u16, model: &str, event: EventRef<'_>) {
+        let mut scratch = std::mem::take(&mut self.scratch);
         match event {
-            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_name, medium } => {
-                let bs = *block_size as usize;
+            EventRef::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, lora_name, medium } => {
+                let bs = block_size as usize;
                 if bs == 0 || token_ids.len() != block_hashes.len() * bs {
                     self.stats.malformed_events += 1;
-                    return;
-                }
-                let parent = match parent_block_hash {
-                    None => block_key::chain_seed(lora_name.as_deref().unwrap_or(model), None),
-                    Some(h) => match self.resolve(endpoint, *h) {
-                        Some(k) => k,
-                        None => {
-                            self.stats.orphan_events += 1;
-                            return;
-                        }
-                    },
-                };
-                let keys = block_key::token_block_keys(parent, token_ids, bs);
-                let bit = medium.bit();
-                for (eh, key) in block_hashes.iter().zip(keys) {
-                    let t = self.holder_tiers(key, endpoint) | bit;
-                    self.set(key, endpoint, t);
-                    self.remember(endpoint, *eh, nz(key));
-                    self.stats.stored_blocks += 1;
+                } else if let Some(parent) = match parent_block_hash {
+                    None => Some(block_key::chain_seed(lora_name.unwrap_or(model), None)),
+                    Some(h) => self.resolve(endpoint, h),
+                } {
+                    block_keys(parent, token_ids, bs, &mut scratch);
+                    scratch.hashes.clear();
+                    scratch.hashes.extend(block_hashes.iter());
+                    self.touch(&scratch.keys, &scratch.hashes, endpoint);
+                    let bit = medium.bit();
+                    for (eh, key) in scratch.hashes.iter().zip(&scratch.keys) {
+                        self.update(*key, endpoint, |t| t | bit);
+                        self.remember(endpoint, *eh, nz(*key));
+                        self.stats.stored_blocks += 1;
+                    }
+                } else {
+                    self.stats.orphan_events += 1;
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, medium } => {
+            EventRef::BlockRemoved { block_hashes, medium } => {
+                // Two rounds of overlapped misses: the engine-hash slots, which give the block
+                // keys, then the block slots.
+                scratch.hashes.clear();
+                scratch.hashes.extend(block_hashes.iter());
+                self.touch(&[], &scratch.hashes, endpoint);
+                scratch.keys.clear();
+                for eh in &scratch.hashes {
+                    let key = self.engines.find(engine_key(endpoint, *eh)).map_or(0, |i| self.engines.get(i).our_key);
+                    scratch.keys.push(key);
+                }
+                self.touch(&scratch.keys, &[], endpoint);
                 let bit = medium.bit();
-                for eh in block_hashes {
-                    let Some(key) = self.resolve(endpoint, *eh) else { continue };
-                    let t = self.holder_tiers(key, endpoint) & !bit;
-                    self.set(key, endpoint, t);
-                    if t == 0 {
-                        if let Some(i) = self.engines.find(engine_key(endpoint, *eh)) {
-                            self.engines.remove_at(i);
+                for (eh, key) in scratch.hashes.iter().zip(&scratch.keys) {
+                    if *key == 0 {
+                        continue; // not known for this endpoint
+                    }
+                    let (old, new) = self.update(*key, endpoint, |t| t & !bit);
+                    if old == 0 || new == 0 {
+                        // Stale (the block was evicted) or no longer held in any tier.
+                        if let Some(ei) = self.engines.find(engine_key(endpoint, *eh)) {
+                            self.engines.remove_at(ei);
                         }
                     }
-                    self.stats.removed_blocks += 1;
+                    if old != 0 {
+                        self.stats.removed_blocks += 1;
+                    }
                 }
             }
-            KvEvent::AllBlocksCleared => self.clear_endpoint(endpoint),
+            EventRef::AllBlocksCleared => self.clear_endpoint(endpoint),
         }
+        self.scratch = scratch;
+    }
+
+    /// Load the home slot of every key, and of every (endpoint, engine hash), without using
+    /// what was loaded: independent loads, so the CPU keeps their cache misses in flight
+    /// together.
+    fn touch(&self, keys: &[u64], engine_hashes: &[u64], endpoint: u16) {
+        let mut acc = 0u64;
+        // A 24-byte slot may straddle two cache lines: load its first and last bytes.
+        for k in keys {
+            let s = self.blocks.home(nz(*k));
+            acc ^= s.key ^ u64::from(s.flags);
+        }
+        for h in engine_hashes {
+            let e = self.engines.home(engine_key(endpoint, *h));
+            acc ^= e.key ^ u64::from(e.endpoint);
+        }
+        std::hint::black_box(acc);
     }
 
     /// Heap bytes of the tables (allocated up front from the capacity) and the overflow map.
@@ -424,6 +508,18 @@ impl KvIndex {
         self.blocks.heap_bytes()
             + self.engines.heap_bytes()
             + self.overflow.values().map(|v| v.capacity() * 3 + 48).sum::<usize>()
+    }
+}
+
+/// The keys of the full blocks of `tokens` after `parent`, into `scratch.keys`.
+fn block_keys(parent: u64, tokens: Tokens<'_>, bs: usize, scratch: &mut Scratch) {
+    scratch.keys.clear();
+    scratch.block.clear();
+    tokens.write_le(&mut scratch.block);
+    let mut prev = parent;
+    for block in scratch.block.chunks_exact(bs * 4) {
+        prev = block_key::chain(prev, block);
+        scratch.keys.push(prev);
     }
 }
 

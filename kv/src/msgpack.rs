@@ -21,6 +21,7 @@ pub type Result<T> = std::result::Result<T, MsgpackError>;
 const MAX_DEPTH: usize = 32;
 
 /// A cursor over a MessagePack buffer.
+#[derive(Debug, Clone)]
 pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -46,6 +47,16 @@ impl<'a> Reader<'a> {
         Self { buf, pos: 0 }
     }
 
+    /// Bytes read so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// The bytes read since `start` (a [`position`](Self::position)).
+    pub fn consumed_since(&self, start: usize) -> &'a [u8] {
+        self.buf.get(start..self.pos).unwrap_or_default()
+    }
+
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
@@ -61,6 +72,7 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
 
+    #[inline]
     fn be(&mut self, n: usize) -> Result<u64> {
         Ok(self.take(n)?.iter().fold(0u64, |acc, b| acc << 8 | u64::from(*b)))
     }
@@ -78,6 +90,97 @@ impl<'a> Reader<'a> {
     fn bytes(&mut self, len: u64) -> Result<&'a [u8]> {
         let len = self.container(len, 1)?;
         self.take(len)
+    }
+
+    /// The next value if it is an unsigned integer of any width, read without building a
+    /// [`Value`] (token ids and block hashes); `None`, with nothing consumed, for anything else.
+    #[inline]
+    pub fn uint(&mut self) -> Result<Option<u64>> {
+        let b = *self.buf.get(self.pos).ok_or(MsgpackError::Truncated(self.pos))?;
+        match b {
+            0x00..=0x7f => {
+                self.pos += 1;
+                Ok(Some(u64::from(b)))
+            }
+            0xcc..=0xcf => {
+                self.pos += 1;
+                self.be(1 << (b - 0xcc)).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Read `n` unsigned integers that each fit in a `u32`, handing each to `f`: one tight loop
+    /// for token ids. `Ok(false)` at the first item that is not such an integer (the reader is
+    /// left before it).
+    #[inline]
+    pub fn u32s(&mut self, n: usize, mut f: impl FnMut(u32)) -> Result<bool> {
+        let buf = self.buf;
+        let mut pos = self.pos;
+        let bytes = |at: usize, k: usize| buf.get(at..at + k).ok_or(MsgpackError::Truncated(at));
+        for _ in 0..n {
+            let b = *buf.get(pos).ok_or(MsgpackError::Truncated(pos))?;
+            let v = match b {
+                0x00..=0x7f => {
+                    pos += 1;
+                    u32::from(b)
+                }
+                0xcc => {
+                    let x = bytes(pos + 1, 1)?;
+                    pos += 2;
+                    u32::from(x[0])
+                }
+                0xcd => {
+                    let x = bytes(pos + 1, 2)?;
+                    pos += 3;
+                    u32::from(u16::from_be_bytes([x[0], x[1]]))
+                }
+                0xce => {
+                    let x = bytes(pos + 1, 4)?;
+                    pos += 5;
+                    u32::from_be_bytes([x[0], x[1], x[2], x[3]])
+                }
+                0xcf => {
+                    let x = bytes(pos + 1, 8)?;
+                    match u32::try_from(u64::from_be_bytes([x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]])) {
+                        Ok(v) => {
+                            pos += 9;
+                            v
+                        }
+                        Err(_) => {
+                            self.pos = pos;
+                            return Ok(false);
+                        }
+                    }
+                }
+                _ => {
+                    self.pos = pos;
+                    return Ok(false);
+                }
+            };
+            f(v);
+        }
+        self.pos = pos;
+        Ok(true)
+    }
+
+    /// The raw bytes of the next value if it is a string, without checking they are UTF-8 (map
+    /// keys, compared against known names); `None`, with nothing consumed, for anything else.
+    #[inline]
+    pub fn str_bytes(&mut self) -> Result<Option<&'a [u8]>> {
+        let b = *self.buf.get(self.pos).ok_or(MsgpackError::Truncated(self.pos))?;
+        let len = match b {
+            0xa0..=0xbf => {
+                self.pos += 1;
+                u64::from(b & 0x1f)
+            }
+            0xd9..=0xdb => {
+                self.pos += 1;
+                self.be(1 << (b - 0xd9))?
+            }
+            _ => return Ok(None),
+        };
+        self.bytes(len).map(Some)
     }
 
     /// Read the next value (containers yield their length; read their items next).

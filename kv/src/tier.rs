@@ -22,11 +22,16 @@ impl Medium {
     /// vLLM says "GPU" (or nothing); connectors and SGLang use other names for host memory and
     /// storage tiers. Any other name is [`Medium::Other`], never taken for GPU.
     pub fn parse(s: Option<&str>) -> Self {
-        match s.map(str::to_ascii_lowercase).as_deref() {
-            None | Some("") | Some("gpu") | Some("cuda") | Some("device") | Some("l1") => Medium::Gpu,
-            Some("cpu") | Some("cpu_tier") | Some("host") | Some("l2") | Some("dram") => Medium::Cpu,
-            Some("disk") | Some("ssd") | Some("storage") | Some("l3") | Some("lmcache") => Medium::Disk,
-            Some(_) => Medium::Other,
+        let Some(s) = s.filter(|s| !s.is_empty()) else { return Medium::Gpu };
+        let any = |names: &[&str]| names.iter().any(|n| s.eq_ignore_ascii_case(n));
+        if any(&["gpu", "cuda", "device", "l1"]) {
+            Medium::Gpu
+        } else if any(&["cpu", "cpu_tier", "host", "l2", "dram"]) {
+            Medium::Cpu
+        } else if any(&["disk", "ssd", "storage", "l3", "lmcache"]) {
+            Medium::Disk
+        } else {
+            Medium::Other
         }
     }
 
