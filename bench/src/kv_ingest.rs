@@ -16,10 +16,12 @@ use serde_json::json;
 pub struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
+static ALLOCS: AtomicIsize = AtomicIsize::new(0);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         LIVE.fetch_add(l.size() as isize, Ordering::Relaxed);
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
@@ -28,6 +30,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         LIVE.fetch_add(new as isize - l.size() as isize, Ordering::Relaxed);
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
         unsafe { System.realloc(p, l, new) }
     }
 }
@@ -71,8 +74,10 @@ pub fn run(out_path: &std::path::Path) -> anyhow::Result<()> {
     for enc in [Encoding::Map, Encoding::Array] {
         let (batches, events) = payloads(50_000, 16, 200_000, enc);
         let mut rates = Vec::new();
+        let mut allocs = 0;
         for _ in 0..ROUNDS {
             let mut ix = KvIndex::new(1 << 20);
+            let allocs_before = ALLOCS.load(Ordering::Relaxed);
             let start = Instant::now();
             for (i, p) in batches.iter().enumerate() {
                 kv_events::visit_batch(p, |e| ix.apply_ref(0, "tinyllama", e))?;
@@ -82,6 +87,7 @@ pub fn run(out_path: &std::path::Path) -> anyhow::Result<()> {
                 }
             }
             rates.push(events as f64 / start.elapsed().as_secs_f64());
+            allocs = ALLOCS.load(Ordering::Relaxed) - allocs_before;
         }
         rates.sort_by(f64::total_cmp);
         let median = rates[rates.len() / 2];
@@ -107,7 +113,12 @@ pub fn run(out_path: &std::path::Path) -> anyhow::Result<()> {
             "min_per_s": rates[0].round(),
             "max_per_s": rates[rates.len() - 1].round(),
             "decode_only_per_s": decode_rate.round(),
+            "allocations": allocs,
         }));
+        println!(
+            "  heap allocations in a round: {allocs} for {} batches (the index's reused buffers and the deltas the push takes)",
+            batches.len()
+        );
         println!("  decoding alone: {:.2} M block events/s ({seen} events)", decode_rate / 1e6);
     }
 

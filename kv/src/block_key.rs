@@ -6,15 +6,15 @@
 //! (llm-d's dual-key design). The approximate prefix hasher (`attache_policies::prefix`)
 //! chains its pseudo-token blocks with the same [`chain`].
 
-use xxhash_rust::xxh64::xxh64;
+use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 /// The seed of a request's hash chain: model and cache salt.
 pub fn chain_seed(model: &str, cache_salt: Option<&str>) -> u64 {
-    let salt = cache_salt.unwrap_or("");
-    let mut buf = Vec::with_capacity(model.len() + salt.len());
-    buf.extend_from_slice(model.as_bytes());
-    buf.extend_from_slice(salt.as_bytes());
-    xxh64(&buf, 0)
+    // The hash of the concatenation, streamed: no buffer to allocate per chain.
+    let mut h = Xxh64::new(0);
+    h.update(model.as_bytes());
+    h.update(cache_salt.unwrap_or("").as_bytes());
+    h.digest()
 }
 
 /// One link of the chain: the key of `block` (its bytes) after the block keyed `prev`.
@@ -66,5 +66,6 @@ mod tests {
     fn salt_changes_the_seed() {
         assert_ne!(chain_seed("m", None), chain_seed("m", Some("s")));
         assert_eq!(chain_seed("ms", None), chain_seed("m", Some("s")), "model and salt are concatenated");
+        assert_eq!(chain_seed("model", Some("salt")), xxh64(b"modelsalt", 0));
     }
 }

@@ -196,13 +196,20 @@ impl<'a, T: PackedItem> List<'a, T> {
 impl Tokens<'_> {
     /// Append every id little-endian to `out` (the bytes block keys hash).
     pub fn write_le(&self, out: &mut Vec<u8>) {
-        out.reserve(self.len() * 4);
-        match *self {
-            List::Packed { bytes, len } => {
-                // Validated when the event was read.
-                let _ = Reader::new(bytes).u32s(len, |v| out.extend_from_slice(&v.to_le_bytes()));
+        let start = out.len();
+        out.resize(start + self.len() * 4, 0);
+        let mut dst = out[start..].chunks_exact_mut(4);
+        let mut put = |v: u32| {
+            if let Some(c) = dst.next() {
+                c.copy_from_slice(&v.to_le_bytes());
             }
-            List::Slice(s) => s.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        };
+        match *self {
+            // Validated when the event was read.
+            List::Packed { bytes, len } => {
+                let _ = Reader::new(bytes).u32s(len, put);
+            }
+            List::Slice(s) => s.iter().for_each(|v| put(*v)),
         }
     }
 }

@@ -74,7 +74,14 @@ impl<'a> Reader<'a> {
 
     #[inline]
     fn be(&mut self, n: usize) -> Result<u64> {
-        Ok(self.take(n)?.iter().fold(0u64, |acc, b| acc << 8 | u64::from(*b)))
+        let b = self.take(n)?;
+        Ok(match *b {
+            [x] => u64::from(x),
+            [a, b] => u64::from(u16::from_be_bytes([a, b])),
+            [a, b, c, d] => u64::from(u32::from_be_bytes([a, b, c, d])),
+            [a, b, c, d, e, f, g, h] => u64::from_be_bytes([a, b, c, d, e, f, g, h]),
+            _ => b.iter().fold(0u64, |acc, x| acc << 8 | u64::from(*x)),
+        })
     }
 
     /// A container length, bounded by the bytes left (each element takes at least one byte).
