@@ -262,9 +262,10 @@ impl Scheduler {
             all.iter()
                 .map(|s| {
                     let m = endpoint(s).and_then(|e| e.metrics).unwrap_or_default();
-                    let ttft_ms =
-                        gate.estimate_ms(queued(address(s)), own(s), m.prefill_tokens_per_s, m.waiting, m.ttft_ms);
-                    prefix_affinity::Estimate { affine: s.affine, ttft_ms }
+                    let rate = m.prefill_tokens_per_s;
+                    let wait_ms = gate.wait_ms(queued(address(s)), rate, m.waiting, m.ttft_ms);
+                    let ttft_ms = wait_ms + gate.ttft_ms(own(s), rate);
+                    prefix_affinity::Estimate { affine: s.affine, ttft_ms, wait_ms }
                 })
                 .collect()
         } else {

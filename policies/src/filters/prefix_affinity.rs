@@ -20,9 +20,10 @@ use serde::{Deserialize, Serialize};
 ///   prefill than its queue costs. Otherwise the session is routed afresh, and rebound.
 ///
 /// - A hot prefix spreads: when even the best affine endpoint's estimate exceeds
-///   `hot_prefix_ttft_ms`, and some other candidate would answer sooner while computing the
-///   whole prompt, the request goes to that one, which then holds the prefix too. Its holders'
-///   queues stay near the target instead of growing to the penalty.
+///   `hot_prefix_ttft_ms`, and some spare candidate (its own wait within that target) would
+///   answer sooner while computing the whole prompt, the request goes to that one, which then
+///   holds the prefix too. Its holders' queues stay near the target instead of growing to the
+///   penalty. When every engine queues, nothing spreads: a replica would evict other prefixes.
 ///
 /// Saturated endpoints are filtered out before this, whatever their cache.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -77,9 +78,15 @@ impl AffinityGate {
     /// tokens/s, whose engine reports `waiting` requests and a recent mean TTFT of
     /// `recent_ttft_ms`.
     pub fn estimate_ms(&self, queued: u64, own: u64, learned: f64, waiting: f64, recent_ttft_ms: f64) -> f64 {
+        self.wait_ms(queued, learned, waiting, recent_ttft_ms) + self.ttft_ms(own, learned)
+    }
+
+    /// The part of [`estimate_ms`](Self::estimate_ms) ahead of the request: the queue or the
+    /// engine's backlog, without its own prefill.
+    pub fn wait_ms(&self, queued: u64, learned: f64, waiting: f64, recent_ttft_ms: f64) -> f64 {
         let queue = self.ttft_ms(queued, learned);
         let backlog = if self.engine_backlog && waiting > 0.0 { recent_ttft_ms.max(0.0) } else { 0.0 };
-        queue.max(backlog) + self.ttft_ms(own, learned)
+        queue.max(backlog)
     }
 }
 
@@ -90,6 +97,8 @@ pub struct Estimate {
     pub affine: bool,
     /// Its estimated time to first token for this request, ms.
     pub ttft_ms: f64,
+    /// The part of it spent waiting behind other work, ms.
+    pub wait_ms: f64,
 }
 
 /// Whether the affinity filter applies: some candidate is affine (not all), and the best
@@ -105,20 +114,19 @@ pub fn holds(gate: &AffinityGate, candidates: &[Estimate]) -> bool {
 }
 
 /// The candidate a hot prefix spreads to: when the best affine candidate's estimate exceeds
-/// `hot_prefix_ttft_ms`, the non-affine candidate with the lowest estimate, if it is lower.
+/// `hot_prefix_ttft_ms`, the spare non-affine candidate with the lowest estimate, if it is
+/// lower. Spare: its own wait is within `hot_prefix_ttft_ms`. When every engine queues (the
+/// pool is saturated), a replica adds a whole prefill and evicts other prefixes to make room,
+/// for no engine that answers sooner in earnest, so nothing spreads.
 pub fn spread_to(gate: &AffinityGate, candidates: &[Estimate]) -> Option<usize> {
     if !gate.enabled || gate.hot_prefix_ttft_ms <= 0.0 {
         return None;
     }
-    let best = |affine: bool| {
-        candidates
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.affine == affine)
-            .min_by(|(_, a), (_, b)| a.ttft_ms.total_cmp(&b.ttft_ms))
+    let best = |keep: &dyn Fn(&Estimate) -> bool| {
+        candidates.iter().enumerate().filter(|(_, c)| keep(c)).min_by(|(_, a), (_, b)| a.ttft_ms.total_cmp(&b.ttft_ms))
     };
-    let (_, holder) = best(true)?;
-    let (i, other) = best(false)?;
+    let (_, holder) = best(&|c| c.affine)?;
+    let (i, other) = best(&|c| !c.affine && c.wait_ms <= gate.hot_prefix_ttft_ms)?;
     (holder.ttft_ms > gate.hot_prefix_ttft_ms && other.ttft_ms < holder.ttft_ms).then_some(i)
 }
 
@@ -140,7 +148,7 @@ mod tests {
     use super::*;
 
     fn est(gate: &AffinityGate, affine: bool, tokens: u64) -> Estimate {
-        Estimate { affine, ttft_ms: gate.ttft_ms(tokens, 0.0) }
+        Estimate { affine, ttft_ms: gate.ttft_ms(tokens, 0.0), wait_ms: 0.0 }
     }
 
     #[test]
@@ -169,6 +177,11 @@ mod tests {
         // Every candidate holds it, or none does: nothing to spread.
         assert_eq!(spread_to(&gate, &[e(true, 6_200), e(true, 1_000)]), None);
         assert_eq!(spread_to(&gate, &[e(false, 6_200), e(false, 1_000)]), None);
+        // Saturated: the other that would answer sooner waits 5 s itself. A replica there
+        // would only evict; one that waits 100 ms is spare.
+        let busy = |tokens, wait_ms| Estimate { wait_ms, ..e(false, tokens) };
+        assert_eq!(spread_to(&gate, &[e(true, 90_000), busy(85_000, 5_000.0)]), None);
+        assert_eq!(spread_to(&gate, &[e(true, 90_000), busy(85_000, 5_000.0), busy(88_000, 100.0)]), Some(2));
         let off = AffinityGate { hot_prefix_ttft_ms: 0.0, ..gate.clone() };
         assert_eq!(spread_to(&off, &c), None);
         assert_eq!(spread_to(&AffinityGate { enabled: false, ..gate }, &c), None);
