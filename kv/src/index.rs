@@ -106,6 +106,9 @@ pub struct KvIndex {
     pub stats: IndexStats,
 }
 
+/// The most the per-event buffers keep between events.
+const SCRATCH_KEEP_BYTES: usize = 1 << 20;
+
 #[derive(Default)]
 struct Scratch {
     keys: Vec<u64>,
@@ -292,7 +295,8 @@ impl KvIndex {
             }
         };
         let tiers = f(old);
-        if let Some(i) = found {
+        if let Some(i) = found.filter(|_| old != 0 || tiers != 0) {
+            // A stale removal (this endpoint no longer held it) is no use of the block.
             self.blocks.get_mut(i).flags |= REFERENCED;
         }
         if old == tiers {
@@ -483,7 +487,10 @@ impl KvIndex {
             }
             EventRef::AllBlocksCleared => self.clear_endpoint(endpoint),
         }
-        self.scratch = scratch;
+        // Kept for the next event, unless one huge event grew it.
+        if scratch.block.capacity() + 8 * (scratch.keys.capacity() + scratch.hashes.capacity()) <= SCRATCH_KEEP_BYTES {
+            self.scratch = scratch;
+        }
     }
 
     /// Load the home slot of every key, and of every (endpoint, engine hash), without using
