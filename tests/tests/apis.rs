@@ -317,6 +317,8 @@ async fn utility_routes_go_by_load_alone_and_are_counted() {
     let load = load_engine_at(&http, &busy, 8, 4_000);
     let waiting = wait_for_queue_at(&s, &busy, 4.0).await;
     assert!(waiting >= 4.0, "the busy engine never queued: {waiting} waiting");
+    // The host sees the queue; the filter sees it a snapshot push later.
+    wait_for_filter_snapshot(&s).await;
     let mut seen: HashMap<&str, HashSet<String>> = HashMap::new();
     let messages = json!({"model": MODEL, "messages": [{"role": "user", "content": "count me"}]});
     for (path, body) in [

@@ -77,6 +77,25 @@ pub async fn wait_for_queue_at(s: &Stack, address: &str, at_least: f64) -> f64 {
     waiting
 }
 
+/// Wait until Envoy's filter has the host's current snapshot (or 5 s pass), then one worker
+/// refresh more: what the host shows is then what the next request is routed on.
+pub async fn wait_for_filter_snapshot(s: &Stack) {
+    let Some(version) = http_get_blocking(s.host_admin_port, "/v1/snapshot")
+        .and_then(|b| serde_json::from_str::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["version"].as_u64())
+    else {
+        return;
+    };
+    for _ in 0..100 {
+        if s.envoy_stat("wasmcustom.attache.snapshot.version") >= version {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Workers take a newer snapshot at their next tick (20 ms) or request (after 40 ms).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
 /// Send `n` completions of `max_tokens` each straight to the engine on `port` (bypassing
 /// Envoy), to give it running and waiting requests; abort the handles to end them.
 pub fn load_engine(
