@@ -290,17 +290,27 @@ async fn a_second_host_takes_over_when_the_one_envoy_follows_dies() {
     s.start_envoy(EnvoyKind::Attache, &precise, 2).expect("envoy");
     let admins = s.host_admin_ports();
     let on = subscribed_host(&admins, 1.0);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    // First the host must see every engine ready; then the Envoy must reach that snapshot's
+    // version. The target is fixed once read: the host's version moves on with every scrape,
+    // so comparing against a fresh read each time races the push.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let version = loop {
         let snap: Value = http_get_blocking(admins[on], "/v1/snapshot")
             .and_then(|b| serde_json::from_str(&b).ok())
             .unwrap_or_default();
         let ready = snap["endpoints"].as_array().map_or(0, |a| a.iter().filter(|e| e["ready"] == true).count());
-        let version = snap["version"].as_u64().unwrap_or(u64::MAX);
-        if ready == 4 && s.envoy_stat("wasmcustom.attache.snapshot.version") >= version {
+        if let (4, Some(version)) = (ready, snap["version"].as_u64()) {
+            break version;
+        }
+        assert!(Instant::now() < deadline, "the host never saw every engine ready: {snap}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    loop {
+        let seen = s.envoy_stat("wasmcustom.attache.snapshot.version");
+        if seen >= version {
             break;
         }
-        assert!(Instant::now() < deadline, "the Envoy never had a snapshot with every engine");
+        assert!(Instant::now() < deadline, "the Envoy never reached snapshot {version} (it has {seen})");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let engines = s.engine_addrs();
