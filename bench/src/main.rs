@@ -7,6 +7,7 @@ mod agents;
 mod closed_loop;
 mod compare;
 mod conversation;
+mod cpus;
 mod epp;
 mod flow_control;
 mod kv_ingest;

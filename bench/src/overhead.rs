@@ -66,6 +66,12 @@ pub struct Args {
     /// modes against plain Envoy.
     #[arg(long, default_value = "chat")]
     api: String,
+    /// Give each proxy under test the last core to itself (`taskset`): Envoy's threads, or
+    /// the peer router's, on it; this client, the fast endpoint and the Attaché hosts on the
+    /// others. Rounds then agree far more closely than unpinned, where the client and the
+    /// proxy trade one pair of cores.
+    #[arg(long)]
+    pin: bool,
     #[command(flatten)]
     peers: crate::peers::PeerVersions,
 }
@@ -322,6 +328,10 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     for sys in &systems {
         stacks.push(start(sys, fast, &a).await?);
     }
+    let pinned = if a.pin { pin_proxies(&stacks)? } else { None };
+    if let Some(how) = &pinned {
+        println!("overhead: pinned: {how}");
+    }
     let mut runs = Vec::new();
     let mut discarded = Vec::new();
     for &size in &a.body_bytes {
@@ -409,12 +419,27 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "command": "cargo xtask bench overhead",
         "baseline": "envoy (plain Envoy 1.40 round-robin to the same endpoint); added_* = system minus baseline at the same body size; added_p50_us_per_round = min, median and max over the 10 rounds of (system p50 - baseline p50 in that round), how far the one added_p50_us figure moves with the machine; steal_pct = CPU time the hypervisor gave other guests during that size's rounds",
         "cpu": "cpu_s_per_req: on-CPU seconds per request of the proxy process (Envoy for envoy/attache-*, the router's own process for peers)",
+        "pinned": pinned,
         "config": {"api": a.api, "path": api_path(&a.api), "body_bytes": a.body_bytes, "requests": a.requests, "envoy_concurrency": 2, "client": "1 connection per system, sequential, 10 interleaved rounds, each starting one system later"},
         "steal_gate": format!("a size whose rounds saw more than {} % steal is measured again, at most {} attempts in all; the attempt with the least steal is kept; discarded_attempts lists the others with their added p50", a.max_steal_pct, a.attempts.max(1)),
         "discarded_attempts": discarded,
         "runs": runs,
     });
     write_results(&a.out, doc)
+}
+
+/// Every proxy under test on the last CPU; this process (the client and the fast endpoint)
+/// and the Attaché hosts on the others. `None` on a one-CPU machine.
+fn pin_proxies(stacks: &[System]) -> anyhow::Result<Option<String>> {
+    let Some((proxy_cpu, others)) = crate::cpus::split() else { return Ok(None) };
+    for sys in stacks {
+        crate::cpus::pin(sys.pid, &proxy_cpu)?;
+        if let Some(host) = sys._stack.host.as_ref() {
+            crate::cpus::pin(host.pid(), &others)?;
+        }
+    }
+    crate::cpus::pin(std::process::id(), &others)?;
+    Ok(Some(format!("each proxy on CPU {proxy_cpu}; client, fast endpoint and hosts on CPUs {others}")))
 }
 
 /// Which attempt to keep: the one with the least hypervisor steal (the first of equals; an

@@ -28,6 +28,7 @@ use attache_proto::v1::{update, SubscribeRequest};
 use attache_proto::Message;
 use serde_json::json;
 
+use crate::cpus::{own_cpus, pin};
 use crate::procstat::{cpu_ns, rss_mb};
 
 #[derive(clap::Parser, Debug, Clone)]
@@ -54,35 +55,9 @@ pub struct Args {
     pub pin: bool,
 }
 
-/// Pin every thread of `pid` to the CPUs `cpus` (a `taskset` list, `0-2`).
-fn pin(pid: u32, cpus: &str) -> anyhow::Result<()> {
-    let out = std::process::Command::new("taskset")
-        .args(["-a", "-p", "-c", cpus, &pid.to_string()])
-        .output()
-        .context("running taskset (util-linux)")?;
-    anyhow::ensure!(out.status.success(), "taskset -c {cpus} {pid}: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(())
-}
-
-/// The CPUs this process may run on, as `taskset` lists them (`0-1`).
-fn own_cpus() -> anyhow::Result<String> {
-    let out = std::process::Command::new("taskset")
-        .args(["-c", "-p", &std::process::id().to_string()])
-        .output()
-        .context("running taskset (util-linux)")?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let list = text.rsplit(':').next().map(str::trim).unwrap_or_default();
-    anyhow::ensure!(out.status.success() && !list.is_empty(), "taskset -p: {text:?}");
-    Ok(list.to_owned())
-}
-
 /// Envoy alone on the last CPU, the other processes on the rest; `None` with one CPU.
 fn isolate_envoy(s: &Stack) -> anyhow::Result<Option<String>> {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    if cpus < 2 {
-        return Ok(None);
-    }
-    let (envoy_cpu, others) = (format!("{}", cpus - 1), format!("0-{}", cpus - 2));
+    let Some((envoy_cpu, others)) = crate::cpus::split() else { return Ok(None) };
     pin(s.envoy.as_ref().context("envoy")?.pid(), &envoy_cpu)?;
     for p in [s.sim.as_ref(), s.host.as_ref()].into_iter().flatten() {
         pin(p.pid(), &others)?;
