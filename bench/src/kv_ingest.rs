@@ -160,10 +160,6 @@ pub fn run(out_path: &std::path::Path) -> anyhow::Result<()> {
         "ingest": rows,
         "memory": {"entries": entries, "bytes": bytes, "bytes_per_entry": (per_entry * 10.0).round() / 10.0},
     });
-    if let Some(d) = out_path.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    std::fs::write(out_path, serde_json::to_string_pretty(&doc)? + "\n")?;
-    println!("wrote {}", out_path.display());
-    Ok(())
+    // With the build and the date, as every benchmark's results.
+    crate::run::write_results(out_path, doc)
 }

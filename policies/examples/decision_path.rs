@@ -12,8 +12,10 @@
 //! `--cold` clears the CPU caches before each decision (it writes 8 MB), as Envoy's other work
 //! does between two requests: inside Envoy a decision starts with the pool, the tables and the
 //! code out of cache, and costs about twice the warm figure. `--stages` adds each stage's time
-//! and allocations (`policies::probe`). Inside Envoy, each worker's decision time is
-//! `attache_decision_us`; the filter's `stage_timings` option splits it by stage.
+//! and allocations (`policies::probe`); `--alloc-sites` prints where each allocation of one
+//! warm decision per row comes from (build with debug symbols to see the frames). Inside
+//! Envoy, each worker's decision time is `attache_decision_us`; the filter's `stage_timings`
+//! option splits it by stage.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -267,7 +269,14 @@ fn row(
         }
         let (t, a) = (Instant::now(), allocs());
         let ids = precise.then_some(ids.as_slice());
+        // One warm decision's allocations, by site (`--alloc-sites`).
+        let sites = i == 3_000 && std::env::args().any(|a| a == "--alloc-sites");
+        if sites {
+            eprintln!("allocations of decision {i} ({n} endpoints, {size} B, precise {precise}):");
+        }
+        counting_alloc::print_sites(sites);
         worker.decide(settings, &p, precise.then_some(&kv), (i as u32, b, ids))?;
+        counting_alloc::print_sites(false);
         times.push(t.elapsed().as_secs_f64() * 1e6);
         counted += allocs() - a;
     }
