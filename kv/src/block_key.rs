@@ -20,8 +20,15 @@ pub fn chain_seed(model: &str, cache_salt: Option<&str>) -> u64 {
 /// One link of the chain: the key of `block` (its bytes) after the block keyed `prev`.
 #[inline]
 pub fn chain(prev: u64, block: &[u8]) -> u64 {
+    link(prev, xxh64(block, 0))
+}
+
+/// The same link from the block's own hash (`xxh64(block)`), for a caller that hashed the
+/// block streamed.
+#[inline]
+pub fn link(prev: u64, block_hash: u64) -> u64 {
     let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&xxh64(block, 0).to_le_bytes());
+    b[..8].copy_from_slice(&block_hash.to_le_bytes());
     b[8..].copy_from_slice(&prev.to_le_bytes());
     xxh64(&b, 0)
 }

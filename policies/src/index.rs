@@ -19,6 +19,8 @@
 
 use hashbrown::HashMap;
 
+use crate::scratch::Buf;
+
 /// Ways per bucket.
 const WAYS: usize = 8;
 /// Leading blocks that are all recorded (4,096 tokens at 64-token blocks).
@@ -29,13 +31,45 @@ pub const STRIDE: usize = 8;
 /// The positions of an `n`-block prompt that the index records and probes, in order: the
 /// dense head, one in [`STRIDE`] after it, the last block, and the caller's `anchors` (blocks
 /// that end a message, where prompts that share a prefix diverge: a match is exact there).
-fn sampled(n: usize, anchors: &[usize]) -> Vec<usize> {
+fn sampled(n: usize, anchors: &[usize]) -> impl Iterator<Item = usize> + '_ {
     let dense = 0..n.min(DENSE_BLOCKS);
     let strided = (DENSE_BLOCKS + STRIDE - 1..n.saturating_sub(1)).step_by(STRIDE);
     let last = (n > DENSE_BLOCKS).then(|| n - 1);
-    let mut v: Vec<usize> = dense.chain(strided).chain(last).collect();
-    add_anchors(&mut v, anchors.iter().copied().filter(|&a| a >= DENSE_BLOCKS && a < n));
-    v
+    Merged::new(dense.chain(strided).chain(last), anchors.iter().copied().filter(move |&a| a >= DENSE_BLOCKS && a < n))
+}
+
+/// Two ascending runs of positions merged into one, ascending and without repeats, with no
+/// buffer: a decision walks its probe points once per lookup, and a list of them per lookup
+/// would be an allocation each. A position not above the last one given is skipped, so runs
+/// out of order lose positions rather than repeat them.
+struct Merged<A: Iterator<Item = usize>, B: Iterator<Item = usize>> {
+    a: std::iter::Peekable<A>,
+    b: std::iter::Peekable<B>,
+    last: Option<usize>,
+}
+
+impl<A: Iterator<Item = usize>, B: Iterator<Item = usize>> Merged<A, B> {
+    fn new(a: A, b: B) -> Self {
+        Self { a: a.peekable(), b: b.peekable(), last: None }
+    }
+}
+
+impl<A: Iterator<Item = usize>, B: Iterator<Item = usize>> Iterator for Merged<A, B> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        loop {
+            let next = match (self.a.peek(), self.b.peek()) {
+                (Some(&x), Some(&y)) if y < x => self.b.next(),
+                (Some(_), _) => self.a.next(),
+                (None, _) => self.b.next(),
+            }?;
+            if self.last.is_none_or(|l| next > l) {
+                self.last = Some(next);
+                return Some(next);
+            }
+        }
+    }
 }
 
 /// How many leading blocks a prompt of `n` blocks may share with an endpoint that
@@ -46,17 +80,7 @@ pub fn match_upper_bound(n: usize, anchors: &[usize], matched: usize) -> usize {
     if matched == 0 || matched >= n {
         return matched.min(n);
     }
-    sampled(n, anchors).into_iter().find(|&p| p >= matched).unwrap_or(n)
-}
-
-/// Merge `anchors` into the ascending positions `v`, keeping it ascending and without repeats.
-fn add_anchors(v: &mut Vec<usize>, anchors: impl Iterator<Item = usize>) {
-    let before = v.len();
-    v.extend(anchors);
-    if v.len() > before {
-        v.sort_unstable();
-        v.dedup();
-    }
+    sampled(n, anchors).find(|&p| p >= matched).unwrap_or(n)
 }
 
 /// Endpoints remembered per block.
@@ -85,15 +109,17 @@ impl KvClock {
     }
 }
 
+crate::scratch::pooled!((u16, Option<KvClock>));
+
 /// The endpoints' clocks during one match, each looked up once (by its name in the table).
 struct Clocks<F> {
     clock: F,
-    seen: Vec<(u16, Option<KvClock>)>,
+    seen: Buf<(u16, Option<KvClock>)>,
 }
 
 impl<F: Fn(&str) -> Option<KvClock>> Clocks<F> {
     fn new(clock: F) -> Self {
-        Self { clock, seen: Vec::new() }
+        Self { clock, seen: Buf::take() }
     }
 
     /// Whether endpoint `id` (named `name`) still holds a block it used at `stamp`: yes when
@@ -255,7 +281,7 @@ impl ApproxPrefixIndex {
         }
         let stamp = written.map_or(0, |w| w as u32);
         self.clock += 1;
-        for h in sampled(hashes.len(), anchors).into_iter().map(|p| hashes[p]) {
+        for h in sampled(hashes.len(), anchors).map(|p| hashes[p]) {
             let i = match self.find(h) {
                 Some(i) => i,
                 None => {
@@ -282,7 +308,7 @@ impl ApproxPrefixIndex {
     /// changes nothing: the decision's [`Self::record`] marks the request's blocks used (they
     /// are the last to be evicted from their bucket), the matched ones included.
     /// `anchors` are probed too, as [`Self::record`] recorded them.
-    pub fn match_lengths(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+    pub fn match_lengths(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<&str, usize> {
         self.match_lengths_at(hashes, anchors, |_| None)
     }
 
@@ -294,9 +320,9 @@ impl ApproxPrefixIndex {
         hashes: &[u64],
         anchors: &[usize],
         clock: impl Fn(&str) -> Option<KvClock>,
-    ) -> HashMap<String, usize> {
+    ) -> HashMap<&str, usize> {
         // (endpoint, blocks confirmed so far); a run continues only through every probe.
-        let mut run: Vec<(u16, usize)> = Vec::new();
+        let mut run = Buf::<(u16, usize)>::take();
         let mut clocks = Clocks::new(clock);
         let mut confirmed = 0;
         for p in sampled(hashes.len(), anchors) {
@@ -323,14 +349,14 @@ impl ApproxPrefixIndex {
             }
             confirmed = p + 1;
         }
-        run.into_iter().filter_map(|(id, n)| self.names.get(usize::from(id)).map(|a| (a.clone(), n))).collect()
+        run.iter().filter_map(|&(id, n)| self.names.get(usize::from(id)).map(|a| (a.as_str(), n))).collect()
     }
 
     /// Undo what [`Self::record`] taught about `address` for the blocks from position `from`
     /// on (those it did not hold before): another endpoint turned out to serve them.
     pub fn unrecord(&mut self, hashes: &[u64], anchors: &[usize], from: usize, address: &str) {
         let Some(id) = self.ids.get(address).copied() else { return };
-        for h in sampled(hashes.len(), anchors).into_iter().filter(|&p| p >= from).map(|p| hashes[p]) {
+        for h in sampled(hashes.len(), anchors).filter(|&p| p >= from).map(|p| hashes[p]) {
             if let Some(i) = self.find(h) {
                 if self.slots[i].remove(id, &mut self.written[i]) {
                     self.len -= 1;
@@ -369,8 +395,10 @@ mod tests {
         };
         let m = ix.match_lengths_at(&a, &[], at(10_999, 1_499));
         assert_eq!((m.get("e"), m.get("f")), (Some(&4), Some(&2)), "within a cache's worth of writes");
+        drop(m);
         let m = ix.match_lengths_at(&a, &[], at(11_000, 1_499));
         assert_eq!((m.get("e"), m.get("f")), (None, Some(&2)), "e wrote 1,000 tokens since: evicted");
+        drop(m);
         // A snapshot behind this scheduler's own decision: the block was just used.
         assert_eq!(ix.match_lengths_at(&a, &[], at(9_000, 400)).len(), 2);
         // No clock for an endpoint: every recorded block counts, as without the model.
@@ -396,6 +424,7 @@ mod tests {
         ix.unrecord(&a, &[], 4, "e");
         let m = ix.match_lengths(&a, &[]);
         assert_eq!((m["e"], m["f"]), (4, 8));
+        drop(m);
         ix.unrecord(&a, &[], 0, "f");
         ix.unrecord(&a, &[], 0, "e");
         assert!(ix.match_lengths(&a, &[]).is_empty() && ix.is_empty());
@@ -468,6 +497,7 @@ mod tests {
         assert_eq!(m.len(), MAX_ENDPOINTS_PER_BLOCK);
         assert!(m.contains_key("e:9") && m.contains_key("e:2"));
         assert!(!m.contains_key("e:0") && !m.contains_key("e:1"));
+        drop(m);
         ix.forget("e:5");
         assert_eq!(ix.match_lengths(&[5], &[]).len(), MAX_ENDPOINTS_PER_BLOCK - 1);
         assert_eq!(ix.len(), 1);
@@ -478,7 +508,7 @@ mod tests {
         let mut ix = ApproxPrefixIndex::new(8_192);
         let a: Vec<u64> = (1..=1_000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
         ix.record(&a, &[], "a:1");
-        let recorded = sampled(1_000, &[]).len();
+        let recorded = sampled(1_000, &[]).count();
         assert_eq!(ix.len(), recorded);
         assert_eq!(recorded, 64 + (998 - 71) / 8 + 1 + 1, "dense head, every 8th, the last");
         assert_eq!(ix.match_lengths(&a, &[]).get("a:1"), Some(&1_000), "a full match is exact");
@@ -542,18 +572,17 @@ const TABLE_DOUBLING_UNTIL: usize = 16;
 /// from another worker is exact where prompts that share messages diverge and, elsewhere, short
 /// of the shared run by less than an eighth past 16 blocks ([`table_match_upper_bound`]). A hit
 /// at position `i` proves the endpoint was sent the first `i + 1` blocks.
-pub fn probe_points(n_blocks: usize, anchors: &[usize]) -> Vec<usize> {
-    let mut v = Vec::new();
-    let mut count = 1usize;
-    while count <= n_blocks {
-        v.push(count - 1);
-        count = if count < TABLE_DOUBLING_UNTIL { count * 2 } else { count + count / 8 };
-    }
-    if n_blocks > 0 && v.last() != Some(&(n_blocks - 1)) {
-        v.push(n_blocks - 1);
-    }
-    add_anchors(&mut v, anchors.iter().copied().filter(|&a| a < n_blocks));
-    v
+pub fn probe_points(n_blocks: usize, anchors: &[usize]) -> impl Iterator<Item = usize> + '_ {
+    // Doubling, then growing by an eighth, to the last block (which ends the run either way:
+    // the merge drops it when the growth lands on it).
+    let growth = std::iter::successors(Some(1usize), move |&c| {
+        Some(if c < TABLE_DOUBLING_UNTIL { c.saturating_mul(2) } else { c.saturating_add(c / 8) })
+            .filter(|&next| next <= n_blocks)
+    })
+    .take_while(move |&c| c <= n_blocks)
+    .map(|c| c - 1);
+    let points = growth.chain(n_blocks.checked_sub(1));
+    Merged::new(points, anchors.iter().copied().filter(move |&a| a < n_blocks))
 }
 
 /// How many leading blocks a prompt of `n` blocks may share with an endpoint that
@@ -563,7 +592,7 @@ pub fn table_match_upper_bound(n: usize, anchors: &[usize], matched: usize) -> u
     if matched == 0 || matched >= n {
         return matched.min(n);
     }
-    probe_points(n, anchors).into_iter().find(|&p| p >= matched).unwrap_or(n)
+    probe_points(n, anchors).find(|&p| p >= matched).unwrap_or(n)
 }
 
 /// The `(block hash)` entries a decision adds to the affinity table: its probe points past the
@@ -571,12 +600,10 @@ pub fn table_match_upper_bound(n: usize, anchors: &[usize], matched: usize) -> u
 /// 0 adds them all). A repeated prefix then adds nothing, and a new question on a known system
 /// prompt adds only its own tail.
 pub fn shared_entries(hashes: &[u64], anchors: &[usize], known: usize) -> Vec<u64> {
-    probe_points(hashes.len(), anchors)
-        .into_iter()
-        .filter(|&i| i + 1 > known)
-        .filter_map(|i| hashes.get(i))
-        .copied()
-        .collect()
+    // Sized once: about 20 probe points per thousand blocks, plus the anchors.
+    let mut out = Vec::with_capacity(32 + anchors.len());
+    out.extend(probe_points(hashes.len(), anchors).filter(|&i| i + 1 > known).filter_map(|i| hashes.get(i)).copied());
+    out
 }
 
 /// What every Envoy worker learns of the others' decisions: a bounded, direct-mapped table of
@@ -664,7 +691,7 @@ impl AffinityTable {
     /// proven: the deepest probe point that matches, per endpoint, even past a probe whose
     /// slot a colliding entry took. `anchors` are probed
     /// too ([`probe_points`]).
-    pub fn matches(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<String, usize> {
+    pub fn matches(&self, hashes: &[u64], anchors: &[usize]) -> HashMap<&str, usize> {
         self.matches_at(hashes, anchors, |_| None)
     }
 
@@ -675,8 +702,8 @@ impl AffinityTable {
         hashes: &[u64],
         anchors: &[usize],
         clock: impl Fn(&str) -> Option<KvClock>,
-    ) -> HashMap<String, usize> {
-        let mut found: Vec<(u16, usize)> = Vec::new();
+    ) -> HashMap<&str, usize> {
+        let mut found = Buf::<(u16, usize)>::take();
         let mut clocks = Clocks::new(clock);
         let mut held = |id: u16, stamp: Stamp| match stamp {
             Stamp(Some(stamp)) => clocks.still_hold(id, self.names.get(usize::from(id).wrapping_sub(1)), stamp),
@@ -699,7 +726,7 @@ impl AffinityTable {
                 _ => {}
             }
         }
-        found.into_iter().filter_map(|(id, n)| self.names.get(usize::from(id) - 1).map(|a| (a.clone(), n))).collect()
+        found.iter().filter_map(|&(id, n)| self.names.get(usize::from(id) - 1).map(|a| (a.as_str(), n))).collect()
     }
 }
 
@@ -708,7 +735,46 @@ mod shared_tests {
     use super::*;
 
     #[test]
+    fn positions_merge_anchors_as_a_sorted_deduplicated_list_would() {
+        // The merged iterators against the list they replace: the base positions and the
+        // anchors in range, sorted, without repeats.
+        let mut seed = 7u64;
+        let mut next = |m: usize| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as usize % m.max(1)
+        };
+        for _ in 0..500 {
+            let n = next(3_000);
+            let mut anchors: Vec<usize> = (0..next(12)).map(|_| next(n + 10)).collect();
+            anchors.sort_unstable();
+            anchors.dedup();
+            let reference = |base: Vec<usize>, keep: &dyn Fn(usize) -> bool| {
+                let mut v: Vec<usize> = base.into_iter().chain(anchors.iter().copied().filter(|&a| keep(a))).collect();
+                v.sort_unstable();
+                v.dedup();
+                v
+            };
+            let dense: Vec<usize> = (0..n.min(DENSE_BLOCKS))
+                .chain((DENSE_BLOCKS + STRIDE - 1..n.saturating_sub(1)).step_by(STRIDE))
+                .chain((n > DENSE_BLOCKS).then(|| n - 1))
+                .collect();
+            let want = reference(dense, &|a| a >= DENSE_BLOCKS && a < n);
+            assert_eq!(sampled(n, &anchors).collect::<Vec<_>>(), want, "sampled({n}, {anchors:?})");
+            let mut growth = Vec::new();
+            let mut c = 1usize;
+            while c <= n {
+                growth.push(c - 1);
+                c = if c < TABLE_DOUBLING_UNTIL { c * 2 } else { c + c / 8 };
+            }
+            growth.extend(n.checked_sub(1));
+            let want = reference(growth, &|a| a < n);
+            assert_eq!(probe_points(n, &anchors).collect::<Vec<_>>(), want, "probe_points({n}, {anchors:?})");
+        }
+    }
+
+    #[test]
     fn probe_points_are_logarithmic_and_end_at_the_last_block() {
+        let probe_points = |n, a: &[usize]| probe_points(n, a).collect::<Vec<_>>();
         assert_eq!(probe_points(0, &[]), Vec::<usize>::new());
         assert_eq!(probe_points(1, &[]), vec![0]);
         assert_eq!(probe_points(10, &[]), vec![0, 1, 3, 7, 9]);
@@ -740,7 +806,7 @@ mod shared_tests {
     fn a_table_match_is_bounded_by_the_next_probe() {
         // A prompt of 200 blocks sharing its first 161 (80.5%) with what another worker sent.
         let (n, shared) = (200, 161);
-        let last_below = |k: usize| probe_points(n, &[]).into_iter().rfind(|&p| p < k).unwrap_or(0) + 1;
+        let last_below = |k: usize| probe_points(n, &[]).filter(|&p| p < k).last().unwrap_or(0) + 1;
         let confirmed = last_below(shared);
         assert_eq!(confirmed, 144, "the table proves 144 blocks: 0.72, under the 0.8 gate");
         let bound = table_match_upper_bound(n, &[], confirmed);
@@ -816,7 +882,7 @@ mod shared_tests {
         m.record(&prompt, &[], "e1:1");
         assert_eq!(m.matches(&prompt, &[]).get("e1:1"), Some(&100));
         // Another prompt's block lands in the slot of probe 19 (same hash modulo the table).
-        let probe = probe_points(prompt.len(), &[]);
+        let probe: Vec<usize> = probe_points(prompt.len(), &[]).collect();
         assert!(probe.contains(&19));
         m.store(prompt[19] + slots, "e2:1");
         let got = m.matches(&prompt, &[]);

@@ -36,6 +36,7 @@ pub mod rng;
 pub mod scheduler;
 pub mod scorers;
 pub mod scoring;
+pub mod scratch;
 pub mod session;
 pub mod template_json;
 pub mod token_prefix;

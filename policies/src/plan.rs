@@ -13,7 +13,7 @@ use crate::index::{self, AffinityTable};
 use crate::pickers::tier;
 use crate::plugin_config::ScoringConfig;
 use crate::profiles::pd::PREFILLER_HEADER;
-use crate::profiles::SchedulingInput;
+use crate::profiles::{SchedulingInput, ScoreList};
 use crate::request::InferenceRequest;
 use crate::scheduler::{Decision, Scheduler, SchedulerState};
 use crate::scoring::{self, ScoringContext};
@@ -106,8 +106,9 @@ pub struct IndexUpdate {
 pub struct MetricsDelta {
     /// Scored on this scheduler's own load alone: the host was silent.
     pub load_only: bool,
-    /// The primary's score by each scorer that has a histogram and had something to go on.
-    pub scores: Vec<(&'static str, f64)>,
+    /// The primary's score by each scorer that has a histogram and had something to go on
+    /// (held inline: at most one per scorer).
+    pub scores: ScoreList,
     pub matched_blocks: usize,
     pub total_blocks: usize,
     /// The primary is the session's sticky endpoint.
@@ -211,7 +212,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
     };
     let bound = config.sessions.enabled && request.sticky.is_some();
     let metrics = metrics(config.scheduler, &decision, load_only, bound);
-    let known = shared.as_ref().and_then(|m| m.get(&best.address)).copied().unwrap_or(0);
+    let known = shared.as_ref().and_then(|m| m.get(best.address.as_str())).copied().unwrap_or(0);
     let index = IndexUpdate {
         shared: if shared.is_some() { index::shared_entries(&hashes, &anchors, known) } else { Vec::new() },
         hashes,
@@ -273,7 +274,7 @@ fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, bound: b
             .iter()
             .filter_map(|(s, _)| Some((s.metric()?, b.scores.iter().find(|(n, _)| *n == s.name())?.1)))
             .collect(),
-        None => Vec::new(),
+        None => ScoreList::default(),
     };
     MetricsDelta {
         load_only,

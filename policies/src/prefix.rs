@@ -7,12 +7,16 @@
 //! * `h0 = xxh64(model ‖ cache_salt)`; `h_i = xxh64(LE64(xxh64(block_i)) ‖ LE64(h_{i-1}))`.
 //! * Hashing stops after `max_prefix_tokens` tokens (0 = unlimited).
 
-use attache_kv::block_key::chain;
+use attache_kv::block_key::{chain, link};
 // The precise block-key rules live in attache-kv; callers that hash prompts find them here too.
 pub use attache_kv::block_key::{chain_seed, token_block_key_iter, token_block_keys};
+use xxhash_rust::xxh64::Xxh64;
 
 use crate::config::PrefixConfig;
 use crate::request::Prompt;
+
+/// Zero bytes that pad a prompt's last pseudo-token.
+const ZEROS: [u8; 64] = [0; 64];
 
 /// Block hashes of `prompt`, at most `max_prefix_tokens / block_size_tokens` (rounded up).
 pub fn block_hashes(cfg: &PrefixConfig, model: &str, cache_salt: Option<&str>, prompt: &Prompt) -> Vec<u64> {
@@ -28,17 +32,22 @@ pub fn block_hashes(cfg: &PrefixConfig, model: &str, cache_salt: Option<&str>, p
             }
             let block_bytes = block_tokens.saturating_mul(bpt);
             let mut out = Vec::with_capacity(bytes.len().div_ceil(block_bytes));
-            let mut pad = Vec::new();
             for block in bytes.chunks(block_bytes) {
                 let rem = block.len() % bpt;
                 let h = if rem == 0 {
                     chain(prev, block)
                 } else {
-                    // Zero-pad the last pseudo-token, as llm-d's estimate tokenizer does.
-                    pad.clear();
-                    pad.extend_from_slice(block);
-                    pad.resize(block.len() + (bpt - rem), 0);
-                    chain(prev, &pad)
+                    // Zero-pad the last pseudo-token, as llm-d's estimate tokenizer does:
+                    // hashed streamed, with no padded copy.
+                    let mut x = Xxh64::new(0);
+                    x.update(block);
+                    let mut left = bpt - rem;
+                    while left > 0 {
+                        let n = left.min(ZEROS.len());
+                        x.update(ZEROS.get(..n).unwrap_or_default());
+                        left -= n;
+                    }
+                    link(prev, x.digest())
                 };
                 out.push(h);
                 prev = h;
@@ -159,5 +168,31 @@ mod tests {
             block_hashes(&c, "m", None, &Prompt::Text("abcdefgh".into()))
         );
         assert!(block_hashes(&c, "m", None, &Prompt::Text(String::new())).is_empty());
+    }
+
+    #[test]
+    fn a_padded_last_token_hashes_as_its_zero_padded_copy() {
+        // Streamed padding against the copy it replaces, for pseudo-tokens wider than the
+        // zero buffer too.
+        for bpt in [1, 3, 4, 7, 100] {
+            let c = PrefixConfig { bytes_per_token: bpt, ..cfg(4, 0) };
+            for len in [1, 5, 17, 63, 64, 65, 1_001] {
+                let text: String = (0..len).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+                let got = block_hashes(&c, "m", None, &Prompt::Text(text.clone()));
+                let block_bytes = 4 * bpt;
+                let mut prev = chain_seed("m", None);
+                let want: Vec<u64> = text
+                    .as_bytes()
+                    .chunks(block_bytes)
+                    .map(|b| {
+                        let mut padded = b.to_vec();
+                        padded.resize(b.len().div_ceil(bpt) * bpt, 0);
+                        prev = chain(prev, &padded);
+                        prev
+                    })
+                    .collect();
+                assert_eq!(got, want, "{bpt} bytes per token, {len} bytes");
+            }
+        }
     }
 }

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::endpoint::PoolState;
 use crate::profiles::{Profile, SchedulingInput};
+use crate::scratch::Buf;
 
 /// `scheduler.preselect`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -55,7 +56,7 @@ pub fn shortlist(
     cfg: &PreselectConfig,
     pool: &PoolState,
     input: &SchedulingInput<'_>,
-    matches: &HashMap<String, usize>,
+    matches: &HashMap<&str, usize>,
 ) -> Option<Vec<usize>> {
     // A subset (the gateway's endpoint hint) restricts the pool first: score it whole.
     if cfg.above == 0 || pool.endpoints.len() <= cfg.above || input.subset.is_some() {
@@ -85,8 +86,8 @@ pub fn shortlist(
     if k > 0 {
         // This worker's own requests in flight, by position: looked up once per endpoint in
         // flight (often none, rarely many), not once per endpoint drawn.
-        let mut own: Vec<(usize, f64)> =
-            input.inflight.iter().filter_map(|(a, &n)| Some((at(a)?, f64::from(n)))).collect();
+        let mut own = Buf::<(usize, f64)>::take();
+        own.extend(input.inflight.iter().filter_map(|(a, &n)| Some((at(a)?, f64::from(n)))));
         own.sort_unstable_by_key(|x| x.0);
         let own_at = |p: usize| own.binary_search_by_key(&p, |x| x.0).map_or(0.0, |i| own.get(i).map_or(0.0, |x| x.1));
         // The `2k` least loaded by the snapshot, and `k` drawn from the rest of the model's
@@ -94,14 +95,14 @@ pub fn shortlist(
         // every position appears once.
         let n = by_load.len();
         let head = by_load.len().min(2 * k);
-        let mut drawn: Vec<usize> = Vec::with_capacity(k);
+        let mut drawn = Buf::<usize>::take();
         for j in 0..k as u64 {
             let i = (mix(input.seed ^ j.wrapping_mul(0x9E37)) % n as u64) as usize;
             if i >= head && !drawn.contains(&i) {
                 drawn.push(i);
             }
         }
-        let mut pick: Vec<(f64, u64, usize)> = Vec::with_capacity(head + drawn.len());
+        let mut pick = Buf::<(f64, u64, usize)>::take();
         pick.extend(by_load.iter().take(head).chain(drawn.iter().filter_map(|&i| by_load.get(i))).map(|r| {
             let p = r.position as usize;
             (r.load + own_at(p), mix(input.seed ^ p as u64), p)
@@ -126,8 +127,19 @@ pub fn shortlist(
 /// (a configured profile that picks among other roles sees the whole pool).
 pub fn prefill_candidates(cfg: &PreselectConfig, pool: &PoolState, profile: &Profile) -> Option<Vec<usize>> {
     let large = cfg.above > 0 && pool.endpoints.len() > cfg.above;
-    let by_role = profile.filters.iter().any(|f| f.name() == crate::filters::prefill::NAME);
-    (large && by_role).then(|| pool.index().prefill.iter().map(|&p| p as usize).collect())
+    (large && by_role(profile)).then(|| pool.index().prefill.iter().map(|&p| p as usize).collect())
+}
+
+/// The P/D prefill `profile` can find no prefiller in `pool`: it keeps the prefill role alone
+/// and the pool has no endpoint of that role (most pools). The scheduler then skips the
+/// prefill run, which would filter every endpoint to find none.
+pub fn no_prefiller(pool: &PoolState, profile: &Profile) -> bool {
+    by_role(profile) && pool.index().prefill.is_empty()
+}
+
+/// `profile` has the `prefill-filter`: its candidates are the prefill role's endpoints.
+fn by_role(profile: &Profile) -> bool {
+    profile.filters.iter().any(|f| f.name() == crate::filters::prefill::NAME)
 }
 
 #[cfg(test)]
@@ -184,8 +196,8 @@ mod tests {
         let mut inflight = HashMap::new();
         inflight.insert(p.endpoints[3].address.clone(), 50);
         p.endpoints[700].lora = Some(LoraState { running: vec!["m".into()], ..Default::default() });
-        let matches: HashMap<String, usize> = [(p.endpoints[10].address.clone(), 4)].into_iter().collect();
-        let extra: HashMap<String, usize> = [(p.endpoints[11].address.clone(), 2)].into_iter().collect();
+        let matches: HashMap<&str, usize> = [(p.endpoints[10].address.as_str(), 4)].into_iter().collect();
+        let extra: HashMap<&str, usize> = [(p.endpoints[11].address.as_str(), 2)].into_iter().collect();
         let precise: HashMap<u32, (f64, usize)> = [(12, (0.5, 3)), (13, (0.0, 0))].into_iter().collect();
         let mut inp = input(&inflight);
         inp.extra_matches = Some(&extra);
@@ -233,12 +245,28 @@ mod tests {
     fn a_shortlist_never_panics_on_odd_input() {
         let p = pool(200);
         let inflight = HashMap::new();
-        let matches: HashMap<String, usize> = [("nowhere:1".to_owned(), 3)].into_iter().collect();
+        let matches: HashMap<&str, usize> = [("nowhere:1", 3)].into_iter().collect();
         for least in [0, 1, 199, 200, 10_000] {
             let cfg = PreselectConfig { above: 10, least_loaded: least };
             let c = shortlist(&cfg, &p, &input(&inflight), &matches).unwrap_or_default();
             assert_eq!(c.len(), least.min(200));
             assert!(c.windows(2).all(|w| w[0] < w[1]));
         }
+    }
+
+    #[test]
+    fn the_prefill_run_is_skipped_only_where_no_endpoint_could_prefill() {
+        use crate::endpoint::Role;
+        use crate::profiles::{ProfileConfig, ProfilesConfig};
+        let defaults = ProfilesConfig::default();
+        let by_role = Profile::resolve("prefill", &defaults.prefill).expect("the default prefill profile");
+        let any = Profile::resolve("prefill", &ProfileConfig { plugins: defaults.decode.plugins.clone() })
+            .expect("a prefill profile without the prefill filter");
+        let mut p = pool(8);
+        assert!(no_prefiller(&p, &by_role), "no endpoint of the prefill role");
+        assert!(!no_prefiller(&p, &any), "a profile that picks among every role may find one");
+        p.endpoints[3].role = Role::Prefill;
+        p.reindex();
+        assert!(!no_prefiller(&p, &by_role));
     }
 }

@@ -15,6 +15,7 @@ use crate::profiles::pd;
 use crate::profiles::{Profile, ProfileError, ProfileRun, SchedulingInput, Scored, ScoredEndpoint};
 use crate::scorers::no_hit_lru::LastCold;
 use crate::scorers::session_load::ActiveSessions;
+use crate::scratch::Buf;
 
 /// The scheduler's verdict.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +141,7 @@ impl Scheduler {
         profile: &'a Profile,
         pool: &'a PoolState,
         input: &'a SchedulingInput<'a>,
-        matches: &'a HashMap<String, usize>,
+        matches: &'a HashMap<&'a str, usize>,
         state: &'a SchedulerState,
     ) -> ProfileRun<'a> {
         ProfileRun {
@@ -198,7 +199,8 @@ impl Scheduler {
         let (all, cold) = self.run(&self.decode, pool, input, &matches, state).score(&candidates);
         probe::mark("schedule.score");
         let Tiers { tiers, sticky, spread } = self.tiers(&all, &pool.endpoints, input);
-        let totals: Vec<f64> = all.iter().map(|s| s.total).collect();
+        let mut totals = Buf::<f64>::take();
+        totals.extend(all.iter().map(|s| s.total));
         let mut order = self.decode.picker.pick(&totals, &tiers, input.seed);
         order.truncate(if sticky { self.config.max_endpoints.max(1) } else { self.config.max_endpoints });
         let scores: Vec<ScoredEndpoint> =
@@ -207,7 +209,8 @@ impl Scheduler {
             return Err(ScheduleError::NoEndpoints);
         };
         probe::mark("schedule.pick");
-        let prefill = if pd::should_disaggregate(&self.config.pd, input.prompt_tokens, primary.cached_tokens) {
+        let split = pd::should_disaggregate(&self.config.pd, input.prompt_tokens, primary.cached_tokens);
+        let prefill = if split && !crate::preselect::no_prefiller(pool, &self.prefill) {
             let run = self.run(&self.prefill, pool, input, &matches, state);
             let allowed = |mut c: Vec<usize>| match input.subset {
                 Some(s) => s.restrict(&pool.endpoints, &mut c).map(|()| c),
@@ -220,7 +223,8 @@ impl Scheduler {
             };
             filtered.and_then(allowed).ok().and_then(|c| {
                 let (ps, _) = run.score(&c);
-                let totals: Vec<f64> = ps.iter().map(|s| s.total).collect();
+                let mut totals = Buf::<f64>::take();
+                totals.extend(ps.iter().map(|s| s.total));
                 let first = self.prefill.picker.pick(&totals, &[], input.seed).first().and_then(|&i| ps.get(i));
                 first.map(|s| s.named(&pool.endpoints))
             })
@@ -256,21 +260,18 @@ impl Scheduler {
         // candidates affine and not all.
         let some_affine = all.iter().any(|s| s.affine) && !all.iter().all(|s| s.affine);
         let weigh = !input.load_only && gate.enabled && (some_affine || (sticky.is_some() && all.len() > 1));
-        let estimates: Vec<prefix_affinity::Estimate> = if weigh {
+        let mut estimates = Buf::<prefix_affinity::Estimate>::take();
+        if weigh {
             let queued = |a: &str| input.inflight_tokens.and_then(|m| m.get(a)).copied().unwrap_or(0);
             let own = |s: &Scored| input.prompt_tokens.saturating_sub(s.cached_tokens) as u64;
-            all.iter()
-                .map(|s| {
-                    let m = endpoint(s).and_then(|e| e.metrics).unwrap_or_default();
-                    let rate = m.prefill_tokens_per_s;
-                    let wait_ms = gate.wait_ms(queued(address(s)), rate, m.waiting, m.ttft_ms);
-                    let ttft_ms = wait_ms + gate.ttft_ms(own(s), rate);
-                    prefix_affinity::Estimate { affine: s.affine, ttft_ms, wait_ms }
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+            estimates.extend(all.iter().map(|s| {
+                let m = endpoint(s).and_then(|e| e.metrics).unwrap_or_default();
+                let rate = m.prefill_tokens_per_s;
+                let wait_ms = gate.wait_ms(queued(address(s)), rate, m.waiting, m.ttft_ms);
+                let ttft_ms = wait_ms + gate.ttft_ms(own(s), rate);
+                prefix_affinity::Estimate { affine: s.affine, ttft_ms, wait_ms }
+            }));
+        }
         let spread = if weigh && some_affine { prefix_affinity::spread_to(gate, &estimates) } else { None };
         let affinity_held = spread.is_none() && weigh && some_affine && prefix_affinity::holds(gate, &estimates);
         let sticky = sticky.filter(|&i| !weigh || prefix_affinity::session_holds(gate, &estimates, i));
@@ -325,7 +326,7 @@ mod tests {
         hashes: Vec<u64>,
         inflight: HashMap<String, u32>,
         inflight_tokens: Option<HashMap<String, u64>>,
-        extra: Option<HashMap<String, usize>>,
+        extra: Option<HashMap<&'static str, usize>>,
         precise: Option<HashMap<u32, (f64, usize)>>,
         prompt_tokens: usize,
         sticky: Option<String>,
@@ -372,7 +373,9 @@ mod tests {
             Self { inflight_tokens: Some([(to.to_owned(), n)].into_iter().collect()), ..self }
         }
         fn learned(self, to: &str, blocks: usize) -> Self {
-            Self { extra: Some([(to.to_owned(), blocks)].into_iter().collect()), ..self }
+            // The matches borrow their addresses, as from the affinity table: a test's live on.
+            let to: &'static str = Box::leak(to.to_owned().into_boxed_str());
+            Self { extra: Some([(to, blocks)].into_iter().collect()), ..self }
         }
         fn precise(self, id: u32, score: f64, blocks: usize) -> Self {
             Self { precise: Some([(id, (score, blocks))].into_iter().collect()), ..self }
@@ -595,7 +598,8 @@ mod tests {
         let p = pool(4);
         let target = p.endpoints[2].address.clone();
         let case = Case::text(&s, "m", &"a long shared system prompt ".repeat(40)).tokens(0);
-        let case = Case { extra: Some([(target.clone(), case.hashes.len())].into_iter().collect()), ..case };
+        let n = case.hashes.len();
+        let case = case.learned(&target, n);
         let fresh = s.new_state();
         for seed in 0..8 {
             let d = case.clone().seed(seed).schedule(&s, &p, &fresh).unwrap();

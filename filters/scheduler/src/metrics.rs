@@ -317,7 +317,7 @@ impl Metrics {
         self.count(self.scheduled, 1);
         let id = self.endpoint_counter(endpoint, "picks");
         self.count(id, 1);
-        for (metric, v) in &m.scores {
+        for (metric, v) in m.scores.iter() {
             if let Some(&(_, h)) = self.scores.iter().find(|(n, _)| n == metric) {
                 self.sample(h, milli(*v));
             }

@@ -101,6 +101,8 @@ pub struct Estimate {
     pub wait_ms: f64,
 }
 
+crate::scratch::pooled!(Estimate);
+
 /// Whether the affinity filter applies: some candidate is affine (not all), and the best
 /// affine one's estimated TTFT is within the penalty of the best other's.
 pub fn holds(gate: &AffinityGate, candidates: &[Estimate]) -> bool {

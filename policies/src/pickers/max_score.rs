@@ -18,30 +18,27 @@ impl Picker for MaxScore {
     /// [`max_score`] then [`by_tier`], in one unstable sort: the keys (tier, score, the seeded
     /// draw, position) are distinct, so no stable sort and its scratch buffer are needed.
     fn pick(&self, totals: &[f64], tiers: &[u8], seed: u64) -> Vec<usize> {
-        let mut keyed = keyed(totals, seed);
+        let mut keyed = crate::scratch::Buf::<(usize, f64, u64)>::take();
+        keyed.extend(keyed_iter(totals, seed));
         let tier_of = |i: usize| tiers.get(i).copied().unwrap_or(tier::NONE);
         keyed.sort_unstable_by(|a, b| {
             tier_of(b.0).cmp(&tier_of(a.0)).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0))
         });
-        keyed.into_iter().map(|(i, _, _)| i).collect()
+        keyed.iter().map(|&(i, _, _)| i).collect()
     }
 }
 
 /// Order candidate positions by descending score with a seeded random tie-break, keep `max`.
 pub fn max_score(scores: &[f64], max: usize, seed: u64) -> Vec<usize> {
-    let mut order = keyed(scores, seed);
+    let mut order: Vec<(usize, f64, u64)> = keyed_iter(scores, seed).collect();
     order.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0)));
     order.into_iter().take(max.max(1)).map(|(i, _, _)| i).collect()
 }
 
 /// Each position with its score (a non-finite one last) and its seeded tie-break draw.
-fn keyed(scores: &[f64], seed: u64) -> Vec<(usize, f64, u64)> {
+fn keyed_iter(scores: &[f64], seed: u64) -> impl Iterator<Item = (usize, f64, u64)> + '_ {
     let mut rng = SplitMix64::new(seed);
-    scores
-        .iter()
-        .enumerate()
-        .map(|(i, &s)| (i, if s.is_finite() { s } else { f64::NEG_INFINITY }, rng.next_u64()))
-        .collect()
+    scores.iter().enumerate().map(move |(i, &s)| (i, if s.is_finite() { s } else { f64::NEG_INFINITY }, rng.next_u64()))
 }
 
 /// Reorder positions (already in score order) so higher tiers lead; within a tier the score

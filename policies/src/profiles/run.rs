@@ -10,6 +10,7 @@ use crate::index;
 use crate::scorers::no_hit_lru::LastCold;
 use crate::scorers::session_load::ActiveSessions;
 use crate::scorers::ScoreContext;
+use crate::scratch::Buf;
 
 /// What scheduling needs to know about one request.
 #[derive(Clone, Copy)]
@@ -29,7 +30,7 @@ pub struct SchedulingInput<'a> {
     pub seed: u64,
     /// Prefix matches learned elsewhere (other Envoy workers, see
     /// [`crate::index::AffinityTable::matches`]): endpoint → leading blocks held.
-    pub extra_matches: Option<&'a HashMap<String, usize>>,
+    pub extra_matches: Option<&'a HashMap<&'a str, usize>>,
     /// Precise prefix scores from the engines' KV events ([`crate::precise::scores`]):
     /// endpoint id → (score, matched blocks).
     pub precise: Option<&'a HashMap<u32, (f64, usize)>>,
@@ -149,7 +150,7 @@ pub struct ProfileRun<'a> {
     pub endpoints: &'a [Endpoint],
     pub input: &'a SchedulingInput<'a>,
     /// Leading blocks each endpoint holds by this scheduler's approximate index.
-    pub matches: &'a HashMap<String, usize>,
+    pub matches: &'a HashMap<&'a str, usize>,
     pub last_cold: &'a LastCold,
     pub sessions: &'a ActiveSessions,
     pub saturation: &'a SaturationConfig,
@@ -163,8 +164,8 @@ impl ProfileRun<'_> {
     /// Leading blocks `e` is proven to hold, by this worker's index and by what the other
     /// workers learned (the affinity table).
     fn proven(&self, e: &Endpoint) -> (usize, usize) {
-        let local = self.matches.get(&e.address).copied().unwrap_or(0);
-        (local, self.input.extra_matches.and_then(|m| m.get(&e.address)).copied().unwrap_or(0))
+        let local = self.matches.get(e.address.as_str()).copied().unwrap_or(0);
+        (local, self.input.extra_matches.and_then(|m| m.get(e.address.as_str())).copied().unwrap_or(0))
     }
 
     /// The share of the prompt `e` may hold, by either index: for the gate, a match is known
@@ -182,31 +183,31 @@ impl ProfileRun<'_> {
     }
 
     /// Score `candidates` (positions in the pool): every candidate, in pool order, and whether
-    /// none of them holds enough of the prompt to count.
+    /// none of them holds enough of the prompt to count. The columns the scorers read are
+    /// [`Buf`]s: only the returned list is allocated.
     pub fn score(&self, candidates: &[usize]) -> (Vec<Scored>, bool) {
         let input = self.input;
-        // What each candidate holds and has in flight, in one pass, one array per kind (what
+        // What each candidate holds and has in flight, in one pass, one column per kind (what
         // the scorers read).
-        let n = candidates.len();
-        let (mut positions, mut chosen) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut matched, mut precise) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut affine, mut inflight) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut positions, mut matched) = (Buf::<usize>::take(), Buf::<usize>::take());
+        let (mut precise, mut affine, mut inflight) =
+            (Buf::<(f64, usize)>::take(), Buf::<bool>::take(), Buf::<u32>::take());
         for &i in candidates {
             let Some(e) = self.endpoints.get(i) else { continue };
             let proven = self.proven(e);
             let exact = input.precise.and_then(|p| p.get(&e.id)).copied().unwrap_or((0.0, 0));
             let held = self.held(e, proven, exact);
             positions.push(i);
-            chosen.push(e);
             matched.push(proven.0.max(proven.1));
             precise.push(exact);
             affine.push(held > 0.0 && held >= self.affinity_threshold);
-            inflight.push(input.inflight.get(&e.address).copied().unwrap_or(0));
+            inflight.push(input.inflight.get(e.address.as_str()).copied().unwrap_or(0));
         }
         let cold = !affine.iter().any(|&a| a);
         let ctx = ScoreContext {
             model: input.model,
-            candidates: &chosen,
+            endpoints: self.endpoints,
+            positions: &positions,
             inflight: &inflight,
             matched_blocks: &matched,
             total_blocks: input.block_hashes.len(),
@@ -219,18 +220,21 @@ impl ProfileRun<'_> {
             session_key: input.session_key,
         };
         // One buffer, a column of `n` per scorer.
-        let n = chosen.len();
-        let mut by_scorer = vec![0.0f64; n * self.profile.scorers.len()];
+        let n = positions.len();
+        let mut by_scorer = Buf::<f64>::take();
+        by_scorer.resize(n * self.profile.scorers.len(), 0.0);
         for ((s, _), col) in self.profile.scorers.iter().zip(by_scorer.chunks_exact_mut(n.max(1))) {
             s.score(&ctx, col);
         }
         // A scorer with nothing to go on for this request counts 0 and is not listed.
-        let listed: Vec<(bool, &'static str)> =
-            self.profile.scorers.iter().map(|(s, _)| (s.active(&ctx), s.name())).collect();
+        let mut listed = [(false, ""); MAX_SCORERS];
+        for (slot, (s, _)) in listed.iter_mut().zip(&self.profile.scorers) {
+            *slot = (s.active(&ctx), s.name());
+        }
         let weighting = self.profile.weighting(input.load_only);
         let mut row = [0.0f64; MAX_SCORERS];
         let mut scored = Vec::with_capacity(n);
-        scored.extend(chosen.iter().zip(&positions).enumerate().filter_map(|(i, (e, &position))| {
+        scored.extend(ctx.candidates().zip(positions.iter()).enumerate().filter_map(|(i, (e, &position))| {
             for (slot, col) in row.iter_mut().zip(by_scorer.chunks_exact(n.max(1))) {
                 *slot = *col.get(i)?;
             }

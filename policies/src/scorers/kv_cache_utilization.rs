@@ -20,7 +20,7 @@ impl Scorer for KvCacheUtilization {
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
-        for (slot, e) in out.iter_mut().zip(ctx.candidates) {
+        for (slot, e) in out.iter_mut().zip(ctx.candidates()) {
             *slot = match e.fresh_metrics(ctx.saturation.metrics_stale_ms) {
                 Some(m) => (1.0 - m.kv_usage).clamp(0.0, 1.0),
                 None => UNKNOWN_LOAD_SCORE,

@@ -20,7 +20,7 @@ impl Scorer for LoraAffinity {
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
-        for (slot, e) in out.iter_mut().zip(ctx.candidates) {
+        for (slot, e) in out.iter_mut().zip(ctx.candidates()) {
             *slot = tier(e, ctx.model);
         }
     }

@@ -23,7 +23,10 @@ pub enum Kind {
 pub struct ScoreContext<'a> {
     /// The request's model (a base model or a LoRA adapter).
     pub model: &'a str,
-    pub candidates: &'a [&'a Endpoint],
+    /// The pool's endpoints: the candidates are [`Self::positions`] of it.
+    pub endpoints: &'a [Endpoint],
+    /// The candidates' positions in `endpoints`, in pool order (each a valid position).
+    pub positions: &'a [usize],
     /// Requests this scheduler has in flight, per candidate.
     pub inflight: &'a [u32],
     /// Leading prompt blocks each candidate is proven to hold by the approximate index or the
@@ -44,6 +47,23 @@ pub struct ScoreContext<'a> {
     /// The `session-load-scorer`'s active sessions, and the request's own session key.
     pub sessions: &'a session_load::ActiveSessions,
     pub session_key: Option<u64>,
+}
+
+impl<'a> ScoreContext<'a> {
+    /// The candidates, in order.
+    pub fn candidates(&self) -> impl Iterator<Item = &'a Endpoint> + Clone + 'a {
+        let endpoints = self.endpoints;
+        self.positions.iter().filter_map(move |&p| endpoints.get(p))
+    }
+
+    /// How many candidates there are.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
 }
 
 /// One scoring plugin.
@@ -118,6 +138,8 @@ pub(crate) mod testing {
 
     /// Score `eps` with `scorer`, nothing else known.
     pub fn score(scorer: &dyn Scorer, eps: &[&Endpoint], tweak: impl FnOnce(&mut ScoreContext<'_>)) -> Vec<f64> {
+        let endpoints: Vec<Endpoint> = eps.iter().map(|&e| e.clone()).collect();
+        let positions: Vec<usize> = (0..eps.len()).collect();
         let sat = SaturationConfig::default();
         let last_cold = no_hit_lru::LastCold::default();
         let sessions = session_load::ActiveSessions::default();
@@ -125,7 +147,8 @@ pub(crate) mod testing {
         let blocks = vec![0usize; eps.len()];
         let mut ctx = ScoreContext {
             model: "m",
-            candidates: eps,
+            endpoints: &endpoints,
+            positions: &positions,
             inflight: &zeros,
             matched_blocks: &blocks,
             total_blocks: 0,
@@ -138,7 +161,7 @@ pub(crate) mod testing {
             session_key: None,
         };
         tweak(&mut ctx);
-        let mut out = vec![f64::NAN; ctx.candidates.len()];
+        let mut out = vec![f64::NAN; ctx.len()];
         scorer.score(&ctx, &mut out);
         assert!(
             out.iter().all(|v| (0.0..=1.0).contains(v)),

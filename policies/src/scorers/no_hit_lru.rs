@@ -21,18 +21,17 @@ impl Scorer for NoHitLru {
     }
 
     fn score(&self, ctx: &ScoreContext<'_>, out: &mut [f64]) {
-        let eps = ctx.candidates;
-        let cold = ctx.cold && eps.iter().all(|e| lora_affinity::tier(e, ctx.model) <= 0.0);
-        if !cold || eps.len() < 2 {
+        let cold = ctx.cold && ctx.candidates().all(|e| lora_affinity::tier(e, ctx.model) <= 0.0);
+        if !cold || ctx.len() < 2 {
             out.fill(if cold { 1.0 } else { 0.5 });
             return;
         }
         // (last cold request, position): least recent first, ties in pool order.
-        let mut order: Vec<(u64, usize)> =
-            eps.iter().enumerate().map(|(i, e)| (ctx.last_cold.last_cold(&e.address), i)).collect();
+        let mut order = crate::scratch::Buf::<(u64, usize)>::take();
+        order.extend(ctx.candidates().enumerate().map(|(i, e)| (ctx.last_cold.last_cold(&e.address), i)));
         order.sort_unstable();
-        let n = (order.len() - 1) as f64;
-        for (rank, (_, i)) in order.into_iter().enumerate() {
+        let n = order.len().saturating_sub(1).max(1) as f64;
+        for (rank, &(_, i)) in order.iter().enumerate() {
             if let Some(s) = out.get_mut(i) {
                 *s = 1.0 - rank as f64 / n;
             }
@@ -160,7 +159,7 @@ mod tests {
     fn cold_requests_prefer_least_recently_used() {
         let eps: Vec<Endpoint> =
             ["a", "b", "c"].iter().map(|a| Endpoint { address: (*a).into(), ..Default::default() }).collect();
-        let refs: Vec<&Endpoint> = eps.iter().collect();
+        let positions = [0, 1, 2];
         let mut lru = LastCold::default();
         lru.record("a");
         lru.record("c");
@@ -168,7 +167,8 @@ mod tests {
         let sessions = crate::scorers::session_load::ActiveSessions::default();
         let ctx = |cold| ScoreContext {
             model: "m",
-            candidates: &refs,
+            endpoints: &eps,
+            positions: &positions,
             inflight: &[0, 0, 0],
             matched_blocks: &[0, 0, 0],
             total_blocks: 0,

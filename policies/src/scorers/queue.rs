@@ -32,8 +32,7 @@ impl Scorer for Queue {
         }
         let stale_ms = ctx.saturation.metrics_stale_ms;
         let loads = || {
-            ctx.candidates
-                .iter()
+            ctx.candidates()
                 .zip(ctx.inflight.iter().chain(std::iter::repeat(&0)))
                 .map(|(e, &f)| e.fresh_metrics(stale_ms).map(|m| m.waiting + f64::from(f)))
         };

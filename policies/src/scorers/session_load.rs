@@ -59,7 +59,7 @@ impl Scorer for SessionLoad {
                 _ => tokens,
             }
         };
-        for (e, s) in ctx.candidates.iter().zip(out.iter_mut()) {
+        for (e, s) in ctx.candidates().zip(out.iter_mut()) {
             let capacity = e.kv_blocks.saturating_mul(u64::from(e.block_size));
             // An engine whose cache size is unknown has nothing to weigh its sessions against.
             *s = if capacity == 0 { 1.0 } else { 1.0 - (load(&e.address) as f64 / capacity as f64).min(1.0) };
@@ -182,9 +182,12 @@ mod tests {
     fn score(eps: &[&Endpoint], sessions: &ActiveSessions, key: Option<u64>) -> Vec<f64> {
         let (sat, lru) = (SaturationConfig::default(), LastCold::default());
         let zeros = vec![0; eps.len()];
+        let endpoints: Vec<Endpoint> = eps.iter().map(|&e| e.clone()).collect();
+        let positions: Vec<usize> = (0..eps.len()).collect();
         let ctx = ScoreContext {
             model: "m",
-            candidates: eps,
+            endpoints: &endpoints,
+            positions: &positions,
             inflight: &zeros,
             matched_blocks: &[],
             total_blocks: 0,
