@@ -68,8 +68,8 @@ pub struct Args {
     api: String,
     /// Give each proxy under test the last core to itself (`taskset`): Envoy's threads, or
     /// the peer router's, on it; this client, the fast endpoint and the Attaché hosts on the
-    /// others. Rounds then agree far more closely than unpinned, where the client and the
-    /// proxy trade one pair of cores.
+    /// others, so the client and the proxy stop trading one pair of cores. On the 2-core
+    /// machine of docs/benchmarks.md the rounds still spread by 100-300 us at 4 KB.
     #[arg(long)]
     pin: bool,
     #[command(flatten)]
