@@ -498,6 +498,34 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
             cli(&p, &["upload", "--slot", "cost", "--version", "bad", "--in", file.to_str().unwrap()]).await;
         assert!(!ok && err.contains(code), "{err}");
     }
+    // A module that grows its memory without bound and one that never returns from a call:
+    // each is stopped while it runs, at the limit its refusal names, and the upload answers
+    // within 2 s.
+    let faulty = signed(&p, "attache_test_trap_scorer").await;
+    // A spinning call meets two limits at about the same time (500 M instructions of fuel run
+    // in roughly the 50 ms budget): either may stop it, and it must be named.
+    for (fault, words) in [
+        ("grow", &["over the memory limit of 128.0 MiB (admission_memory_mb)"][..]),
+        ("spin", &["at the wall-clock limit of 50.0 ms (admission_budget_ms", "(the fuel limit)"][..]),
+    ] {
+        let params = json!({"misbehave": fault}).to_string();
+        let started = Instant::now();
+        let r = admin
+            .post(&url)
+            .query(&[("params", params.as_str())])
+            .bearer_auth(TOKEN)
+            .body(std::fs::read(&faulty).unwrap())
+            .send()
+            .await
+            .unwrap();
+        let took = started.elapsed();
+        let status_code = r.status().as_u16();
+        let body: Value = r.json().await.unwrap();
+        assert_eq!((status_code, body["error"].as_str().unwrap()), (422, "admission_refused"), "{fault}: {body}");
+        let message = body["message"].as_str().unwrap();
+        assert!(words.iter().any(|w| message.contains(w)), "{fault}: {body}");
+        assert!(took < Duration::from_secs(2), "{fault}: the upload took {took:?}");
+    }
     // No token, wrong token: 401.
     for auth in [None, Some("wrong-token-wrong-token")] {
         let mut req = admin.get(format!("http://127.0.0.1:{}/v1/policy/status", p.s.host_admin_port));

@@ -44,9 +44,12 @@ pub struct PolicyConfig {
     pub envoy_cluster: Option<String>,
     #[serde(default)]
     pub auto: AutoPolicy,
-    /// Wall-clock budget per admission sample, ms.
+    /// Wall-clock budget per admission sample, ms: a module still running at it is stopped.
     #[serde(default = "default_budget")]
     pub admission_budget_ms: u64,
+    /// The most memory a module may grow to at admission, MiB.
+    #[serde(default = "default_memory_mb")]
+    pub admission_memory_mb: usize,
     /// Distinct modules the store keeps (uploads of a new module past this are refused with
     /// 507 `store_full`; uploading a module already stored always works).
     #[serde(default = "default_max_modules")]
@@ -64,6 +67,10 @@ fn default_max_modules() -> usize {
 
 fn default_budget() -> u64 {
     50
+}
+
+fn default_memory_mb() -> usize {
+    admission::DEFAULT_MEMORY_LIMIT_BYTES >> 20
 }
 
 /// Parse Envoy `/stats` text lines `wasmcustom.attache.rollout.<slot>.<arm>.<what>: N`.
@@ -366,6 +373,7 @@ impl PolicyService {
             samples: admission::scorer_samples(),
             check_outputs: Some(admission::check_scorer_outputs),
             budget_per_request: Duration::from_millis(self.cfg.admission_budget_ms),
+            memory_limit_bytes: self.cfg.admission_memory_mb.saturating_mul(1 << 20),
             ..AdmissionConfig::default()
         }
     }

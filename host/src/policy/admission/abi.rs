@@ -21,9 +21,11 @@ const UNIMPLEMENTED: i32 = 12;
 
 /// Buffer and map types.
 const BUF_REQUEST_BODY: i32 = 0;
+const BUF_RESPONSE_BODY: i32 = 1;
 const BUF_VM_CONFIGURATION: i32 = 6;
 const BUF_PLUGIN_CONFIGURATION: i32 = 7;
 const MAP_REQUEST_HEADERS: i32 = 0;
+const MAP_RESPONSE_HEADERS: i32 = 2;
 
 /// What the emulated Envoy holds for the module.
 #[derive(Default)]
@@ -31,11 +33,42 @@ pub(super) struct HostState {
     pub(super) plugin_config: Vec<u8>,
     pub(super) headers: Vec<(String, String)>,
     pub(super) body: Vec<u8>,
+    pub(super) response_headers: Vec<(String, String)>,
+    pub(super) response_body: Vec<u8>,
     pub(super) local_response: Option<u32>,
     pub(super) properties: Vec<(String, Vec<u8>)>,
     pub(super) shared: HashMap<String, (Vec<u8>, u32)>,
     pub(super) metrics: Vec<(String, i64)>,
     pub(super) logs: Vec<String>,
+    pub(super) memory: MemoryCap,
+}
+
+/// The module's memory limit: a `memory.grow` past it traps, and the refusal names the limit.
+#[derive(Debug, Default)]
+pub(super) struct MemoryCap {
+    pub(super) limit_bytes: usize,
+    /// The size a refused growth asked for.
+    pub(super) refused: Option<usize>,
+}
+
+/// Tables (function references) a module may hold: far above what a compiled filter needs.
+const MAX_TABLE_ELEMENTS: usize = 1 << 20;
+
+impl wasmtime::ResourceLimiter for MemoryCap {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        if desired > self.limit_bytes {
+            self.refused = Some(desired);
+            return Err(wasmtime::Error::msg(format!(
+                "memory would grow to {desired} bytes, over the {} byte limit",
+                self.limit_bytes
+            )));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(desired <= MAX_TABLE_ELEMENTS)
+    }
 }
 
 type Ctx<'a> = Caller<'a, HostState>;
@@ -165,6 +198,7 @@ fn buffers(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i3
         "proxy_get_buffer_bytes" => {
             let data = match i(a, 0) {
                 BUF_REQUEST_BODY => c.data().body.clone(),
+                BUF_RESPONSE_BODY => c.data().response_body.clone(),
                 BUF_PLUGIN_CONFIGURATION => c.data().plugin_config.clone(),
                 BUF_VM_CONFIGURATION => Vec::new(),
                 _ => return Ok(Some(NOT_FOUND)),
@@ -179,11 +213,12 @@ fn buffers(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i3
             give(c, slice, i(a, 3), i(a, 4))?
         }
         "proxy_set_buffer_bytes" => {
-            if i(a, 0) != BUF_REQUEST_BODY {
-                return Ok(Some(NOT_FOUND));
-            }
             let data = read(c, i(a, 3), i(a, 4)).unwrap_or_default();
-            c.data_mut().body = data;
+            match i(a, 0) {
+                BUF_REQUEST_BODY => c.data_mut().body = data,
+                BUF_RESPONSE_BODY => c.data_mut().response_body = data,
+                _ => return Ok(Some(NOT_FOUND)),
+            }
             OK
         }
         _ => return Ok(None),
@@ -191,23 +226,27 @@ fn buffers(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i3
     Ok(Some(status))
 }
 
-/// The request header map (other maps are empty).
+/// The request and response header maps (other maps are empty).
+fn header_map(st: &mut HostState, map: i32) -> Option<&mut Vec<(String, String)>> {
+    match map {
+        MAP_REQUEST_HEADERS => Some(&mut st.headers),
+        MAP_RESPONSE_HEADERS => Some(&mut st.response_headers),
+        _ => None,
+    }
+}
+
+/// Header maps: the request's and the response's.
 fn headers(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i32>> {
+    let map = i(a, 0);
     let status = match name {
         "proxy_get_header_map_pairs" => {
-            if i(a, 0) != MAP_REQUEST_HEADERS {
-                return Ok(Some(give(c, &serialize_map(&[]), i(a, 1), i(a, 2))?));
-            }
-            let m = serialize_map(&c.data().headers);
+            let m = serialize_map(header_map(c.data_mut(), map).map_or(&[][..], |h| h.as_slice()));
             give(c, &m, i(a, 1), i(a, 2))?
         }
         "proxy_get_header_map_value" => {
             let key = read_str(c, i(a, 1), i(a, 2)).unwrap_or_default();
-            let v = if i(a, 0) == MAP_REQUEST_HEADERS {
-                c.data().headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(&key)).map(|(_, v)| v.clone())
-            } else {
-                None
-            };
+            let v = header_map(c.data_mut(), map)
+                .and_then(|h| h.iter().find(|(k, _)| k.eq_ignore_ascii_case(&key)).map(|(_, v)| v.clone()));
             match v {
                 Some(v) => give(c, v.as_bytes(), i(a, 3), i(a, 4))?,
                 None => NOT_FOUND,
@@ -216,8 +255,7 @@ fn headers(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i3
         "proxy_add_header_map_value" | "proxy_replace_header_map_value" => {
             let (k, v) =
                 (read_str(c, i(a, 1), i(a, 2)).unwrap_or_default(), read_str(c, i(a, 3), i(a, 4)).unwrap_or_default());
-            if i(a, 0) == MAP_REQUEST_HEADERS {
-                let h = &mut c.data_mut().headers;
+            if let Some(h) = header_map(c.data_mut(), map) {
                 if name == "proxy_replace_header_map_value" {
                     h.retain(|(x, _)| !x.eq_ignore_ascii_case(&k));
                 }
@@ -227,8 +265,8 @@ fn headers(name: &str, c: &mut Ctx<'_>, a: &[Val]) -> wasmtime::Result<Option<i3
         }
         "proxy_remove_header_map_value" => {
             let k = read_str(c, i(a, 1), i(a, 2)).unwrap_or_default();
-            if i(a, 0) == MAP_REQUEST_HEADERS {
-                c.data_mut().headers.retain(|(x, _)| !x.eq_ignore_ascii_case(&k));
+            if let Some(h) = header_map(c.data_mut(), map) {
+                h.retain(|(x, _)| !x.eq_ignore_ascii_case(&k));
             }
             OK
         }

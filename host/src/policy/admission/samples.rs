@@ -11,7 +11,13 @@ pub struct SampleRequest {
     /// Filter state present when the module sees the request (`wasm.<name>` → value), e.g.
     /// the scheduling context a custom scorer reads.
     pub properties: Vec<(String, Vec<u8>)>,
+    /// The engine's answer, run through the response-path callbacks.
+    pub response_headers: Vec<(String, String)>,
+    pub response_body: Vec<u8>,
 }
+
+/// The answer every sample gets: a one-choice chat completion with its usage.
+const RESPONSE_BODY: &str = r#"{"id":"chatcmpl-admission","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13}}"#;
 
 impl SampleRequest {
     /// A POST to `path` with a JSON body.
@@ -26,6 +32,12 @@ impl SampleRequest {
             ],
             body: body.as_bytes().to_vec(),
             properties: Vec::new(),
+            response_headers: vec![
+                (":status".into(), "200".into()),
+                ("content-type".into(), "application/json".into()),
+                ("content-length".into(), RESPONSE_BODY.len().to_string()),
+            ],
+            response_body: RESPONSE_BODY.as_bytes().to_vec(),
         }
     }
 }

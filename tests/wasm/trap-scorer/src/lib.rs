@@ -1,34 +1,70 @@
-//! Test fixture: a scorer with a latent bug: it panics (traps) once it has scored `trap_after`
-//! candidates in one VM. Admission's samples score 37 candidates, so a larger `trap_after`
-//! passes admission and fails later, in Envoy.
+//! Test fixture: a scorer with a bug, chosen by its params.
+//! - `{"trap_after": N}`: a latent bug. It panics (traps) once it has scored N candidates in one
+//!   VM. Admission's samples score 37 candidates, so a larger N passes admission and fails
+//!   later, in Envoy.
+//! - `{"misbehave": "grow"}`: it reserves another MiB, forever, as soon as it scores, so its
+//!   memory grows without bound.
+//! - `{"misbehave": "spin"}`: it never returns from scoring.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 use attache_scorer_sdk::{scorer, Candidate, Params, Request, Scorer};
 
-pub struct TrapAfter {
-    left: Cell<u64>,
+pub enum Fault {
+    TrapAfter(Cell<u64>),
+    Grow(RefCell<Vec<Vec<u8>>>),
+    Spin,
 }
 
-impl Scorer for TrapAfter {
+pub struct Faulty {
+    fault: Fault,
+}
+
+impl Scorer for Faulty {
     fn configure(params: &Params) -> Result<Self, String> {
-        let n = params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (scores) is required")?;
-        Ok(Self { left: Cell::new(n) })
+        let fault = match params.get("misbehave").and_then(|v| v.as_str()) {
+            Some("grow") => Fault::Grow(RefCell::new(Vec::new())),
+            Some("spin") => Fault::Spin,
+            Some(other) => return Err(format!("misbehave: unknown fault {other:?} (grow, spin)")),
+            None => Fault::TrapAfter(Cell::new(
+                params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (scores) is required")?,
+            )),
+        };
+        Ok(Self { fault })
     }
 
-    // The trap is this fixture's whole point: the tests check that Envoy survives it.
+    // The faults are this fixture's whole point: the tests check that admission and Envoy
+    // survive them.
     #[allow(clippy::panic)]
     fn score(&self, _request: &Request, endpoint: &Candidate) -> f32 {
-        let left = self.left.get();
-        if left == 0 {
-            panic!("latent bug in the test scorer");
+        match &self.fault {
+            Fault::TrapAfter(left) => {
+                let n = left.get();
+                if n == 0 {
+                    panic!("latent bug in the test scorer");
+                }
+                if endpoint.address.is_empty() {
+                    return 0.0;
+                }
+                left.set(n - 1);
+                0.5
+            }
+            Fault::Grow(hoard) => {
+                let mut hoard = hoard.borrow_mut();
+                loop {
+                    // Reserved, not written: the memory grows as fast as the allocator can ask,
+                    // so the memory limit, not the wall clock, is what stops it.
+                    hoard.push(std::hint::black_box(Vec::with_capacity(1 << 20)));
+                }
+            }
+            Fault::Spin => {
+                let mut x = 0u64;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            }
         }
-        if endpoint.address.is_empty() {
-            return 0.0;
-        }
-        self.left.set(left - 1);
-        0.5
     }
 }
 
-scorer!(TrapAfter);
+scorer!(Faulty);
