@@ -26,6 +26,9 @@ pub struct AutoPolicy {
     pub max_added_latency_ms: f64,
     /// Roll back when the canary's expected prefix-cache hit rate is lower by more (0..1).
     pub max_hit_rate_drop: f64,
+    /// An Envoy that restarted during a canary is left out of its window for this long: what it
+    /// counted since the last read is gone, and its new VMs start with cold tables.
+    pub restart_grace_ms: u64,
 }
 
 impl Default for AutoPolicy {
@@ -40,6 +43,7 @@ impl Default for AutoPolicy {
             max_error_rate_increase: 0.01,
             max_added_latency_ms: 100.0,
             max_hit_rate_drop: 0.10,
+            restart_grace_ms: 30_000,
         }
     }
 }

@@ -406,6 +406,10 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
     };
     let extra: Extra = serde_json::from_slice(body).unwrap_or_default();
     let cfg = st.engine.config();
+    if let Some(code) = cfg.fail_status {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return api_error(api, status, "InternalServerError", None, "injected fault (--fail-status)");
+    }
     let lora = cfg.lora_adapters.iter().find(|a| **a == req.model).cloned();
     // `generate` may name no model: the base model serves it.
     let unnamed = req.model.is_empty() && api == Api::Generate;

@@ -158,6 +158,7 @@ impl CheapPool {
                 stream_interval: 1,
                 lora_adapters: cfg.lora_adapters.clone(),
                 max_loras: cfg.max_loras.max(1),
+                fail_status: None,
             })
             .collect();
         let engines: Vec<Slot> = (0..cfg.engines)

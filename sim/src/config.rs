@@ -37,6 +37,9 @@ pub struct EngineConfig {
     /// once (`--max-loras`): a request for an adapter that is not active waits for a free slot.
     pub lora_adapters: Vec<String>,
     pub max_loras: usize,
+    /// A fault for tests: answer every inference request with this HTTP status (an OpenAI
+    /// error body), as a broken engine would. Health, metrics and the model list still answer.
+    pub fail_status: Option<u16>,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +61,7 @@ impl Default for EngineConfig {
             stream_interval: 1,
             lora_adapters: Vec::new(),
             max_loras: 1,
+            fail_status: None,
         }
     }
 }

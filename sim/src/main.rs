@@ -70,6 +70,10 @@ struct Args {
     /// Disable prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// A fault for tests: answer every inference request with this HTTP status (a broken
+    /// engine that still reports healthy metrics).
+    #[arg(long)]
+    fail_status: Option<u16>,
     /// Publish KV events: engine i binds its PUB socket on port BASE+2i and its replay ROUTER
     /// on BASE+2i+1 (vLLM's `tcp://*:port` form).
     #[arg(long)]
@@ -159,6 +163,7 @@ async fn main() -> anyhow::Result<()> {
             prefill_scale: a.prefill_scale,
             decode_scale: a.decode_scale,
             stream_interval: a.stream_interval,
+            fail_status: a.fail_status,
         };
         let engine = Engine::new(cfg);
         let base = a.kv_events_port_base.map(|b| b + 2 * i);

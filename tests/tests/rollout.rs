@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use attache_e2e::client;
-use attache_e2e::Stack;
+use attache_e2e::{EnvoyKind, SimOpts, Stack};
 use common::*;
 use serde_json::{json, Value};
 
@@ -30,6 +30,18 @@ struct PolicyStack {
 
 /// Simulator, host with the policy service, Envoy with scorer `slots`.
 fn policy_stack(name: &str, slots: &[&str], auto: Value, labels: Vec<Vec<(String, String)>>) -> PolicyStack {
+    policy_stack_with(name, slots, auto, labels, &[])
+}
+
+/// [`policy_stack`] whose pool also has an engine per `extra`, each in its own process with its
+/// own options, listed (and labelled) after the four of [`small_pool`].
+fn policy_stack_with(
+    name: &str,
+    slots: &[&str],
+    auto: Value,
+    labels: Vec<Vec<(String, String)>>,
+    extra: &[SimOpts],
+) -> PolicyStack {
     let mut s = Stack::new(name).expect("stack");
     let keys = s.workdir.join("keys");
     let token_file = s.workdir.join("admin.token");
@@ -45,7 +57,19 @@ fn policy_stack(name: &str, slots: &[&str], auto: Value, labels: Vec<Vec<(String
     }));
     s.scorer_slots = slots.iter().map(|x| x.to_string()).collect();
     s.endpoint_labels = labels;
-    start_attache(&mut s, small_pool());
+    if extra.is_empty() {
+        start_attache(&mut s, small_pool());
+    } else {
+        let pool = small_pool();
+        let engines = usize::from(pool.engines) + extra.len();
+        s.start_sim(pool).expect("sim");
+        for opts in extra {
+            s.start_extra_engine_with(opts.clone()).expect("extra engine");
+        }
+        s.start_host().expect("host");
+        s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+        s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
+    }
     PolicyStack { s, keys }
 }
 
@@ -136,19 +160,24 @@ struct Load {
 
 impl Load {
     fn start(s: &Stack, workers: usize, sessions: usize) -> Self {
+        Self::start_tagged(s, workers, sessions, "session")
+    }
+
+    /// [`Load::start`] with session ids `<tag>-N`: sessions no earlier load has bound.
+    fn start_tagged(s: &Stack, workers: usize, sessions: usize, tag: &str) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let served = Arc::new(Mutex::new(Vec::new()));
         let url = s.url("/v1/chat/completions");
         let tasks = (0..workers)
             .map(|w| {
-                let (stop, served, url) = (stop.clone(), served.clone(), url.clone());
+                let (stop, served, url, tag) = (stop.clone(), served.clone(), url.clone(), tag.to_owned());
                 tokio::spawn(async move {
                     let http = reqwest::Client::new();
                     let mut n = w;
                     while !stop.load(Ordering::Relaxed) {
                         let session = n % sessions;
                         n += workers;
-                        let sid = format!("session-{session}");
+                        let sid = format!("{tag}-{session}");
                         let body = client::chat_body(MODEL, &format!("prefix of {sid}"), "hello", 2);
                         let o = client::post(&http, &url, body, &[("x-session-id", &sid)]).await;
                         served.lock().unwrap().push(Served {
@@ -580,6 +609,112 @@ async fn a_healthy_canary_is_promoted_by_the_controller() {
     assert!(wait_served(&load, at, Duration::from_secs(10), |r| r.scorers == stable).await.is_some());
     let served = load.finish().await;
     assert!(failures(&served).is_empty(), "{:?}", failures(&served));
+}
+
+/// Wait for the controller's next transition of `slot` after `count` transitions; fails on
+/// `timeout`.
+async fn next_transition(p: &PolicyStack, count: usize, timeout: Duration) -> Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let st = status(p).await;
+        if let Some(t) = st["transitions"].as_array().and_then(|t| t.get(count)) {
+            return t.clone();
+        }
+        assert!(Instant::now() < deadline, "no transition within {timeout:?}: {st}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn canaries_that_add_errors_or_latency_are_rolled_back_by_the_controller() {
+    // Four healthy h100 engines, and an l4 that answers every request 503 (its metrics still
+    // look healthy).
+    let class = |c: &str| vec![("attache.io/accelerator".to_owned(), c.to_owned())];
+    let labels = ["h100", "h100", "h100", "h100", "l4"].into_iter().map(class).collect();
+    let broken = SimOpts { fail_status: Some(503), ..small_pool() };
+    let auto = json!({"enabled": true, "promote": false, "interval_ms": 200, "min_requests": 30,
+                      "max_error_rate_increase": 0.05, "max_added_latency_ms": 8, "max_hit_rate_drop": 1.0});
+    let mut p = policy_stack_with("badcanary", &["cost"], auto, labels, &[broken]);
+    let cost = signed(&p, "attache_scorer_cost_aware").await;
+    let faulty = signed(&p, "attache_test_trap_scorer").await;
+    // The stable version prefers the h100s.
+    let v1 = upload(&p, "cost", "v1", &cost, json!({"costs": {"h100": 1.0, "l4": 8.0}})).await;
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "cost", "--module", "v1", "--canary", "100%", "--weight", "10"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "cost"]).await;
+    assert!(ok, "{err}");
+    let stable = format!("cost=stable@{}", short(&v1));
+
+    // Each bad version, canaried at 50% of new sessions, is rolled back by the controller for
+    // its own fault, and the stable version serves its half without an error:
+    // - one that steers new sessions to the broken engine adds 5xx;
+    // - one that spends 20 ms on each request adds latency (its requests are as fast otherwise:
+    //   the broken engine is gone by then, so it adds no errors).
+    let cases = [
+        ("v2-errors", &cost, json!({"costs": {"h100": 8.0, "l4": 1.0}}), "canary error rate"),
+        ("v3-slow", &faulty, json!({"misbehave": "slow", "slow_ms": 20}), "to time-to-headers"),
+    ];
+    for (round, (version, module, params, why)) in cases.into_iter().enumerate() {
+        let sha = upload(&p, "cost", version, module, params).await;
+        let before = status(&p).await["transitions"].as_array().map_or(0, Vec::len);
+        let (ok, _, err) =
+            cli(&p, &["rollout", "--slot", "cost", "--module", version, "--canary", "50%", "--weight", "10"]).await;
+        assert!(ok, "{err}");
+        let started = Instant::now();
+        let load = Load::start_tagged(&p.s, 4, 400, &format!("round{round}"));
+        let t = next_transition(&p, before + 1, Duration::from_secs(60)).await;
+        let took = started.elapsed();
+        let served = load.finish().await;
+        assert_eq!((t["action"].as_str(), t["by"].as_str()), (Some("rollback"), Some("controller")), "{version}: {t}");
+        assert!(t["reason"].as_str().unwrap().contains(why), "{version}: {t}");
+        println!("{version} rolled back by the controller after {:.1} s: {}", took.as_secs_f64(), t["reason"]);
+        let canary = format!("cost=canary@{}", short(&sha));
+        assert!(served.iter().any(|r| r.scorers == canary), "{version}: no request ran on the canary");
+        let stable_failed: Vec<_> = served.iter().filter(|r| r.scorers == stable && !r.ok).collect();
+        assert!(stable_failed.is_empty(), "{version}: the stable version failed requests: {stable_failed:?}");
+        let st = status(&p).await;
+        assert_eq!(st["slots"]["cost"]["stable"]["sha256"], json!(v1), "{st}");
+        assert!(st["slots"]["cost"]["canary"].is_null(), "{st}");
+        if round == 0 {
+            let l4 = p.s.engine_addrs()[4].clone();
+            p.s.kill_extra_engine(&l4);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envoy_restart_during_a_canary_is_left_out_and_does_not_flip_the_verdict() {
+    let auto = json!({"enabled": true, "promote": true, "interval_ms": 200, "min_requests": 40, "min_duration_ms": 8000,
+                      "max_added_latency_ms": 1000, "restart_grace_ms": 2000});
+    let mut p = policy_stack("envoyrestart", &["slo"], auto, Vec::new());
+    let slo = signed(&p, "attache_scorer_slo_ttft").await;
+    upload(&p, "slo", "v1", &slo, json!({})).await;
+    let load = Load::start(&p.s, 4, 200);
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "slo", "--module", "v1", "--canary", "30%"]).await;
+    assert!(ok, "{err}");
+    let before = status(&p).await["transitions"].as_array().map_or(0, Vec::len);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The gateway's Envoy restarts mid-canary: its counters start again from zero.
+    p.s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy restart");
+    let envoy = format!("http://127.0.0.1:{}", p.s.envoy_admin_port);
+    // The controller sees the restart, leaves the Envoy out for the grace, and says so.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (verdict, window) = loop {
+        let st = status(&p).await;
+        let slot = &st["slots"]["slo"];
+        if slot["window"]["excluded"][envoy.as_str()]["reason"] == "restarted" {
+            break (slot["controller"].clone(), slot["window"].clone());
+        }
+        assert!(Instant::now() < deadline, "the restart was not seen: {st}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("after the restart: verdict {verdict}, window {window}");
+    // The verdict stays healthy: the canary is promoted, not rolled back.
+    let t = next_transition(&p, before, Duration::from_secs(40)).await;
+    assert_eq!((t["action"].as_str(), t["by"].as_str()), (Some("promote"), Some("controller")), "{t}");
+    let served = load.finish().await;
+    assert!(served.iter().filter(|r| r.ok).count() > 40, "the load was served");
 }
 
 /// `attache_host_policy_controller_leader` on the host whose admin API is on `port` (None if

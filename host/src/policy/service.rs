@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use attache_policies::canary::{ArmCounters, AutoPolicy, Verdict};
 
 use super::admission::{self, AdmissionConfig};
-use super::controller::{self as ctl, Controller, Counters, PerEnvoy};
+use super::controller::{self as ctl, Controller, Counters, PerEnvoy, Reading};
 use super::ecds::{self, Acks, Published};
 use super::envoys::Envoys;
 use super::kube_state::{KubeState, PolicyKubernetes, WriteError};
@@ -99,6 +99,11 @@ pub fn parse_rollout_stats(text: &str, into: &mut Counters) {
             _ => {}
         }
     }
+}
+
+/// Envoy's `server.uptime` (seconds) from `/stats` text.
+pub fn parse_uptime(text: &str) -> Option<u64> {
+    text.lines().find_map(|l| l.strip_prefix("server.uptime: ")).and_then(|v| v.trim().parse().ok())
 }
 
 /// A failed API operation: HTTP status, machine code, message.
@@ -471,7 +476,11 @@ impl PolicyService {
     /// Each Envoy's rollout counters, read in parallel; None if none answered.
     pub async fn read_counters(&self) -> Option<PerEnvoy> {
         let reads = self.stats_targets().into_iter().map(|(envoy, base)| async move {
-            let url = format!("{}/stats?filter=%5Ewasmcustom%5C.attache%5C.rollout%5C.", base.trim_end_matches('/'));
+            // The rollout counters, and server.uptime to tell a restart.
+            let url = format!(
+                "{}/stats?filter=%5E(wasmcustom%5C.attache%5C.rollout%5C.%7Cserver%5C.uptime%24)",
+                base.trim_end_matches('/')
+            );
             let text = match self.http.get(&url).send().await.and_then(|r| r.error_for_status()) {
                 Ok(r) => r.text().await,
                 Err(e) => Err(e),
@@ -479,9 +488,9 @@ impl PolicyService {
             match text {
                 Ok(t) => {
                     crate::telemetry::metrics().policy_stats_read("ok");
-                    let mut c = Counters::new();
-                    parse_rollout_stats(&t, &mut c);
-                    Some((envoy, c))
+                    let mut counters = Counters::new();
+                    parse_rollout_stats(&t, &mut counters);
+                    Some((envoy, Reading { counters, uptime_s: parse_uptime(&t) }))
                 }
                 Err(e) => {
                     warn!(envoy, url = %base, error = %e, "reading Envoy stats");
@@ -594,6 +603,7 @@ impl PolicyService {
                         "previous": s.previous.iter().map(|d| &d.version).collect::<Vec<_>>(),
                         "counters": {"stable": arm("stable"), "canary": arm("canary")},
                         "controller": verdicts.get(slot),
+                        "window": self.controller().window(slot),
                     }),
                 )
             })
@@ -631,5 +641,7 @@ mod tests {
         assert_eq!(c[&("slo".into(), "stable".into())].errors, 4);
         assert_eq!(c[&("my_slot".into(), "stable".into())].ttfb_us, 10_000);
         assert_eq!(c.len(), 3);
+        assert_eq!(parse_uptime(text), None);
+        assert_eq!(parse_uptime(&format!("{text}server.uptime: 42\n")), Some(42));
     }
 }

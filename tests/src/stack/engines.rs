@@ -42,6 +42,8 @@ pub struct SimOpts {
     /// The simulator's cheap mode (thousands of engines; `attache_sim::cheap`): engine i at
     /// `cheap_address(i, port)`, KV events (with `kv_events`) sent to the host's collector.
     pub cheap: Option<CheapOpts>,
+    /// A fault: every inference request is answered with this status (`--fail-status`).
+    pub fail_status: Option<u16>,
 }
 
 /// The simulator's cheap mode: which engines churn, and how many KV events they publish.
@@ -74,6 +76,7 @@ impl Default for SimOpts {
             lora_modules: Vec::new(),
             max_loras: 1,
             cheap: None,
+            fail_status: None,
         }
     }
 }
@@ -108,8 +111,13 @@ impl Stack {
     /// engine), listed after the others; returns its address. Call before `start_host`, or
     /// the host picks it up when it re-reads the endpoints file.
     pub fn start_extra_engine(&mut self) -> anyhow::Result<String> {
+        self.start_extra_engine_with(self.sim_opts.clone())
+    }
+
+    /// [`Stack::start_extra_engine`] with its own options (`engines` is ignored): a slower or
+    /// broken engine beside the others.
+    pub fn start_extra_engine_with(&mut self, opts: SimOpts) -> anyhow::Result<String> {
         let port = free_port();
-        let opts = self.sim_opts.clone();
         let name = format!("sim-extra-{port}");
         let p = self.spawn(&name, &mut self.sim_command(&opts, 1, port))?;
         self.extra_procs.push(p);
@@ -179,6 +187,9 @@ impl Stack {
         if !opts.lora_modules.is_empty() {
             cmd.arg("--lora-modules").arg(opts.lora_modules.join(","));
             cmd.arg("--max-loras").arg(opts.max_loras.max(1).to_string());
+        }
+        if let Some(code) = opts.fail_status {
+            cmd.arg("--fail-status").arg(code.to_string());
         }
         cmd
     }

@@ -5,6 +5,8 @@
 //! - `{"misbehave": "grow"}`: it reserves another MiB, forever, as soon as it scores, so its
 //!   memory grows without bound.
 //! - `{"misbehave": "spin"}`: it never returns from scoring.
+//! - `{"misbehave": "slow", "slow_ms": N}`: it busy-waits N ms once per request (on the first
+//!   candidate), a scorer that adds latency.
 
 use std::cell::{Cell, RefCell};
 
@@ -14,6 +16,7 @@ pub enum Fault {
     TrapAfter(Cell<u64>),
     Grow(RefCell<Vec<Vec<u8>>>),
     Spin,
+    Slow(std::time::Duration),
 }
 
 pub struct Faulty {
@@ -25,7 +28,10 @@ impl Scorer for Faulty {
         let fault = match params.get("misbehave").and_then(|v| v.as_str()) {
             Some("grow") => Fault::Grow(RefCell::new(Vec::new())),
             Some("spin") => Fault::Spin,
-            Some(other) => return Err(format!("misbehave: unknown fault {other:?} (grow, spin)")),
+            Some("slow") => Fault::Slow(std::time::Duration::from_millis(
+                params.get("slow_ms").and_then(|v| v.as_u64()).ok_or("slow_ms is required with slow")?,
+            )),
+            Some(other) => return Err(format!("misbehave: unknown fault {other:?} (grow, spin, slow)")),
             None => Fault::TrapAfter(Cell::new(
                 params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (scores) is required")?,
             )),
@@ -36,7 +42,7 @@ impl Scorer for Faulty {
     // The faults are this fixture's whole point: the tests check that admission and Envoy
     // survive them.
     #[allow(clippy::panic)]
-    fn score(&self, _request: &Request, endpoint: &Candidate) -> f32 {
+    fn score(&self, request: &Request, endpoint: &Candidate) -> f32 {
         match &self.fault {
             Fault::TrapAfter(left) => {
                 let n = left.get();
@@ -56,6 +62,15 @@ impl Scorer for Faulty {
                     // so the memory limit, not the wall clock, is what stops it.
                     hoard.push(std::hint::black_box(Vec::with_capacity(1 << 20)));
                 }
+            }
+            Fault::Slow(wait) => {
+                // Wall-clock time (WASI's realtime clock, which Envoy provides).
+                let first = request.candidates.first().is_some_and(|c| c.address == endpoint.address);
+                let start = std::time::SystemTime::now();
+                while first && start.elapsed().unwrap_or(*wait) < *wait {
+                    std::hint::spin_loop();
+                }
+                0.5
             }
             Fault::Spin => {
                 let mut x = 0u64;
