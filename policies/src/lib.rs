@@ -16,6 +16,7 @@ pub mod chat_template;
 pub mod config;
 pub mod endpoint;
 pub mod error;
+pub mod explain;
 pub mod filters;
 pub mod flow;
 pub mod index;

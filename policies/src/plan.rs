@@ -439,6 +439,19 @@ pub fn learn_served(
     state: &mut SchedulerState,
     affinity: Option<&mut AffinityTable>,
 ) -> Option<Plan> {
+    relearn(plan, served, state, affinity, 0).map(|(p, _)| p)
+}
+
+/// [`learn_served`], also returning the `(hash, endpoint)` entries to publish to the other
+/// workers (at most `room`), so that their affinity tables name the endpoint that served
+/// rather than the primary the plan published.
+pub fn relearn(
+    plan: &Plan,
+    served: &str,
+    state: &mut SchedulerState,
+    affinity: Option<&mut AffinityTable>,
+    room: usize,
+) -> Option<(Plan, Vec<(u64, String)>)> {
     let corrected = served_by(plan, served)?;
     let primary = plan.decision.endpoints.first();
     if let Some(primary) = primary {
@@ -452,8 +465,8 @@ pub fn learn_served(
             .bound(b.key)
             .is_none_or(|(at, tokens)| Some(at) == primary.map(String::as_str) && tokens == b.tokens)
     });
-    learn_with(&corrected, state, affinity, 0, latest);
-    Some(corrected)
+    let publish = learn_with(&corrected, state, affinity, room, latest);
+    Some((corrected, publish))
 }
 
 /// Bind a plan's session in a sticky store.
@@ -462,7 +475,7 @@ pub fn bind(store: &mut dyn session::StickyStore, binding: &SessionBinding, now_
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::endpoint::{Endpoint, Role};
     use crate::request::{parse, Api};
@@ -532,7 +545,8 @@ mod tests {
         parse(Api::Completions, body.as_bytes()).unwrap()
     }
 
-    fn req<'a>(r: &'a InferenceRequest) -> PlanRequest<'a> {
+    /// A plan request for `r` with nothing else set.
+    pub(crate) fn req<'a>(r: &'a InferenceRequest) -> PlanRequest<'a> {
         PlanRequest {
             id: 1,
             req: r,

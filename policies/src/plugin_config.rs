@@ -120,6 +120,8 @@ pub struct FilterConfig {
     /// (`attache.stage.<stage>.ns`, `attache.stage.decisions`). Off by default: each clock
     /// reading is a host call, about 0.35 µs, that every decision pays while it is on.
     pub stage_timings: bool,
+    /// Explanations of decisions for an admin-authorized debug header (off without a token).
+    pub debug: crate::explain::DebugConfig,
 }
 
 impl FilterConfig {
@@ -135,6 +137,7 @@ impl FilterConfig {
             return Err(format!("scheduler.prefix.cache_share {share} is outside 0..=1"));
         }
         crate::Scheduler::new(c.scheduler.clone()).map_err(|e| e.to_string())?;
+        c.debug.check()?;
         Ok(c)
     }
 

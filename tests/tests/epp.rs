@@ -22,11 +22,17 @@ use attache_policies::session::token_for;
 use common::*;
 use serde_json::{json, Value};
 
+/// The operator's token for explanations (`debug.token_sha256` holds its SHA-256).
+const DEBUG_TOKEN: &str = "epp-test-debug-token-0b5e55ed";
+
 /// The picker's settings: `scheduler` merged into the defaults the tests use.
 fn epp_config(scheduler: Value, rest: Value) -> Value {
+    use sha2::Digest;
     let mut sched = json!({"max_body_bytes": 65_536});
     sched.as_object_mut().unwrap().extend(scheduler.as_object().cloned().unwrap_or_default());
-    let mut config = json!({"scheduler": sched});
+    let token_sha256: String =
+        sha2::Sha256::digest(DEBUG_TOKEN.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let mut config = json!({"scheduler": sched, "debug": {"token_sha256": token_sha256}});
     config.as_object_mut().unwrap().extend(rest.as_object().cloned().unwrap_or_default());
     json!({"config": config})
 }
@@ -132,6 +138,25 @@ async fn schedules_refuses_and_streams(s: &Stack, e: &EppEnvoy) {
         assert!(o.ok(), "{tag}: {} {}", o.status, o.body);
         assert_ne!(o.engine_port, Some(hot), "{tag}: request {q} went to the saturated engine");
     }
+    // Asked with the operator's token, the picker says why: the saturation filter removed the
+    // hot engine, with the figures it read. With a wrong token it says nothing.
+    let o = post(e, &http, chat(&prefix, "why", 2), &[("x-attache-debug", DEBUG_TOKEN)]).await;
+    assert!(o.ok(), "{tag}: {} {}", o.status, o.body);
+    let x: Value = serde_json::from_str(o.header("x-attache-explain").expect("an explanation")).unwrap();
+    let hot_row = x["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["endpoint"].as_str().is_some_and(|a| a.ends_with(&format!(":{hot}"))))
+        .cloned()
+        .unwrap_or_else(|| panic!("{tag}: the hot engine is not in {x}"));
+    assert_eq!(hot_row["verdict"], "filtered", "{tag}: {x}");
+    assert_eq!(hot_row["filter"], "saturation-filter", "{tag}: {x}");
+    assert!(hot_row["reason"].as_str().unwrap().contains("waiting"), "{tag}: {x}");
+    let picked = x["picked"][0].as_str().unwrap();
+    assert_eq!(picked.rsplit(':').next().and_then(|p| p.parse().ok()), o.engine_port, "{tag}: {x}");
+    let o = post(e, &http, chat(&prefix, "why", 2), &[("x-attache-debug", "not-the-token")]).await;
+    assert!(o.ok() && o.header("x-attache-explain").is_none(), "{tag}: {}", o.body);
     for f in flood {
         f.abort();
     }

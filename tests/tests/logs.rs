@@ -112,3 +112,53 @@ impl ReplaceModel for Vec<u8> {
         v.to_string().into_bytes()
     }
 }
+
+const DEBUG_TOKEN: &str = "explain-test-debug-token-5c0ffee";
+
+/// The SHA-256 of `s`, as hex (what `debug.token_sha256` holds).
+fn sha256_hex(s: &str) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(s.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_authorized_debug_header_explains_the_decision_and_no_other_does() {
+    let mut s = Stack::new("explain").expect("stack");
+    let mut config = Stack::default_scheduler_config();
+    config["debug"] = json!({"token_sha256": sha256_hex(DEBUG_TOKEN)});
+    s.start_sim(small_pool()).expect("sim");
+    s.start_host().expect("host");
+    s.start_envoy(attache_e2e::EnvoyKind::Attache, &config, 2).expect("envoy");
+    s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+    let engines = s.engine_addrs();
+
+    // With the token: the response names, per candidate, its verdict and its scores, and the
+    // engine that served the request is the one picked first.
+    let o = send(&s, &http, chat("You are terse.", "explain me", 4), &[("x-attache-debug", DEBUG_TOKEN)]).await;
+    assert!(o.ok(), "{} {}", o.status, o.body);
+    let x: serde_json::Value =
+        serde_json::from_str(o.header("x-attache-explain").expect("an explanation")).expect("JSON");
+    println!("explanation: {x}");
+    let picked = x["picked"][0].as_str().unwrap();
+    assert_eq!(picked.rsplit(':').next().and_then(|p| p.parse().ok()), o.engine_port, "{x}");
+    let rows = x["candidates"].as_array().unwrap();
+    assert_eq!((x["pool"].as_u64(), rows.len()), (Some(4), 4), "{x}");
+    for row in rows {
+        assert!(engines.iter().any(|e| row["endpoint"] == e.as_str()), "{row}");
+        assert_eq!(row["verdict"], "scored", "{row}");
+        let scores = row["scores"].as_object().unwrap();
+        assert!(scores.contains_key("queue-scorer") && scores.contains_key("kv-cache-utilization-scorer"), "{row}");
+    }
+    assert_eq!(rows[0]["endpoint"], picked);
+    assert_eq!(rows[0]["pick"], 0);
+
+    // A wrong token, or none: no explanation, and the wrong one is counted.
+    for headers in [&[("x-attache-debug", "not-the-token")][..], &[]] {
+        let o = send(&s, &http, chat("You are terse.", "explain me", 4), headers).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_eq!(o.header("x-attache-explain"), None, "{headers:?}");
+    }
+    let stats = s.envoy_stats_when("wasmcustom.attache.debug.refused", 1, Duration::from_secs(5));
+    assert!(stats.contains("wasmcustom.attache.debug.refused: 1"), "{stats}");
+}

@@ -437,12 +437,28 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
         saw_header = o.header("x-attache-scorers") == Some(header.as_str());
     }
     assert!(saw_header, "the promoted cost scorer never acted");
+    let mut after = Vec::new();
     for g in 0..16 {
         let o = send(&p.s, &http, chat(&long_prefix(&format!("after-{g}")), "hi", 2), &[]).await;
         assert!(o.ok(), "{} {}", o.status, o.body);
         on_l4 += usize::from(o.engine_port == Some(l4));
+        after.push(o.engine_port);
     }
     assert!(on_l4 >= 14, "cost scorer should steer to the l4 engine: {on_l4}/16");
+    // What the scheduler learned follows the final pick, not its own: the prefix index and
+    // the affinity table record the l4 that served each prefix, so the prefix's next request
+    // goes back to it (an h100 recorded instead would hold it in the affinity tier).
+    let mut followed = 0;
+    for (g, port) in after.iter().enumerate() {
+        if *port == Some(l4) {
+            let o = send(&p.s, &http, chat(&long_prefix(&format!("after-{g}")), "again", 2), &[]).await;
+            assert!(o.ok(), "{} {}", o.status, o.body);
+            followed += usize::from(o.engine_port == Some(l4));
+        }
+    }
+    assert!(followed + 1 >= on_l4, "a re-picked prefix's next request follows the re-pick: {followed} of {on_l4}");
+    let repicked = p.s.envoy_stat("wasmcustom.attache.scoring.repicked");
+    assert!(repicked >= 8, "the scheduler corrected what it learned for the re-picked requests: {repicked}");
 
     // Scores order candidates within the scheduler's filters' verdict, never across it: a
     // prefix an h100 engine holds stays there (the affinity filter), and so does a session

@@ -98,8 +98,18 @@ pub fn route(
     let settings = PlanConfig { scheduler: &w.scheduler, sessions: &config.sessions, scoring: &config.scoring };
     let plan = plan::plan(&request, &view, &settings)?;
     stages::mark(Stage::Plan);
+    if st.explain {
+        let max = config.debug.max_candidates;
+        st.explanation =
+            Some(attache_policies::explain::explain(&w.scheduler, &w.cache.pool, &req.model, &plan.decision, max));
+    }
     apply(w, st, &plan, now_ms)?;
     host::debug(|| format!("attache[{}]: {}", st.id, plan.log_line(&req.model, w.cache.pool.version)));
+    if plan.handed_off.is_some() {
+        // Custom scorer slots may move the request off the primary: keep the plan to correct
+        // what was learned once the response says where it went.
+        st.planned = Some(Box::new(plan));
+    }
     Ok(())
 }
 

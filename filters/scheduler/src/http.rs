@@ -8,7 +8,8 @@ use std::rc::Rc;
 use attache_policies::flow::{self, Refusal};
 use attache_policies::intake;
 use attache_policies::model_list;
-use attache_policies::plan::ROUTING_HEADERS;
+use attache_policies::plan::{self, Plan, ROUTING_HEADERS};
+use attache_policies::plugin_config::FilterConfig;
 use attache_policies::request::{self, Api, InferenceRequest};
 use attache_policies::scoring::{self, ScoreSheet};
 use attache_policies::session;
@@ -21,6 +22,7 @@ use crate::hostcalls as host;
 use crate::lookup;
 use crate::queue::{pump, Pumped};
 use crate::request::{Lookup, Parked, RequestState, SharedRequest};
+use crate::shared::entry_log::PENDING_MAX;
 use crate::shared::sessions::SharedSticky;
 use crate::stages::{self, Stage};
 use crate::worker::Worker;
@@ -31,9 +33,57 @@ pub struct SchedulerHttp {
     st: SharedRequest,
 }
 
+/// `served` served a request planned for another primary (a custom scorer re-picked, or a
+/// fallback served it): move what the plan taught the worker (its prefix index, affinity
+/// table and session binding), its in-flight count and its session token to `served`.
+fn follow_served(w: &mut Worker, st: &mut RequestState, plan: &Plan, served: &str) {
+    let room = PENDING_MAX.saturating_sub(w.affinity_pending.len());
+    let sharing = w.affinity.capacity() > 0;
+    let Some((corrected, publish)) =
+        plan::relearn(plan, served, &mut w.state, sharing.then_some(&mut w.affinity), room)
+    else {
+        return;
+    };
+    w.affinity_pending.extend(publish);
+    let now = host::now_ms();
+    if let Some(b) = &corrected.session {
+        plan::bind(&mut SharedSticky, b, now);
+        w.bound(b.key, &b.endpoint, now.saturating_add(b.ttl_ms), true);
+    }
+    if st.session_token.is_some() {
+        st.session_token.clone_from(&corrected.session_token);
+    }
+    if let Some(old) = st.dispatched.take() {
+        w.released(&old, st.dispatched_tokens);
+        w.dispatched(&corrected);
+        st.dispatched = Some(corrected.dispatch.endpoint.clone());
+        st.dispatched_tokens = corrected.dispatch.uncached_tokens;
+    }
+    w.metrics.repicked();
+}
+
 impl SchedulerHttp {
     pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
         Self { id, worker, st: Rc::new(RefCell::new(RequestState::new(id))) }
+    }
+
+    /// Take the debug header off the request (it never goes upstream, whatever its token);
+    /// whether it authorizes an explanation of the decision. A wrong token is counted.
+    fn debug_header(&self, cfg: &FilterConfig, headers: &host::HeaderMap) -> bool {
+        let d = &cfg.debug;
+        let Some(token) = headers.get(&d.header) else {
+            return false;
+        };
+        host::remove_request_header(&d.header);
+        if d.authorized(&token) {
+            return true;
+        }
+        if d.enabled() {
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                w.metrics.debug_refused();
+            }
+        }
+        false
     }
 
     fn mark_answered(&self) {
@@ -220,6 +270,7 @@ impl HttpContext for SchedulerHttp {
         let Ok(cfg) = cfg else {
             return Action::Continue;
         };
+        let explain = self.debug_header(&cfg, &headers);
         // The pool-wide model list, from the snapshot: no engine is asked.
         if model_list::is_model_list(headers.get(":method").as_deref(), headers.get(":path").as_deref()) {
             if let Ok(mut w) = self.worker.try_borrow_mut() {
@@ -246,6 +297,7 @@ impl HttpContext for SchedulerHttp {
         };
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.api = Some(api);
+            st.explain = explain;
             st.token_endpoint = head.token_endpoint;
             st.session_key = head.session_key;
             st.flow_headers = head.flow_headers;
@@ -296,6 +348,22 @@ impl HttpContext for SchedulerHttp {
         let Ok(mut st) = self.st.try_borrow_mut() else {
             return Action::Continue;
         };
+        if let Some(x) = st.explanation.take() {
+            let name = self.worker.try_borrow().map(|w| w.config.debug.response_header.clone()).unwrap_or_default();
+            if !name.is_empty() {
+                host::set_response_header(&name, &x);
+            }
+        }
+        if let Some(plan) = st.planned.take() {
+            // The endpoint that served it: where the custom scorers' picker sent it, or the
+            // fallback Envoy moved it to.
+            let served = host::property_path(&["upstream", "address"])
+                .or_else(|| host::property(scoring::PICKED_PROPERTY))
+                .and_then(|b| String::from_utf8(b).ok());
+            if let (Some(served), Ok(mut w)) = (served, self.worker.try_borrow_mut()) {
+                follow_served(&mut w, &mut st, &plan, &served);
+            }
+        }
         if let Some(ep) = st.session_token.take() {
             let name = self.worker.try_borrow().map(|w| w.config.sessions.token_header.clone()).unwrap_or_default();
             if !name.is_empty() {

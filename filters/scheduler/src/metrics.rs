@@ -33,6 +33,8 @@ pub struct Metrics {
     index_entries: Option<u32>,
     tokenizer_mismatch: Option<u32>,
     prompt_untokenized: Option<u32>,
+    debug_refused: Option<u32>,
+    repicked: Option<u32>,
     /// The tokenization prefix store: hits, misses, bytes skipped, evictions (counters) and
     /// bytes held (a gauge every worker moves by its own change, so Envoy's one stat sums them).
     prefix_store: [Option<u32>; 5],
@@ -181,6 +183,8 @@ impl Metrics {
             index_entries: define(MetricType::Counter, "attache.precise.index_entries_applied"),
             tokenizer_mismatch: define(MetricType::Counter, "attache.precise.tokenizer_unusable"),
             prompt_untokenized: define(MetricType::Counter, "attache.precise.prompt_untokenized"),
+            debug_refused: define(MetricType::Counter, "attache.debug.refused"),
+            repicked: define(MetricType::Counter, "attache.scoring.repicked"),
             prefix_store: [
                 define(MetricType::Counter, "attache.precise.prefix_store.hits"),
                 define(MetricType::Counter, "attache.precise.prefix_store.misses"),
@@ -472,6 +476,17 @@ impl Metrics {
     /// failed); the request was routed without precise scores.
     pub fn prompt_untokenized(&mut self) {
         inc(self.prompt_untokenized, 1);
+    }
+
+    /// A request custom scorers moved off the scheduler's primary (or a fallback served): what
+    /// was learned was moved to the endpoint that served it.
+    pub fn repicked(&mut self) {
+        inc(self.repicked, 1);
+    }
+
+    /// A debug header whose token is not the configured one: no explanation was given.
+    pub fn debug_refused(&mut self) {
+        inc(self.debug_refused, 1);
     }
 
     /// Add what the tokenization prefix store did since the last call (from the tick).

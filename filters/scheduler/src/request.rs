@@ -22,6 +22,13 @@ pub struct RequestState {
     pub api: Option<Api>,
     /// Set once the filter answered the request itself.
     pub answered: bool,
+    /// The request carried an authorized debug header: explain its decision.
+    pub explain: bool,
+    /// The explanation, for the response's header.
+    pub explanation: Option<String>,
+    /// The plan, kept when custom scorers may re-pick: what was learned follows the endpoint
+    /// that served the request (`SchedulerHttp::follow_served`).
+    pub planned: Option<Box<attache_policies::plan::Plan>>,
     /// Endpoint counted in the worker's in-flight load, released when the request ends.
     pub dispatched: Option<String>,
     /// Uncached prompt tokens counted for `dispatched` until the engine has prefilled them.

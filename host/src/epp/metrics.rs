@@ -76,6 +76,7 @@ pub struct EppMetrics {
     protocol_errors: Mutex<BTreeMap<&'static str, u64>>,
     decision_us: Mutex<Histogram>,
     served_elsewhere: AtomicU64,
+    debug_refused: AtomicU64,
     untokenized: AtomicU64,
     tokenizer_refused: AtomicU64,
 }
@@ -130,6 +131,11 @@ impl EppMetrics {
 
     pub fn served_elsewhere(&self) {
         self.served_elsewhere.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A debug header whose token is not the configured one: no explanation was given.
+    pub fn debug_refused(&self) {
+        self.debug_refused.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn untokenized(&self) {
@@ -211,6 +217,11 @@ impl EppMetrics {
                 &self.served_elsewhere,
             ),
             ("attache_epp_prompt_untokenized_total", "Prompts precise routing could not tokenize.", &self.untokenized),
+            (
+                "attache_epp_debug_refused_total",
+                "Debug headers with a wrong token: no explanation given.",
+                &self.debug_refused,
+            ),
             (
                 "attache_epp_tokenizer_refused_total",
                 "Tokenizers refused at start (failed checks).",

@@ -314,6 +314,14 @@ impl Picker {
         }
     }
 
+    /// The explanation of `plan`'s decision for a request for `model`
+    /// (`attache_policies::explain`), on the picker's pool.
+    pub fn explain(&self, plan: &Plan, model: &str) -> String {
+        let st = lock(&self.state);
+        let max = self.config.debug.max_candidates;
+        attache_policies::explain::explain(&self.scheduler, &st.pool, model, &plan.decision, max)
+    }
+
     /// Plan the request on the newest state and apply what the plan teaches this picker: its
     /// index, the session binding, the in-flight load.
     pub fn plan(&self, request: &PlanRequest<'_>) -> Result<Plan, Answer> {

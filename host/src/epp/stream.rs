@@ -66,6 +66,10 @@ pub struct Stream {
     subset: Option<Subset>,
     planned: Option<Planned>,
     outcome: Option<Outcome>,
+    /// The request carried an authorized debug header: explain its decision.
+    explain: bool,
+    /// The explanation, for the response's header.
+    explanation: Option<String>,
 }
 
 impl Stream {
@@ -84,6 +88,8 @@ impl Stream {
             subset: None,
             planned: None,
             outcome: None,
+            explain: false,
+            explanation: None,
         }
     }
 
@@ -145,11 +151,15 @@ impl Stream {
     /// Client-sent routing headers and gateway-only headers, to remove (those the picker sets
     /// are overwritten instead).
     fn removals(&self, setting: &[(&str, String)]) -> Vec<String> {
+        // The debug header never goes upstream, whatever its token.
+        let debug = self.picker.config().debug.header.as_str();
         ROUTING_HEADERS
             .iter()
             .chain(wire::GATEWAY_HEADERS.iter())
-            .filter(|n| self.headers.iter().any(|(k, _)| k == *n) && !setting.iter().any(|(s, _)| s == *n))
-            .map(|n| (*n).to_owned())
+            .copied()
+            .chain(std::iter::once(debug))
+            .filter(|n| self.headers.iter().any(|(k, _)| k == n) && !setting.iter().any(|(s, _)| s == n))
+            .map(str::to_owned)
             .collect()
     }
 
@@ -162,6 +172,13 @@ impl Stream {
         self.headers = headers;
         self.subset = wire::subset_hint(md).map(Subset::new);
         let header = |n: &str| self.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+        let debug = &self.picker.config().debug;
+        if let Some(token) = header(&debug.header) {
+            self.explain = debug.authorized(token);
+            if !self.explain && debug.enabled() {
+                self.picker.metrics.debug_refused();
+            }
+        }
         if attache_policies::model_list::is_model_list(header(":method"), header(":path")) {
             if let Some(body) = self.picker.model_list() {
                 self.phase = Phase::Answered;
@@ -257,6 +274,9 @@ impl Stream {
         };
         let out = self.route(&plan);
         self.picker.metrics.decision(started.elapsed().as_secs_f64() * 1e6);
+        if self.explain {
+            self.explanation = Some(self.picker.explain(&plan, &req.model));
+        }
         let learn_response = intake::learns_response(self.picker.config(), api);
         self.planned = Some(Planned { plan, learn_response, served: None, prefilled: false, released: false });
         self.outcome = Some(Outcome::Scheduled);
@@ -294,11 +314,15 @@ impl Stream {
             planned.served = Some(served);
         }
         planned.learn_response &= ok;
-        let name = &self.picker.config().sessions.token_header;
-        let set: Vec<(&str, String)> = match token_endpoint {
+        let config = self.picker.config();
+        let name = &config.sessions.token_header;
+        let mut set: Vec<(&str, String)> = match token_endpoint {
             Some(ep) if !name.is_empty() => vec![(name.as_str(), session::token_for(&ep))],
             _ => Vec::new(),
         };
+        if let Some(x) = self.explanation.take() {
+            set.push((config.debug.response_header.as_str(), x));
+        }
         wire::response_headers(wire::mutation(&set, Vec::new()))
     }
 
