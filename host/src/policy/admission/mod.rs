@@ -1,6 +1,6 @@
 //! Admission: before a policy module may be rolled out, the host runs it in `wasmtime` under an
 //! emulation of the proxy-wasm ABI ([`abi`]): the module must export the ABI, accept its
-//! configuration in `on_configure`, and handle a set of recorded sample requests ([`samples`])
+//! configuration in `on_configure`, and handle a set of built-in synthetic sample requests ([`samples`])
 //! and their responses without trapping. Three limits bound what a module may take, each
 //! enforced while it runs and named when it refuses one: memory (a `memory.grow` past the limit
 //! traps), wall-clock time per sample request (epoch interruption: a ticker thread advances
@@ -40,7 +40,7 @@ pub type OutputCheck = fn(&[SampleRequest], &AdmissionReport) -> Result<(), Admi
 pub struct AdmissionConfig {
     /// The plugin configuration the module will get in Envoy.
     pub plugin_config: Vec<u8>,
-    /// Recorded requests to replay.
+    /// Sample requests to run the module on.
     pub samples: Vec<SampleRequest>,
     /// Wall-clock budget per sample request (all callbacks), enforced while the module runs.
     pub budget_per_request: Duration,

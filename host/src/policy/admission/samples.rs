@@ -1,9 +1,9 @@
-//! The recorded requests admission replays through a module: representative API requests, and
+//! The synthetic requests admission runs a module on: representative API requests, and
 //! the scheduling contexts a custom scorer sees, with the check that it scored them.
 
 use super::{AdmissionError, AdmissionReport};
 
-/// A recorded request to replay through the module.
+/// A sample request to run the module on.
 #[derive(Debug, Clone)]
 pub struct SampleRequest {
     pub headers: Vec<(String, String)>,
@@ -61,7 +61,7 @@ pub fn default_samples() -> Vec<SampleRequest> {
     ]
 }
 
-/// Recorded scheduling contexts for a custom scorer: the filter state the scheduler leaves
+/// Synthetic scheduling contexts for a custom scorer: the filter state the scheduler leaves
 /// (1, 4 and 16 candidates; labelled and unlabelled; idle, queued and cold endpoints).
 pub fn scorer_samples() -> Vec<SampleRequest> {
     use attache_policies::scoring::{Candidate, ScoringContext, CONTEXT_PROPERTY};
