@@ -35,7 +35,8 @@ pub const BUCKETS: u16 = 10_000;
 
 const CONTEXT_MAGIC: u8 = 0xA7;
 const SHEET_MAGIC: u8 = 0xA8;
-const VERSION: u8 = 1;
+/// The encoding's version: 2 added a sheet entry's removals (a version 1 value still decodes).
+const VERSION: u8 = 2;
 
 /// What a scorer knows about one candidate endpoint.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -115,6 +116,9 @@ pub struct ScoreEntry {
     pub weight: f64,
     /// One score per candidate, in context order; the picker clamps to 0..1.
     pub scores: Vec<f32>,
+    /// Candidates (context indices) the module removes, each with its reason: a filter
+    /// module's verdict, which the picker applies across the scheduler's tiers.
+    pub removed: Vec<(u16, String)>,
 }
 
 /// Every scorer's entry for one request.
@@ -212,16 +216,17 @@ impl<'a> Reader<'a> {
         let b = self.take(n)?;
         std::str::from_utf8(b).map(str::to_owned).map_err(|_| DecodeError::BadString)
     }
-    fn header(&mut self, magic: u8) -> Result<(), DecodeError> {
+    /// Check the magic; the version (1 ..= [`VERSION`]).
+    fn header(&mut self, magic: u8) -> Result<u8, DecodeError> {
         let m = self.u8()?;
         if m != magic {
             return Err(DecodeError::BadMagic(m));
         }
         let v = self.u8()?;
-        if v != VERSION {
+        if !(1..=VERSION).contains(&v) {
             return Err(DecodeError::BadVersion(v));
         }
-        Ok(())
+        Ok(v)
     }
     fn finish(&self) -> Result<(), DecodeError> {
         match self.buf.len() - self.pos {
@@ -318,6 +323,11 @@ impl ScoreSheet {
             for s in e.scores.iter().take(usize::from(u16::MAX)) {
                 w.f32(*s);
             }
+            w.u16(e.removed.len().min(usize::from(u16::MAX)) as u16);
+            for (i, reason) in e.removed.iter().take(usize::from(u16::MAX)) {
+                w.u16(*i);
+                w.str(reason);
+            }
         }
         w.0
     }
@@ -328,7 +338,7 @@ impl ScoreSheet {
             return Ok(Self::default());
         }
         let mut r = Reader { buf, pos: 0 };
-        r.header(SHEET_MAGIC)?;
+        let version = r.header(SHEET_MAGIC)?;
         let n = usize::from(r.u8()?);
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
@@ -338,14 +348,20 @@ impl ScoreSheet {
                 1 => Arm::Canary,
                 a => return Err(DecodeError::BadArm(a)),
             };
-            let version = r.str()?;
+            let module = r.str()?;
             let weight = r.f64()?;
             let k = usize::from(r.u16()?);
             let mut scores = Vec::with_capacity(k.min(buf.len() / 4));
             for _ in 0..k {
                 scores.push(r.f32()?);
             }
-            entries.push(ScoreEntry { slot, arm, version, weight, scores });
+            let mut removed = Vec::new();
+            if version >= 2 {
+                for _ in 0..r.u16()? {
+                    removed.push((r.u16()?, r.str()?));
+                }
+            }
+            entries.push(ScoreEntry { slot, arm, version: module, weight, scores, removed });
         }
         r.finish()?;
         Ok(Self { entries })
@@ -412,6 +428,21 @@ pub fn combine(ctx: &ScoringContext, sheet: &ScoreSheet) -> (Vec<f64>, usize) {
     (totals, ignored)
 }
 
+/// Per candidate, whether a filter module removed it (entries of the wrong length or with a
+/// non-finite weight are ignored, as [`combine`] ignores them).
+pub fn removals(ctx: &ScoringContext, sheet: &ScoreSheet) -> Vec<bool> {
+    let n = ctx.candidates.len();
+    let mut removed = vec![false; n];
+    for e in sheet.entries.iter().filter(|e| e.scores.len() == n && e.weight.is_finite()) {
+        for (i, _) in &e.removed {
+            if let Some(r) = removed.get_mut(usize::from(*i)) {
+                *r = true;
+            }
+        }
+    }
+    removed
+}
+
 /// Pick endpoints (primary + fallbacks) from the combined scores, with the context's seed,
 /// keeping the scheduler's `tiers` (one per candidate; any other length counts as none).
 pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (Vec<&'a str>, usize) {
@@ -419,6 +450,12 @@ pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (V
     let mut order = crate::pickers::max_score::max_score(&totals, totals.len(), ctx.seed);
     if tiers.len() == totals.len() {
         crate::pickers::max_score::by_tier(&mut order, |i| tiers.get(i).copied().unwrap_or(crate::pickers::tier::NONE));
+    }
+    // Filter modules' removals apply across tiers; if they would remove every candidate, none
+    // is removed (the pool degrades to the scores, as the scheduler's soft filters do).
+    let removed = removals(ctx, sheet);
+    if removed.iter().any(|r| !r) {
+        order.retain(|&i| !removed.get(i).copied().unwrap_or(false));
     }
     order.truncate(usize::from(ctx.max_endpoints.max(1)));
     let addrs = order.iter().filter_map(|&i| ctx.candidates.get(i).map(|c| c.address.as_str())).collect();
@@ -464,8 +501,16 @@ mod tests {
             version: "ab12".into(),
             weight: 2.0,
             scores: vec![0.1, 0.9, 0.5],
+            removed: vec![(1, "class l4".into())],
         });
         assert_eq!(ScoreSheet::decode(&s.encode()).unwrap(), s);
+        // A version 1 sheet (no removals) still decodes.
+        let mut v1 = ScoreSheet::default();
+        v1.put(ScoreEntry { removed: Vec::new(), ..s.entries[0].clone() });
+        let mut bytes = v1.encode();
+        bytes.truncate(bytes.len() - 2);
+        bytes[1] = 1;
+        assert_eq!(ScoreSheet::decode(&bytes).unwrap(), v1);
         assert_eq!(ScoreSheet::decode(b"").unwrap(), ScoreSheet::default());
     }
 
@@ -481,6 +526,7 @@ mod tests {
             version: "v1".into(),
             weight: 10.0,
             scores: vec![0.0, 0.5, 1.0],
+            removed: Vec::new(),
         });
         assert_eq!(pick(&c, &s, &[]).0, vec!["10.0.0.2:8000", "10.0.0.1:8000"]);
         let affine = [tier::AFFINE, tier::NONE, tier::NONE];
@@ -497,6 +543,36 @@ mod tests {
         assert_eq!(pick(&c, &s, &sticky).0[0], "10.0.0.1:8000");
         // Tiers of the wrong length are ignored, not misapplied.
         assert_eq!(pick(&c, &s, &[tier::AFFINE]).0[0], "10.0.0.2:8000");
+    }
+
+    #[test]
+    fn a_filter_modules_removals_apply_across_tiers_unless_they_remove_everything() {
+        use crate::pickers::tier;
+        let c = ctx();
+        let mut s = ScoreSheet::default();
+        // A filter module removes candidate 0, the prefix holder the affinity filter kept.
+        s.put(ScoreEntry {
+            slot: "no-h100".into(),
+            arm: Arm::Stable,
+            version: "v1".into(),
+            weight: 0.0,
+            scores: vec![0.5, 0.5, 0.5],
+            removed: vec![(0, "class h100".into())],
+        });
+        let affine = [tier::AFFINE, tier::NONE, tier::NONE];
+        let picked = pick(&c, &s, &affine).0;
+        assert!(!picked.contains(&"10.0.0.0:8000"), "{picked:?}");
+        assert_eq!(removals(&c, &s), vec![true, false, false]);
+        // Removing every candidate removes none.
+        s.put(ScoreEntry {
+            slot: "none".into(),
+            arm: Arm::Stable,
+            version: "v1".into(),
+            weight: 0.0,
+            scores: vec![0.5, 0.5, 0.5],
+            removed: vec![(1, "x".into()), (2, "y".into()), (7, "out of range".into())],
+        });
+        assert_eq!(pick(&c, &s, &affine).0[0], "10.0.0.0:8000");
     }
 
     #[test]
@@ -528,6 +604,7 @@ mod tests {
             version: "v1".into(),
             weight: 1.0,
             scores: vec![0.0, 0.0, 1.0],
+            removed: Vec::new(),
         });
         assert_eq!(pick(&c, &s, &[]).0[0], "10.0.0.2:8000");
         // Replacing the slot's entry (canary after stable) keeps one entry per slot.
@@ -537,6 +614,7 @@ mod tests {
             version: "v2".into(),
             weight: 1.0,
             scores: vec![1.0, 0.0, 0.0],
+            removed: Vec::new(),
         });
         assert_eq!(s.entries.len(), 1);
         assert_eq!(pick(&c, &s, &[]).0[0], "10.0.0.0:8000");
@@ -547,6 +625,7 @@ mod tests {
             version: "v".into(),
             weight: 5.0,
             scores: vec![f32::NAN, 9.0, -3.0],
+            removed: Vec::new(),
         });
         s.put(ScoreEntry {
             slot: "bad".into(),
@@ -554,6 +633,7 @@ mod tests {
             version: "v".into(),
             weight: 100.0,
             scores: vec![1.0],
+            removed: Vec::new(),
         });
         let (totals, ignored) = combine(&c, &s);
         assert_eq!(ignored, 1);

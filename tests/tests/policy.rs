@@ -41,6 +41,7 @@ fn the_example_scorers_pass_scorer_admission() {
     for (module, params) in [
         ("attache_scorer_slo_ttft", serde_json::json!({"ttft_slo_ms": 400})),
         ("attache_scorer_cost_aware", serde_json::json!({"costs": {"l4": 1.0, "a100": 2.5, "h100": 4.0}})),
+        ("attache_filter_label", serde_json::json!({"remove": ["l4"]})),
     ] {
         let wasm = std::fs::read(paths.module(module)).expect("built scorer (cargo xtask build)");
         let cfg = AdmissionConfig {
@@ -51,6 +52,16 @@ fn the_example_scorers_pass_scorer_admission() {
         };
         let r = admit(&wasm, &cfg).unwrap_or_else(|e| panic!("{module} refused: {e}"));
         println!("{module} admitted: slowest sample {} us", r.max_request_us);
+        // The filter module removed the samples' l4 candidates, each with its reason.
+        let removals: usize = r
+            .outcomes
+            .iter()
+            .filter_map(|o| o.properties.iter().find(|(k, _)| k == attache_policies::scoring::SCORES_PROPERTY))
+            .filter_map(|(_, v)| attache_policies::scoring::ScoreSheet::decode(v).ok())
+            .flat_map(|sheet| sheet.entries)
+            .map(|e| e.removed.len())
+            .sum();
+        assert_eq!(removals > 0, module == "attache_filter_label", "{module}: {removals} removals");
         // Its own parameter checks run in on_configure.
         let bad = AdmissionConfig {
             plugin_config: br#"{"slot": "x", "params": {"ttft_slo_ms": -1, "costs": {}}}"#.to_vec(),

@@ -594,6 +594,70 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filter_module_removes_a_class_and_what_is_learned_follows_the_final_pick() {
+    let labels = (0..4)
+        .map(|i| vec![("attache.io/accelerator".to_owned(), if i == 0 { "l4" } else { "h100" }.to_owned())])
+        .collect();
+    let p = policy_stack("labelfilter", &["drain"], manual(), labels);
+    let l4 = p.s.engine_addrs()[0].rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let http = fresh_client();
+    // Before: unrelated prefixes spread, and the l4 engine holds some of them.
+    let mut held = Vec::new();
+    for g in 0..24 {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("held-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        if o.engine_port == Some(l4) {
+            held.push(g);
+        }
+    }
+    assert!(held.len() >= 2, "the l4 engine should hold a few of 24 prefixes: {held:?}");
+
+    // A filter module that removes the l4 class, rolled out to every session (weight 0: it
+    // filters, it does not score).
+    let module = signed(&p, "attache_filter_label").await;
+    let v1 = upload(&p, "drain", "v1", &module, json!({"remove": ["l4"]})).await;
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "drain", "--module", "v1", "--canary", "100%", "--weight", "0"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "drain"]).await;
+    assert!(ok, "{err}");
+    let header = format!("drain=stable@{}", short(&v1));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let o = send(&p.s, &http, chat("warm-up", "hi", 2), &[]).await;
+        if o.header("x-attache-scorers") == Some(header.as_str()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the filter module never acted");
+    }
+
+    // It changes the pick for the requests it should: the prefixes the l4 holds (the
+    // affinity tier would keep them there) and new ones all go elsewhere.
+    let mut homes = HashMap::new();
+    for g in &held {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("held-{g}")), "again", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_ne!(o.engine_port, Some(l4), "held prefix {g} went to the removed class");
+        homes.insert(*g, o.engine_port);
+    }
+    for g in 0..16 {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("fresh-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_ne!(o.engine_port, Some(l4), "fresh prefix {g} went to the removed class");
+    }
+    // What the scheduler learned is the final pick: each moved prefix's next request goes to
+    // where the filter sent it, held there in the affinity tier.
+    let mut followed = 0;
+    for g in &held {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("held-{g}")), "third", 2), &[]).await;
+        followed += usize::from(o.engine_port == homes[g]);
+    }
+    assert!(followed + 1 >= held.len(), "moved prefixes stay where the filter sent them: {followed} of {}", held.len());
+    let removed = p.s.envoy_stat("wasmcustom.attache.picker.removed");
+    assert!(removed >= 16, "the picker counts the removals: {removed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_healthy_canary_is_promoted_by_the_controller() {
     let auto = json!({"enabled": true, "promote": true, "interval_ms": 200, "min_requests": 40, "min_duration_ms": 2000,
                       "max_added_latency_ms": 1000});

@@ -168,6 +168,8 @@ fn build_wasm() -> Result<()> {
         "-p",
         "attache-scorer-cost-aware",
         "-p",
+        "attache-filter-label",
+        "-p",
         "attache-test-trap-scorer",
         "--target",
         "wasm32-wasip1",
@@ -258,6 +260,8 @@ fn lint() -> Result<()> {
         "attache-scorer-slo-ttft",
         "-p",
         "attache-scorer-cost-aware",
+        "-p",
+        "attache-filter-label",
     ];
     run(cargo().args(["clippy", "--profile", TEST_PROFILE]).args(wasm_crates).args([
         "--target",

@@ -1,7 +1,8 @@
 //! The picker filter: runs after the custom scorer filters, combines their weighted scores
 //! with the scheduler's built-in totals (policies::scoring::pick), keeps the scheduler's tiers
 //! (a sticky session, the affinity filter's holders lead) and rewrites the destination header.
-//! Without any scorer output it changes nothing: the scheduler's pick stands.
+//! Candidates a filter module removed are dropped, across tiers (unless every candidate would
+//! go). Without any scorer output it changes nothing: the scheduler's pick stands.
 
 use std::rc::Rc;
 
@@ -21,6 +22,7 @@ pub struct PickerMetrics {
     changed: Option<u32>,
     decode_errors: Option<u32>,
     ignored_entries: Option<u32>,
+    removed: Option<u32>,
 }
 
 impl PickerMetrics {
@@ -31,6 +33,7 @@ impl PickerMetrics {
             changed: d("attache.picker.changed"),
             decode_errors: d("attache.picker.decode_errors"),
             ignored_entries: d("attache.picker.ignored_entries"),
+            removed: d("attache.picker.removed"),
         }
     }
 }
@@ -88,6 +91,11 @@ impl HttpContext for PickerHttp {
         let tiers = host::property(scoring::TIERS_PROPERTY).unwrap_or_default();
         let (picked, ignored) = scoring::pick(&ctx, &sheet, &tiers);
         inc(m.ignored_entries, ignored);
+        // Candidates filter modules removed (none are when they would remove all).
+        let removed = scoring::removals(&ctx, &sheet);
+        if removed.iter().any(|r| !r) {
+            inc(m.removed, removed.iter().filter(|r| **r).count());
+        }
         let Some(primary) = picked.first() else {
             return Action::Continue;
         };

@@ -58,6 +58,15 @@ pub trait Scorer: Sized + 'static {
     /// Score `endpoint` for `request`, 0 (worst) to 1 (best). Values outside are clamped and
     /// NaN counts as 0. `request.candidates` holds every candidate, for relative scores.
     fn score(&self, request: &Request, endpoint: &Candidate) -> f32;
+
+    /// Remove `endpoint` from the request's candidates, saying why: a filter module. The
+    /// picker drops what any filter module removed, even a sticky session's endpoint or a
+    /// prefix holder (unless every candidate would go), and what the scheduler learns follows
+    /// the endpoint that serves. Keeps every candidate unless overridden; roll a filter-only
+    /// module out with weight 0 so that its scores do not count.
+    fn remove(&self, _request: &Request, _endpoint: &Candidate) -> Option<String> {
+        None
+    }
 }
 
 /// The plugin configuration the host writes.
@@ -216,6 +225,12 @@ impl<S: Scorer> HttpContext for ScorerHttp<S> {
         // Marked while scoring: if the scorer traps, the scheduler sees the mark on the 503.
         let _ = set_property(scoring::SCORING_PROPERTY, sh.marker.as_bytes());
         let scores: Vec<f32> = ctx.candidates.iter().map(|c| sh.scorer.score(&ctx, c)).collect();
+        let removed: Vec<(u16, String)> = ctx
+            .candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((u16::try_from(i).ok()?, sh.scorer.remove(&ctx, c)?)))
+            .collect();
         let mut sheet =
             property(scoring::SCORES_PROPERTY).and_then(|b| ScoreSheet::decode(&b).ok()).unwrap_or_default();
         sheet.put(ScoreEntry {
@@ -224,6 +239,7 @@ impl<S: Scorer> HttpContext for ScorerHttp<S> {
             version: sh.version.clone(),
             weight: sh.weight,
             scores,
+            removed,
         });
         if set_property(scoring::SCORES_PROPERTY, &sheet.encode()) {
             inc(sh.scored);

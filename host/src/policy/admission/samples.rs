@@ -124,6 +124,12 @@ pub fn check_scorer_outputs(samples: &[SampleRequest], report: &AdmissionReport)
         if let Some(s) = entry.scores.iter().find(|s| !s.is_finite()) {
             return Err(no(format!("non-finite score {s}")));
         }
+        if let Some((i, _)) = entry.removed.iter().find(|(i, _)| usize::from(*i) >= ctx.candidates.len()) {
+            return Err(no(format!("removed candidate {i} of {}", ctx.candidates.len())));
+        }
+        if entry.removed.iter().any(|(_, reason)| reason.is_empty()) {
+            return Err(no("a removal without a reason".into()));
+        }
     }
     Ok(())
 }
