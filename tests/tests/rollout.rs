@@ -165,6 +165,16 @@ impl Load {
 
     /// [`Load::start`] with session ids `<tag>-N`: sessions no earlier load has bound.
     fn start_tagged(s: &Stack, workers: usize, sessions: usize, tag: &str) -> Self {
+        Self::run(s, workers, sessions, tag, false)
+    }
+
+    /// [`Load::start_tagged`], each session with a long prefix of its own (about 2,000
+    /// pseudo-tokens), so that its engine's cache holds it between its requests.
+    fn start_long(s: &Stack, workers: usize, sessions: usize, tag: &str) -> Self {
+        Self::run(s, workers, sessions, tag, true)
+    }
+
+    fn run(s: &Stack, workers: usize, sessions: usize, tag: &str, long: bool) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let served = Arc::new(Mutex::new(Vec::new()));
         let url = s.url("/v1/chat/completions");
@@ -178,7 +188,8 @@ impl Load {
                         let session = n % sessions;
                         n += workers;
                         let sid = format!("{tag}-{session}");
-                        let body = client::chat_body(MODEL, &format!("prefix of {sid}"), "hello", 2);
+                        let system = if long { long_prefix(&sid) } else { format!("prefix of {sid}") };
+                        let body = client::chat_body(MODEL, &system, "hello", 2);
                         let o = client::post(&http, &url, body, &[("x-session-id", &sid)]).await;
                         served.lock().unwrap().push(Served {
                             session,
@@ -761,6 +772,44 @@ async fn canaries_that_add_errors_or_latency_are_rolled_back_by_the_controller()
             p.s.kill_extra_engine(&l4);
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_that_lowers_the_hit_rate_is_rolled_back_by_the_controller() {
+    let auto = json!({"enabled": true, "promote": false, "interval_ms": 200, "min_requests": 40,
+                      "max_error_rate_increase": 0.5, "max_added_latency_ms": 10000, "max_hit_rate_drop": 0.2});
+    let p = policy_stack("hitcanary", &["evict"], auto, Vec::new());
+    // The stable version scores and changes nothing (weight 0): its arm's hit rate is the
+    // scheduler's own.
+    let slo = signed(&p, "attache_scorer_slo_ttft").await;
+    upload(&p, "evict", "v1", &slo, json!({})).await;
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "evict", "--module", "v1", "--canary", "100%", "--weight", "0"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "evict"]).await;
+    assert!(ok, "{err}");
+    // Sessions with long prefixes of their own, each requested again and again: their engines
+    // hold them.
+    let load = Load::start_long(&p.s, 4, 40, "warm");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while load.snapshot().len() < 160 {
+        assert!(Instant::now() < deadline, "the load did not warm up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A canary filter that removes whichever candidates hold the request's prefix.
+    let faulty = signed(&p, "attache_test_trap_scorer").await;
+    upload(&p, "evict", "v2-evicts", &faulty, json!({"misbehave": "evict_holders"})).await;
+    let before = status(&p).await["transitions"].as_array().map_or(0, Vec::len);
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "evict", "--module", "v2-evicts", "--canary", "50%", "--weight", "0"]).await;
+    assert!(ok, "{err}");
+    let started = Instant::now();
+    let t = next_transition(&p, before + 1, Duration::from_secs(60)).await;
+    let served = load.finish().await;
+    assert_eq!((t["action"].as_str(), t["by"].as_str()), (Some("rollback"), Some("controller")), "{t}");
+    assert!(t["reason"].as_str().unwrap().contains("cache-hit rate"), "{t}");
+    println!("v2-evicts rolled back by the controller after {:.1} s: {}", started.elapsed().as_secs_f64(), t["reason"]);
+    assert!(failures(&served).is_empty(), "{:?}", failures(&served));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

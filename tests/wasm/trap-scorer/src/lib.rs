@@ -7,6 +7,8 @@
 //! - `{"misbehave": "spin"}`: it never returns from scoring.
 //! - `{"misbehave": "slow", "slow_ms": N}`: it busy-waits N ms once per request (on the first
 //!   candidate), a scorer that adds latency.
+//! - `{"misbehave": "evict_holders"}`: a filter that removes every candidate holding some of the
+//!   request's prefix, a policy that lowers the cache-hit rate.
 
 use std::cell::{Cell, RefCell};
 
@@ -17,6 +19,7 @@ pub enum Fault {
     Grow(RefCell<Vec<Vec<u8>>>),
     Spin,
     Slow(std::time::Duration),
+    EvictHolders,
 }
 
 pub struct Faulty {
@@ -31,7 +34,8 @@ impl Scorer for Faulty {
             Some("slow") => Fault::Slow(std::time::Duration::from_millis(
                 params.get("slow_ms").and_then(|v| v.as_u64()).ok_or("slow_ms is required with slow")?,
             )),
-            Some(other) => return Err(format!("misbehave: unknown fault {other:?} (grow, spin, slow)")),
+            Some("evict_holders") => Fault::EvictHolders,
+            Some(other) => return Err(format!("misbehave: unknown fault {other:?} (grow, spin, slow, evict_holders)")),
             None => Fault::TrapAfter(Cell::new(
                 params.get("trap_after").and_then(|v| v.as_u64()).ok_or("trap_after (scores) is required")?,
             )),
@@ -72,12 +76,20 @@ impl Scorer for Faulty {
                 }
                 0.5
             }
+            Fault::EvictHolders => 0.5,
             Fault::Spin => {
                 let mut x = 0u64;
                 loop {
                     x = std::hint::black_box(x.wrapping_add(1));
                 }
             }
+        }
+    }
+
+    fn remove(&self, _request: &Request, endpoint: &Candidate) -> Option<String> {
+        match self.fault {
+            Fault::EvictHolders if endpoint.prefix_hit > 0.0 => Some("holds the prefix".into()),
+            _ => None,
         }
     }
 }
