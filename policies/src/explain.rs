@@ -110,8 +110,11 @@ pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &
     let ctx =
         FilterContext { endpoints: &pool.endpoints, model, saturation: &scheduler.config.saturation, exclude: None };
     // Each filter in turn, as the profile runs them: what it removes is its verdict.
-    let mut removed: Vec<Option<(&'static str, String)>> = vec![None; pool.endpoints.len()];
-    let mut left: Vec<usize> = (0..pool.endpoints.len()).collect();
+    // Masks over the pool, so that a large pool costs one pass per filter.
+    let n = pool.endpoints.len();
+    let mut removed: Vec<Option<(&'static str, String)>> = vec![None; n];
+    let mut left: Vec<usize> = (0..n).collect();
+    let mut kept = vec![true; n];
     let mut stopped = None;
     for f in &profile.filters {
         let before = left.clone();
@@ -120,10 +123,22 @@ pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &
             left = before;
             break;
         }
-        for i in before.into_iter().filter(|i| !left.contains(i)) {
+        kept.fill(false);
+        for &i in &left {
+            if let Some(k) = kept.get_mut(i) {
+                *k = true;
+            }
+        }
+        for i in before.into_iter().filter(|&i| !kept.get(i).copied().unwrap_or(false)) {
             if let (Some(slot), Some(ep)) = (removed.get_mut(i), pool.endpoints.get(i)) {
                 *slot = Some((f.name(), reason(f.name(), ep, model, &ctx)));
             }
+        }
+    }
+    let mut scored_mask = vec![false; n];
+    for s in &decision.all {
+        if let Some(m) = scored_mask.get_mut(s.position) {
+            *m = true;
         }
     }
     let address = |i: usize| pool.endpoints.get(i).map_or("", |e| e.address.as_str());
@@ -153,13 +168,12 @@ pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &
             "scores": scores,
         }));
     }
-    let in_all = |i: usize| decision.all.iter().any(|s| s.position == i);
     for (i, why) in removed.iter().enumerate() {
         match why {
             Some((filter, reason)) => {
                 rows.push(json!({"endpoint": address(i), "verdict": "filtered", "filter": filter, "reason": reason}));
             }
-            None if !in_all(i) && left.contains(&i) => {
+            None if scored_mask.get(i) == Some(&false) && kept.get(i) == Some(&true) => {
                 rows.push(
                     json!({"endpoint": address(i), "verdict": "passed", "reason": "not drawn into the shortlist"}),
                 );
