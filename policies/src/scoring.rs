@@ -445,7 +445,8 @@ pub fn removals(ctx: &ScoringContext, sheet: &ScoreSheet) -> Vec<bool> {
 
 /// Pick endpoints (primary + fallbacks) from the combined scores, with the context's seed,
 /// keeping the scheduler's `tiers` (one per candidate; any other length counts as none).
-pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (Vec<&'a str>, usize) {
+/// Returns them, the sheet entries ignored, and the candidates filter modules removed.
+pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (Vec<&'a str>, usize, usize) {
     let (totals, ignored) = combine(ctx, sheet);
     let mut order = crate::pickers::max_score::max_score(&totals, totals.len(), ctx.seed);
     if tiers.len() == totals.len() {
@@ -454,12 +455,14 @@ pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (V
     // Filter modules' removals apply across tiers; if they would remove every candidate, none
     // is removed (the pool degrades to the scores, as the scheduler's soft filters do).
     let removed = removals(ctx, sheet);
+    let mut dropped = 0;
     if removed.iter().any(|r| !r) {
         order.retain(|&i| !removed.get(i).copied().unwrap_or(false));
+        dropped = removed.iter().filter(|r| **r).count();
     }
     order.truncate(usize::from(ctx.max_endpoints.max(1)));
     let addrs = order.iter().filter_map(|&i| ctx.candidates.get(i).map(|c| c.address.as_str())).collect();
-    (addrs, ignored)
+    (addrs, ignored, dropped)
 }
 
 #[cfg(test)]
@@ -560,8 +563,9 @@ mod tests {
             removed: vec![(0, "class h100".into())],
         });
         let affine = [tier::AFFINE, tier::NONE, tier::NONE];
-        let picked = pick(&c, &s, &affine).0;
+        let (picked, _, removed) = pick(&c, &s, &affine);
         assert!(!picked.contains(&"10.0.0.0:8000"), "{picked:?}");
+        assert_eq!(removed, 1);
         assert_eq!(removals(&c, &s), vec![true, false, false]);
         // Removing every candidate removes none.
         s.put(ScoreEntry {
@@ -572,7 +576,8 @@ mod tests {
             scores: vec![0.5, 0.5, 0.5],
             removed: vec![(1, "x".into()), (2, "y".into()), (7, "out of range".into())],
         });
-        assert_eq!(pick(&c, &s, &affine).0[0], "10.0.0.0:8000");
+        let (picked, _, removed) = pick(&c, &s, &affine);
+        assert_eq!((picked[0], removed), ("10.0.0.0:8000", 0));
     }
 
     #[test]

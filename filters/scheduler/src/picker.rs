@@ -89,13 +89,10 @@ impl HttpContext for PickerHttp {
         // The scheduler's filters' verdict (sticky session, affinity filter): scores order the
         // candidates within a tier, never across.
         let tiers = host::property(scoring::TIERS_PROPERTY).unwrap_or_default();
-        let (picked, ignored) = scoring::pick(&ctx, &sheet, &tiers);
+        let (picked, ignored, removed) = scoring::pick(&ctx, &sheet, &tiers);
         inc(m.ignored_entries, ignored);
         // Candidates filter modules removed (none are when they would remove all).
-        let removed = scoring::removals(&ctx, &sheet);
-        if removed.iter().any(|r| !r) {
-            inc(m.removed, removed.iter().filter(|r| **r).count());
-        }
+        inc(m.removed, removed);
         let Some(primary) = picked.first() else {
             return Action::Continue;
         };
