@@ -104,21 +104,26 @@ fn tier_name(t: u8) -> &'static str {
     }
 }
 
-/// The explanation of `decision` for a request for `model`, made on `pool`: one line of JSON.
-pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &Decision, max: usize) -> String {
-    let profile = scheduler.decode_profile();
-    let ctx =
-        FilterContext { endpoints: &pool.endpoints, model, saturation: &scheduler.config.saturation, exclude: None };
-    // Each filter in turn, as the profile runs them: what it removes is its verdict.
-    // Masks over the pool, so that a large pool costs one pass per filter.
-    let n = pool.endpoints.len();
+/// What the profile's filters did to the pool: per endpoint the filter that removed it and
+/// why, which endpoints passed them all, and the error of a filter that stopped the run.
+struct Verdicts {
+    removed: Vec<Option<(&'static str, String)>>,
+    kept: Vec<bool>,
+    passed: usize,
+    stopped: Option<String>,
+}
+
+/// Run the profile's filters in turn over the whole pool, as the profile runs them: what each
+/// removes is its verdict. Masks over the pool, so that a large pool costs one pass per filter.
+fn filter_verdicts(profile: &crate::profiles::Profile, ctx: &FilterContext<'_>) -> Verdicts {
+    let n = ctx.endpoints.len();
     let mut removed: Vec<Option<(&'static str, String)>> = vec![None; n];
     let mut left: Vec<usize> = (0..n).collect();
     let mut kept = vec![true; n];
     let mut stopped = None;
     for f in &profile.filters {
         let before = left.clone();
-        if let Err(e) = f.filter(&ctx, &mut left) {
+        if let Err(e) = f.filter(ctx, &mut left) {
             stopped = Some(format!("{}: {e}", f.name()));
             left = before;
             break;
@@ -130,11 +135,21 @@ pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &
             }
         }
         for i in before.into_iter().filter(|&i| !kept.get(i).copied().unwrap_or(false)) {
-            if let (Some(slot), Some(ep)) = (removed.get_mut(i), pool.endpoints.get(i)) {
-                *slot = Some((f.name(), reason(f.name(), ep, model, &ctx)));
+            if let (Some(slot), Some(ep)) = (removed.get_mut(i), ctx.endpoints.get(i)) {
+                *slot = Some((f.name(), reason(f.name(), ep, ctx.model, ctx)));
             }
         }
     }
+    Verdicts { removed, kept, passed: left.len(), stopped }
+}
+
+/// The explanation of `decision` for a request for `model`, made on `pool`: one line of JSON.
+pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &Decision, max: usize) -> String {
+    let profile = scheduler.decode_profile();
+    let ctx =
+        FilterContext { endpoints: &pool.endpoints, model, saturation: &scheduler.config.saturation, exclude: None };
+    let Verdicts { removed, kept, passed, stopped } = filter_verdicts(profile, &ctx);
+    let n = pool.endpoints.len();
     let mut scored_mask = vec![false; n];
     for s in &decision.all {
         if let Some(m) = scored_mask.get_mut(s.position) {
@@ -188,7 +203,7 @@ pub fn explain(scheduler: &Scheduler, pool: &PoolState, model: &str, decision: &
         "model": model,
         "profile": profile.name,
         "pool": pool.endpoints.len(),
-        "passed_filters": left.len(),
+        "passed_filters": passed,
         "picked": decision.endpoints,
         "candidates": rows,
         "omitted": omitted,
