@@ -236,6 +236,24 @@ async fn wait_served(
     None
 }
 
+/// Pod labels for the four engines of [`small_pool`]: the first an l4, the others h100s.
+fn one_l4_three_h100() -> Vec<Vec<(String, String)>> {
+    (0..4).map(|i| vec![("attache.io/accelerator".to_owned(), if i == 0 { "l4" } else { "h100" }.to_owned())]).collect()
+}
+
+/// Send requests until one's `x-attache-scorers` is `header` (the rolled-out module acts);
+/// fails after 10 s.
+async fn wait_acting(p: &PolicyStack, http: &reqwest::Client, header: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let o = send(&p.s, http, chat("warm-up", "hi", 2), &[]).await;
+        if o.header("x-attache-scorers") == Some(header) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{header} never acted");
+    }
+}
+
 fn short(sha: &str) -> &str {
     &sha[..12]
 }
@@ -414,9 +432,7 @@ async fn a_trapping_canary_fails_open_and_is_rolled_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
-    let labels = (0..4)
-        .map(|i| vec![("attache.io/accelerator".to_owned(), if i == 0 { "l4" } else { "h100" }.to_owned())])
-        .collect();
+    let labels = one_l4_three_h100();
     let p = policy_stack("refusals", &["cost"], manual(), labels);
     let cost = signed(&p, "attache_scorer_cost_aware").await;
     let v1 = upload(&p, "cost", "v1", &cost, json!({"costs": {"l4": 1.0, "h100": 4.0}})).await;
@@ -441,13 +457,7 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
     let l4 = p.s.engine_addrs()[0].rsplit(':').next().unwrap().parse::<u16>().unwrap();
     let header = format!("cost=stable@{}", short(&v1));
     let mut on_l4 = 0;
-    let mut saw_header = false;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !saw_header && Instant::now() < deadline {
-        let o = send(&p.s, &http, chat("warm-up", "hi", 2), &[]).await;
-        saw_header = o.header("x-attache-scorers") == Some(header.as_str());
-    }
-    assert!(saw_header, "the promoted cost scorer never acted");
+    wait_acting(&p, &http, &header).await;
     let mut after = Vec::new();
     for g in 0..16 {
         let o = send(&p.s, &http, chat(&long_prefix(&format!("after-{g}")), "hi", 2), &[]).await;
@@ -606,9 +616,7 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_filter_module_removes_a_class_and_what_is_learned_follows_the_final_pick() {
-    let labels = (0..4)
-        .map(|i| vec![("attache.io/accelerator".to_owned(), if i == 0 { "l4" } else { "h100" }.to_owned())])
-        .collect();
+    let labels = one_l4_three_h100();
     let p = policy_stack("labelfilter", &["drain"], manual(), labels);
     let l4 = p.s.engine_addrs()[0].rsplit(':').next().unwrap().parse::<u16>().unwrap();
     let http = fresh_client();
@@ -632,15 +640,7 @@ async fn a_filter_module_removes_a_class_and_what_is_learned_follows_the_final_p
     assert!(ok, "{err}");
     let (ok, _, err) = cli(&p, &["promote", "--slot", "drain"]).await;
     assert!(ok, "{err}");
-    let header = format!("drain=stable@{}", short(&v1));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let o = send(&p.s, &http, chat("warm-up", "hi", 2), &[]).await;
-        if o.header("x-attache-scorers") == Some(header.as_str()) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the filter module never acted");
-    }
+    wait_acting(&p, &http, &format!("drain=stable@{}", short(&v1))).await;
 
     // It changes the pick for the requests it should: the prefixes the l4 holds (the
     // affinity tier would keep them there) and new ones all go elsewhere.
