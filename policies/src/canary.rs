@@ -29,6 +29,13 @@ pub struct AutoPolicy {
     /// An Envoy that restarted during a canary is left out of its window for this long: what it
     /// counted since the last read is gone, and its new VMs start with cold tables.
     pub restart_grace_ms: u64,
+    /// A canary may start only after the same version ran in shadow ([`shadow_gate`]).
+    pub require_shadow: bool,
+    /// Shadowed requests the gate needs.
+    pub shadow_min_requests: u64,
+    /// The gate's floor on the shadow's expected prefix-hit rate minus the live one's (e.g.
+    /// -0.05: at most 5 points lower).
+    pub min_shadow_hit_delta: f64,
 }
 
 impl Default for AutoPolicy {
@@ -44,6 +51,9 @@ impl Default for AutoPolicy {
             max_added_latency_ms: 100.0,
             max_hit_rate_drop: 0.10,
             restart_grace_ms: 30_000,
+            require_shadow: false,
+            shadow_min_requests: 200,
+            min_shadow_hit_delta: -0.05,
         }
     }
 }
@@ -57,6 +67,10 @@ pub struct ArmCounters {
     pub traps: u64,
     pub ttfb_us: u64,
     pub hit_permille: u64,
+    /// Shadow arm: requests on which the shadow's pick was the live one.
+    pub agree: u64,
+    /// Shadow and live arms: the picked endpoint's load (waiting + running) × 1000, summed.
+    pub load_milli: u64,
 }
 
 impl ArmCounters {
@@ -68,6 +82,28 @@ impl ArmCounters {
             traps: self.traps.saturating_sub(base.traps),
             ttfb_us: self.ttfb_us.saturating_sub(base.ttfb_us),
             hit_permille: self.hit_permille.saturating_sub(base.hit_permille),
+            agree: self.agree.saturating_sub(base.agree),
+            load_milli: self.load_milli.saturating_sub(base.load_milli),
+        }
+    }
+
+    /// Add `d` (another Envoy's counts, or a later window).
+    pub fn add(&mut self, d: &ArmCounters) {
+        self.requests += d.requests;
+        self.errors += d.errors;
+        self.traps += d.traps;
+        self.ttfb_us += d.ttfb_us;
+        self.hit_permille += d.hit_permille;
+        self.agree += d.agree;
+        self.load_milli += d.load_milli;
+    }
+
+    /// Mean load at the pick.
+    pub fn mean_load(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.load_milli as f64 / self.requests as f64 / 1000.0
         }
     }
     pub fn error_rate(&self) -> f64 {
@@ -105,6 +141,52 @@ pub enum Verdict {
     Wait(String),
     Promote(String),
     Rollback(String),
+}
+
+/// A shadow candidate against the live decisions on the same requests.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ShadowReport {
+    pub requests: u64,
+    /// Share of requests on which the shadow would have picked the live primary.
+    pub agreement: f64,
+    /// The shadow's expected prefix-hit rate minus the live one's.
+    pub hit_delta: f64,
+    /// The mean load (waiting + running) of the endpoint the shadow would pick, minus the
+    /// live pick's: above 0, it would pile onto busier endpoints.
+    pub load_delta: f64,
+}
+
+impl ShadowReport {
+    pub fn new(shadow: &ArmCounters, live: &ArmCounters) -> Self {
+        let agreement = if shadow.requests == 0 { 0.0 } else { shadow.agree as f64 / shadow.requests as f64 };
+        Self {
+            requests: shadow.requests,
+            agreement,
+            hit_delta: shadow.hit_rate() - live.hit_rate(),
+            load_delta: shadow.mean_load() - live.mean_load(),
+        }
+    }
+}
+
+/// Whether a canary may start, given the shadow run of the same version (`None`: it ran in
+/// no shadow). Without `require_shadow`, always.
+pub fn shadow_gate(p: &AutoPolicy, report: Option<&ShadowReport>) -> Result<(), String> {
+    if !p.require_shadow {
+        return Ok(());
+    }
+    let Some(r) = report else {
+        return Err("this version has not run in shadow (policy.auto.require_shadow)".into());
+    };
+    if r.requests < p.shadow_min_requests {
+        return Err(format!("{} of {} shadowed requests (shadow_min_requests)", r.requests, p.shadow_min_requests));
+    }
+    if r.hit_delta < p.min_shadow_hit_delta {
+        return Err(format!(
+            "shadow hit-rate delta {:+.3} is below the floor {:+.3} (min_shadow_hit_delta); agreement {:.3}",
+            r.hit_delta, p.min_shadow_hit_delta, r.agreement
+        ));
+    }
+    Ok(())
 }
 
 /// Judge a canary from its window and the stable's over the same time.
@@ -160,6 +242,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_shadow_gate_needs_enough_requests_and_a_hit_rate_above_the_floor() {
+        let shadow = ArmCounters {
+            requests: 300,
+            agree: 75,
+            hit_permille: 300 * 200,
+            load_milli: 300 * 4000,
+            ..Default::default()
+        };
+        let live = ArmCounters { requests: 300, hit_permille: 300 * 900, load_milli: 300 * 1000, ..Default::default() };
+        let r = ShadowReport::new(&shadow, &live);
+        assert!(
+            (r.agreement - 0.25).abs() < 1e-9 && (r.hit_delta + 0.7).abs() < 1e-9 && (r.load_delta - 3.0).abs() < 1e-9
+        );
+        let off = AutoPolicy::default();
+        assert!(shadow_gate(&off, Some(&r)).is_ok(), "no gate unless required");
+        let on = AutoPolicy { require_shadow: true, ..AutoPolicy::default() };
+        assert!(shadow_gate(&on, None).unwrap_err().contains("not run in shadow"));
+        assert!(shadow_gate(&on, Some(&r)).unwrap_err().contains("below the floor"));
+        let few = ShadowReport { requests: 10, ..r };
+        assert!(shadow_gate(&on, Some(&few)).unwrap_err().contains("10 of 200"));
+        let good = ShadowReport { hit_delta: -0.01, ..r };
+        assert!(shadow_gate(&on, Some(&good)).is_ok());
+    }
+
+    #[test]
     fn verdicts_follow_the_policy() {
         let p = AutoPolicy { min_requests: 10, min_duration_ms: 1000, ..AutoPolicy::default() };
         let arm = |requests, errors, traps, ttfb_ms: u64, hit: u64| ArmCounters {
@@ -168,6 +275,7 @@ mod tests {
             traps,
             ttfb_us: ttfb_ms * 1000 * requests,
             hit_permille: hit * requests,
+            ..ArmCounters::default()
         };
         let stable = arm(100, 0, 0, 50, 800);
         assert!(matches!(judge(&p, &arm(1, 0, 1, 50, 800), &stable, 0), Verdict::Rollback(r) if r.contains("trapped")));

@@ -11,6 +11,7 @@
 //! for a disaggregated request, the prefill one. [`plan::plan`] is the one call a host makes per
 //! request: request → parse → plan → apply.
 
+pub mod arm;
 pub mod canary;
 pub mod chat_template;
 pub mod config;
@@ -32,6 +33,7 @@ pub mod preselect;
 pub mod probe;
 pub mod profiles;
 pub mod prompt_tokens;
+pub mod replay;
 pub mod request;
 pub mod rng;
 pub mod scheduler;

@@ -32,6 +32,9 @@ pub struct ScoringConfig {
     pub session_headers: Vec<String>,
     /// Picker: add `x-attache-scorers: slot=arm@version,...` to responses.
     pub response_header: bool,
+    /// Picker: the share of decisions (0..1) sent to the host's decision log
+    /// (policies::replay). 0: none.
+    pub decision_log_rate: f64,
 }
 
 impl Default for ScoringConfig {
@@ -40,6 +43,7 @@ impl Default for ScoringConfig {
             context: false,
             session_headers: vec!["x-session-id".into(), "x-attache-session".into()],
             response_header: true,
+            decision_log_rate: 0.0,
         }
     }
 }
@@ -122,6 +126,9 @@ pub struct FilterConfig {
     pub stage_timings: bool,
     /// Explanations of decisions for an admin-authorized debug header (off without a token).
     pub debug: crate::explain::DebugConfig,
+    /// The scheduler's rollout arm, when the chain holds a canary scheduler too
+    /// (policies::arm). Absent: it acts on every request.
+    pub rollout: Option<crate::arm::ArmConfig>,
 }
 
 impl FilterConfig {
@@ -137,7 +144,14 @@ impl FilterConfig {
             return Err(format!("scheduler.prefix.cache_share {share} is outside 0..=1"));
         }
         crate::Scheduler::new(c.scheduler.clone()).map_err(|e| e.to_string())?;
+        let rate = c.scoring.decision_log_rate;
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(format!("scoring.decision_log_rate {rate} is outside 0..=1"));
+        }
         c.debug.check()?;
+        if let Some(arm) = &c.rollout {
+            arm.check()?;
+        }
         Ok(c)
     }
 

@@ -58,6 +58,21 @@ impl Decision {
         self.scores.first().filter(|s| s.address == *primary).and_then(|s| s.kv_written)
     }
 
+    /// The primary's expected prefix hit, 0..1 (0 without a primary).
+    pub fn primary_hit(&self) -> f32 {
+        self.scores.first().map_or(0.0, |s| s.scored.prefix_hit as f32)
+    }
+
+    /// The expected prefix hit (0..1) of the candidate at `address`, as this decision scored it:
+    /// how a shadow's pick is graded by the same yardstick as the live one. `None` if `address`
+    /// was not a candidate here.
+    pub fn hit_of(&self, pool: &PoolState, address: &str) -> Option<f32> {
+        self.all
+            .iter()
+            .find(|s| pool.endpoints.get(s.position).is_some_and(|e| e.address == address))
+            .map(|s| s.prefix_hit as f32)
+    }
+
     /// `x-prefiller-host-port` value, when the request is disaggregated.
     pub fn prefiller(&self) -> Option<&str> {
         self.prefill.as_ref().map(|p| p.address.as_str())

@@ -35,8 +35,11 @@ pub const BUCKETS: u16 = 10_000;
 
 const CONTEXT_MAGIC: u8 = 0xA7;
 const SHEET_MAGIC: u8 = 0xA8;
-/// The encoding's version: 2 added a sheet entry's removals (a version 1 value still decodes).
-const VERSION: u8 = 2;
+/// The encoding's version: 2 added a sheet entry's removals, 3 its chosen candidate (older
+/// values still decode).
+const VERSION: u8 = 3;
+/// `chosen` encoded when there is none.
+const NOT_CHOSEN: u16 = u16::MAX;
 
 /// What a scorer knows about one candidate endpoint.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -86,6 +89,9 @@ pub struct ScoringContext {
 pub enum Arm {
     Stable,
     Canary,
+    /// A candidate that scores every request beside the live version and acts on none: the
+    /// picker picks with it as well, to compare, and routes without it.
+    Shadow,
 }
 
 impl Arm {
@@ -93,6 +99,7 @@ impl Arm {
         match self {
             Arm::Stable => "stable",
             Arm::Canary => "canary",
+            Arm::Shadow => "shadow",
         }
     }
 
@@ -100,8 +107,14 @@ impl Arm {
         match s {
             "stable" => Some(Arm::Stable),
             "canary" => Some(Arm::Canary),
+            "shadow" => Some(Arm::Shadow),
             _ => None,
         }
+    }
+
+    /// Whether its entry counts in the pick that routes the request.
+    pub fn acts(self) -> bool {
+        self != Arm::Shadow
     }
 }
 
@@ -119,6 +132,9 @@ pub struct ScoreEntry {
     /// Candidates (context indices) the module removes, each with its reason: a filter
     /// module's verdict, which the picker applies across the scheduler's tiers.
     pub removed: Vec<(u16, String)>,
+    /// The candidate (context index) a picker module chooses as the primary, among the
+    /// leading tier's; the rest keep the combined order.
+    pub chosen: Option<u16>,
 }
 
 /// Every scorer's entry for one request.
@@ -316,6 +332,7 @@ impl ScoreSheet {
             w.u8(match e.arm {
                 Arm::Stable => 0,
                 Arm::Canary => 1,
+                Arm::Shadow => 2,
             });
             w.str(&e.version);
             w.f64(e.weight);
@@ -328,6 +345,7 @@ impl ScoreSheet {
                 w.u16(*i);
                 w.str(reason);
             }
+            w.u16(e.chosen.unwrap_or(NOT_CHOSEN));
         }
         w.0
     }
@@ -346,6 +364,7 @@ impl ScoreSheet {
             let arm = match r.u8()? {
                 0 => Arm::Stable,
                 1 => Arm::Canary,
+                2 => Arm::Shadow,
                 a => return Err(DecodeError::BadArm(a)),
             };
             let module = r.str()?;
@@ -361,17 +380,24 @@ impl ScoreSheet {
                     removed.push((r.u16()?, r.str()?));
                 }
             }
-            entries.push(ScoreEntry { slot, arm, version: module, weight, scores, removed });
+            let chosen = if version >= 3 { Some(r.u16()?).filter(|&c| c != NOT_CHOSEN) } else { None };
+            entries.push(ScoreEntry { slot, arm, version: module, weight, scores, removed, chosen });
         }
         r.finish()?;
         Ok(Self { entries })
     }
 
     /// Add or replace the entry for `entry.slot` (a slot counts once even if, during an
-    /// update, both its stable and canary filters acted).
+    /// update, both its stable and canary filters acted). A shadow entry sits beside the
+    /// slot's live one.
     pub fn put(&mut self, entry: ScoreEntry) {
-        self.entries.retain(|e| e.slot != entry.slot);
+        self.entries.retain(|e| e.slot != entry.slot || e.arm.acts() != entry.arm.acts());
         self.entries.push(entry);
+    }
+
+    /// Whether a shadow candidate scored this request.
+    pub fn has_shadow(&self) -> bool {
+        self.entries.iter().any(|e| !e.arm.acts())
     }
 }
 
@@ -415,7 +441,7 @@ pub fn bucket_of_seed(seed: u64) -> u16 {
 pub fn combine(ctx: &ScoringContext, sheet: &ScoreSheet) -> (Vec<f64>, usize) {
     let mut totals: Vec<f64> = ctx.candidates.iter().map(|c| c.score).collect();
     let mut ignored = 0;
-    for e in &sheet.entries {
+    for e in sheet.entries.iter().filter(|e| e.arm.acts()) {
         if e.scores.len() != totals.len() || !e.weight.is_finite() {
             ignored += 1;
             continue;
@@ -433,7 +459,7 @@ pub fn combine(ctx: &ScoringContext, sheet: &ScoreSheet) -> (Vec<f64>, usize) {
 pub fn removals(ctx: &ScoringContext, sheet: &ScoreSheet) -> Vec<bool> {
     let n = ctx.candidates.len();
     let mut removed = vec![false; n];
-    for e in sheet.entries.iter().filter(|e| e.scores.len() == n && e.weight.is_finite()) {
+    for e in sheet.entries.iter().filter(|e| e.arm.acts() && e.scores.len() == n && e.weight.is_finite()) {
         for (i, _) in &e.removed {
             if let Some(r) = removed.get_mut(usize::from(*i)) {
                 *r = true;
@@ -460,9 +486,56 @@ pub fn pick<'a>(ctx: &'a ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> (V
         order.retain(|&i| !removed.get(i).copied().unwrap_or(false));
         dropped = removed.iter().filter(|r| **r).count();
     }
+    choose(ctx, sheet, tiers, &mut order);
     order.truncate(usize::from(ctx.max_endpoints.max(1)));
     let addrs = order.iter().filter_map(|&i| ctx.candidates.get(i).map(|c| c.address.as_str())).collect();
     (addrs, ignored, dropped)
+}
+
+/// A picker module's choice: the first live entry's chosen candidate goes first, if it is
+/// still in `order` (not removed) and in the leading tier (a sticky session's endpoint and the
+/// affinity filter's holders stay in front, as for scores).
+fn choose(ctx: &ScoringContext, sheet: &ScoreSheet, tiers: &[u8], order: &mut Vec<usize>) {
+    let n = ctx.candidates.len();
+    let choice = sheet
+        .entries
+        .iter()
+        .filter(|e| e.arm.acts() && e.scores.len() == n && e.weight.is_finite())
+        .find_map(|e| e.chosen.map(usize::from));
+    let (Some(c), Some(&first)) = (choice, order.first()) else { return };
+    let tier = |i: usize| tiers.get(i).copied().unwrap_or(crate::pickers::tier::NONE);
+    if tiers.len() == n && tier(c) != tier(first) {
+        return;
+    }
+    if let Some(at) = order.iter().position(|&i| i == c) {
+        let c = order.remove(at);
+        order.insert(0, c);
+    }
+}
+
+/// What one shadow candidate would have done with a request: its slot, and the candidate (by
+/// position in the context) that would have been the primary, with the candidate live.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShadowPick {
+    pub slot: String,
+    pub primary: Option<usize>,
+}
+
+/// For each shadow entry, the pick with it in place of its slot's live entry (the other
+/// slots' live entries as they are). Compare with [`pick`]'s primary.
+pub fn shadow_picks(ctx: &ScoringContext, sheet: &ScoreSheet, tiers: &[u8]) -> Vec<ShadowPick> {
+    let mut out = Vec::new();
+    for shadow in sheet.entries.iter().filter(|e| !e.arm.acts()) {
+        let mut candidate = ScoreSheet::default();
+        for e in sheet.entries.iter().filter(|e| e.arm.acts() && e.slot != shadow.slot) {
+            candidate.entries.push(e.clone());
+        }
+        candidate.entries.push(ScoreEntry { arm: Arm::Stable, ..shadow.clone() });
+        let (picked, _, _) = pick(ctx, &candidate, tiers);
+        let primary = picked.first().and_then(|a| ctx.candidates.iter().position(|c| c.address == *a));
+        out.push(ShadowPick { slot: shadow.slot.clone(), primary });
+    }
+    out
 }
 
 #[cfg(test)]
@@ -505,15 +578,20 @@ mod tests {
             weight: 2.0,
             scores: vec![0.1, 0.9, 0.5],
             removed: vec![(1, "class l4".into())],
+            chosen: None,
         });
         assert_eq!(ScoreSheet::decode(&s.encode()).unwrap(), s);
-        // A version 1 sheet (no removals) still decodes.
-        let mut v1 = ScoreSheet::default();
-        v1.put(ScoreEntry { removed: Vec::new(), ..s.entries[0].clone() });
-        let mut bytes = v1.encode();
+        // A version 2 sheet (no choice) and a version 1 sheet (no removals either) still decode:
+        // each entry ends with its removals count (u16), then its choice (u16).
+        let mut old = ScoreSheet::default();
+        old.put(ScoreEntry { removed: Vec::new(), ..s.entries[0].clone() });
+        let mut bytes = old.encode();
+        bytes.truncate(bytes.len() - 2);
+        bytes[1] = 2;
+        assert_eq!(ScoreSheet::decode(&bytes).unwrap(), old, "version 2");
         bytes.truncate(bytes.len() - 2);
         bytes[1] = 1;
-        assert_eq!(ScoreSheet::decode(&bytes).unwrap(), v1);
+        assert_eq!(ScoreSheet::decode(&bytes).unwrap(), old, "version 1");
         assert_eq!(ScoreSheet::decode(b"").unwrap(), ScoreSheet::default());
     }
 
@@ -530,6 +608,7 @@ mod tests {
             weight: 10.0,
             scores: vec![0.0, 0.5, 1.0],
             removed: Vec::new(),
+            chosen: None,
         });
         assert_eq!(pick(&c, &s, &[]).0, vec!["10.0.0.2:8000", "10.0.0.1:8000"]);
         let affine = [tier::AFFINE, tier::NONE, tier::NONE];
@@ -561,6 +640,7 @@ mod tests {
             weight: 0.0,
             scores: vec![0.5, 0.5, 0.5],
             removed: vec![(0, "class h100".into())],
+            chosen: None,
         });
         let affine = [tier::AFFINE, tier::NONE, tier::NONE];
         let (picked, _, removed) = pick(&c, &s, &affine);
@@ -575,9 +655,74 @@ mod tests {
             weight: 0.0,
             scores: vec![0.5, 0.5, 0.5],
             removed: vec![(1, "x".into()), (2, "y".into()), (7, "out of range".into())],
+            chosen: None,
         });
         let (picked, _, removed) = pick(&c, &s, &affine);
         assert_eq!((picked[0], removed), ("10.0.0.0:8000", 0));
+    }
+
+    #[test]
+    fn a_shadow_entry_never_acts_and_its_pick_is_computed_beside_the_live_one() {
+        let c = ctx();
+        let entry = |arm, scores: Vec<f32>, removed| ScoreEntry {
+            slot: "cost".into(),
+            arm,
+            version: "v".into(),
+            weight: 10.0,
+            scores,
+            removed,
+            chosen: None,
+        };
+        let mut s = ScoreSheet::default();
+        s.put(entry(Arm::Stable, vec![0.0, 1.0, 0.0], Vec::new()));
+        // The shadow prefers candidate 2 and removes candidate 1; it sits beside the live entry.
+        s.put(entry(Arm::Shadow, vec![0.0, 0.0, 1.0], vec![(1, "class l4".into())]));
+        assert_eq!(s.entries.len(), 2);
+        assert!(s.has_shadow());
+        let decoded = ScoreSheet::decode(&s.encode()).unwrap();
+        assert_eq!(decoded, s);
+        // Live: the stable entry alone routes, and nothing is removed.
+        let (picked, _, removed) = pick(&c, &s, &[]);
+        assert_eq!((picked[0], removed), ("10.0.0.1:8000", 0));
+        assert_eq!(removals(&c, &s), vec![false; 3]);
+        // Shadow: the slot's shadow entry in place of its live one.
+        assert_eq!(shadow_picks(&c, &s, &[]), vec![ShadowPick { slot: "cost".into(), primary: Some(2) }]);
+        // A second put of the slot's shadow replaces the first, not the live entry.
+        s.put(entry(Arm::Shadow, vec![1.0, 0.0, 0.0], Vec::new()));
+        assert_eq!(s.entries.len(), 2);
+        assert_eq!(shadow_picks(&c, &s, &[])[0].primary, Some(0));
+        assert_eq!(Arm::parse("shadow"), Some(Arm::Shadow));
+    }
+
+    #[test]
+    fn a_picker_modules_choice_leads_within_the_leading_tier() {
+        use crate::pickers::tier;
+        let c = ctx();
+        let mut s = ScoreSheet::default();
+        s.put(ScoreEntry {
+            slot: "pick".into(),
+            arm: Arm::Stable,
+            version: "v1".into(),
+            weight: 0.0,
+            scores: vec![0.0; 3],
+            removed: Vec::new(),
+            chosen: Some(2),
+        });
+        let decoded = ScoreSheet::decode(&s.encode()).unwrap();
+        assert_eq!(decoded, s, "the choice round-trips");
+        let (picked, _, _) = pick(&c, &s, &[]);
+        assert_eq!(picked, vec!["10.0.0.2:8000", "10.0.0.1:8000"], "chosen first, the rest in order");
+        // A candidate outside the leading tier is not chosen: the sticky endpoint stays first.
+        let sticky = [tier::STICKY, tier::NONE, tier::NONE];
+        assert_eq!(pick(&c, &s, &sticky).0[0], "10.0.0.0:8000");
+        // A removed candidate is not chosen either.
+        s.entries[0].removed = vec![(2, "drained".into())];
+        assert_ne!(pick(&c, &s, &[]).0[0], "10.0.0.2:8000");
+        // A shadow's choice acts on nothing.
+        s.entries[0].removed.clear();
+        s.entries[0].arm = Arm::Shadow;
+        let unchosen = pick(&c, &ScoreSheet::default(), &[]).0;
+        assert_eq!(pick(&c, &s, &[]).0, unchosen, "the shadow's choice changed the pick");
     }
 
     #[test]
@@ -610,6 +755,7 @@ mod tests {
             weight: 1.0,
             scores: vec![0.0, 0.0, 1.0],
             removed: Vec::new(),
+            chosen: None,
         });
         assert_eq!(pick(&c, &s, &[]).0[0], "10.0.0.2:8000");
         // Replacing the slot's entry (canary after stable) keeps one entry per slot.
@@ -620,6 +766,7 @@ mod tests {
             weight: 1.0,
             scores: vec![1.0, 0.0, 0.0],
             removed: Vec::new(),
+            chosen: None,
         });
         assert_eq!(s.entries.len(), 1);
         assert_eq!(pick(&c, &s, &[]).0[0], "10.0.0.0:8000");
@@ -631,6 +778,7 @@ mod tests {
             weight: 5.0,
             scores: vec![f32::NAN, 9.0, -3.0],
             removed: Vec::new(),
+            chosen: None,
         });
         s.put(ScoreEntry {
             slot: "bad".into(),
@@ -639,6 +787,7 @@ mod tests {
             weight: 100.0,
             scores: vec![1.0],
             removed: Vec::new(),
+            chosen: None,
         });
         let (totals, ignored) = combine(&c, &s);
         assert_eq!(ignored, 1);
