@@ -13,5 +13,6 @@ pub mod health {
 
 pub mod delta;
 pub mod pool;
+pub mod shared_layout;
 
 pub use prost::Message;
