@@ -4,6 +4,7 @@
 //! body callback, or from the flow-control queue (with the request made the effective context
 //! first).
 
+use attache_policies::arm;
 use attache_policies::error::ErrorShape;
 use attache_policies::flow::Refusal;
 use attache_policies::plan::{self, Plan, PlanConfig, PlanRequest, StateView};
@@ -58,15 +59,14 @@ fn prompt_ids(w: &mut Worker, req: &InferenceRequest, id: u32) -> Option<Vec<u32
     }
 }
 
-/// Pick the endpoints for `req` and apply the decision to the effective context. `now_ms` is
-/// the caller's clock reading: one per decision, not one per use.
-pub fn route(
+/// Plan `req` on the worker's newest state, changing nothing (`policies::plan`).
+fn plan_for(
     w: &mut Worker,
-    st: &mut RequestState,
+    st: &RequestState,
     req: &InferenceRequest,
     body_len: usize,
     now_ms: u64,
-) -> Result<(), ErrorResponse> {
+) -> Result<Plan, ErrorResponse> {
     let ids = prompt_ids(w, req, st.id);
     stages::mark(Stage::PromptTokens);
     let host_silent_ms = w.host_silent_ms(now_ms, w.config.scheduler.host_stale_ms);
@@ -96,14 +96,96 @@ pub fn route(
         host_silent_ms,
     };
     let settings = PlanConfig { scheduler: &w.scheduler, sessions: &config.sessions, scoring: &config.scoring };
-    let plan = plan::plan(&request, &view, &settings)?;
+    plan::plan(&request, &view, &settings)
+}
+
+/// A shadow scheduler arm: plan `req` as this configuration would, change nothing, and leave
+/// its pick in filter state for the scheduler that acts ([`compare_shadow`]).
+pub fn shadow(w: &mut Worker, st: &RequestState, req: &InferenceRequest, body_len: usize, now_ms: u64) {
+    let plan = match plan_for(w, st, req, body_len, now_ms) {
+        Ok(plan) => plan,
+        Err(e) => return w.metrics.shadow_unplanned(arm::SCHEDULER_SLOT, e.reason),
+    };
+    let pick = ShadowPick::of(w, &plan);
+    let _ = host::set_property(arm::SHADOW_PROPERTY, &pick.encode());
+}
+
+/// What a scheduler picked, as its shadow counters grade it: the primary, its expected prefix
+/// hit and its load (waiting + running).
+struct ShadowPick {
+    primary: String,
+    hit: f32,
+    load: f32,
+}
+
+impl ShadowPick {
+    fn of(w: &Worker, plan: &Plan) -> Self {
+        let primary = plan.dispatch.endpoint.clone();
+        let load = w
+            .cache
+            .pool
+            .endpoints
+            .iter()
+            .find(|e| e.address == primary)
+            .and_then(|e| e.metrics)
+            .map_or(0.0, |m| (m.waiting + m.running) as f32);
+        Self { primary, hit: plan.decision.primary_hit(), load }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        format!("{}|{}|{}", self.primary, self.hit, self.load).into_bytes()
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let s = std::str::from_utf8(b).ok()?;
+        let mut parts = s.split('|');
+        let primary = parts.next()?.to_owned();
+        Some(Self { primary, hit: parts.next()?.parse().ok()?, load: parts.next()?.parse().ok()? })
+    }
+}
+
+/// The acting scheduler: grade a shadow arm's pick of this request against its own, in the
+/// shadow counters the controller reads (`attache.rollout.scheduler.{shadow,live}.*`).
+fn compare_shadow(w: &mut Worker, plan: &Plan) {
+    let Some(mut shadow) = host::property(arm::SHADOW_PROPERTY).and_then(|b| ShadowPick::decode(&b)) else {
+        return;
+    };
+    let live = ShadowPick::of(w, plan);
+    // Both picks' expected hits by this scheduler's prefix knowledge: a shadow configuration
+    // without a prefix scorer scores none, yet its pick may well hold the prefix.
+    if let Some(hit) = plan.decision.hit_of(&w.cache.pool, &shadow.primary) {
+        shadow.hit = hit;
+    }
+    w.metrics.shadow_compared(
+        arm::SCHEDULER_SLOT,
+        shadow.primary == live.primary,
+        (shadow.hit, shadow.load),
+        (live.hit, live.load),
+    );
+}
+
+/// Pick the endpoints for `req` and apply the decision to the effective context. `now_ms` is
+/// the caller's clock reading: one per decision, not one per use.
+pub fn route(
+    w: &mut Worker,
+    st: &mut RequestState,
+    req: &InferenceRequest,
+    body_len: usize,
+    now_ms: u64,
+) -> Result<(), ErrorResponse> {
+    let plan = plan_for(w, st, req, body_len, now_ms)?;
     stages::mark(Stage::Plan);
+    let config = std::rc::Rc::clone(&w.config);
     if st.explain {
         let max = config.debug.max_candidates;
         st.explanation =
             Some(attache_policies::explain::explain(&w.scheduler, &w.cache.pool, &req.model, &plan.decision, max));
     }
     apply(w, st, &plan, now_ms)?;
+    if st.arm_hit.is_some() {
+        st.arm_hit = Some(plan.decision.primary_hit());
+        compare_shadow(w, &plan);
+    }
     host::debug(|| format!("attache[{}]: {}", st.id, plan.log_line(&req.model, w.cache.pool.version)));
     if plan.handed_off.is_some() {
         // Custom scorer slots may move the request off the primary: keep the plan to correct

@@ -62,6 +62,16 @@ fn follow_served(w: &mut Worker, st: &mut RequestState, plan: &Plan, served: &st
     w.metrics.repicked();
 }
 
+/// Count a request this filter's rollout arm scheduled, and name the arm on the response.
+fn grade_arm(w: &mut Worker, outcome: &crate::metrics::ArmOutcome) {
+    let config = std::rc::Rc::clone(&w.config);
+    let Some(arm) = &config.rollout else { return };
+    w.metrics.rollout(attache_policies::arm::SCHEDULER_SLOT, &arm.arm, outcome);
+    if config.scoring.response_header {
+        host::set_response_header(attache_policies::arm::RESPONSE_HEADER, &arm.mark());
+    }
+}
+
 impl SchedulerHttp {
     pub fn new(id: u32, worker: Rc<RefCell<Worker>>) -> Self {
         Self { id, worker, st: Rc::new(RefCell::new(RequestState::new(id))) }
@@ -123,6 +133,9 @@ impl SchedulerHttp {
             Err(e) => return self.reject(ErrorResponse::from(&e)),
         };
         stages::mark(Stage::Parse);
+        if !self.arm_takes(&req, body.len()) {
+            return Action::Continue;
+        }
         let worker = self.worker.clone();
         let Ok(mut guard) = worker.try_borrow_mut() else {
             host::log(LogLevel::Error, "attache: worker state busy; passing request through");
@@ -154,6 +167,36 @@ impl SchedulerHttp {
         }
         drop(st);
         self.proceed(w, req, body.len(), now)
+    }
+
+    /// Whether this filter schedules `req`: always, unless it is a rollout arm whose buckets
+    /// leave the request's session to the next scheduler filter. An arm that takes it marks it
+    /// (policies::arm).
+    fn arm_takes(&self, req: &InferenceRequest, body_len: usize) -> bool {
+        let Ok(config) = self.worker.try_borrow().map(|w| std::rc::Rc::clone(&w.config)) else { return true };
+        let Some(arm) = &config.rollout else { return true };
+        let Ok(mut st) = self.st.try_borrow_mut() else { return true };
+        if arm.shadow() {
+            // Plan as this configuration would, on the same session binding, change nothing,
+            // and let the scheduler after it act.
+            let now = host::now_ms();
+            st.session_key = intake::body_session_key(&config, st.session_key, req);
+            let token = st.token_endpoint.clone();
+            let prev = req.previous_response_id.as_deref();
+            st.sticky = session::resolve(&config.sessions, &mut SharedSticky, token, st.session_key, prev, now);
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                w.cache.refresh_for_request(now);
+                crate::dispatch::shadow(&mut w, &st, req, body_len, now);
+            }
+            return false;
+        }
+        let seed = host::now_us() ^ (u64::from(self.id) << 40);
+        if !arm.acts_on(st.session.as_deref().or(req.user.as_deref()), seed) {
+            return false;
+        }
+        host::set_property(attache_policies::arm::SCHEDULED_PROPERTY, arm.mark().as_bytes());
+        st.arm_hit = Some(0.0);
+        true
     }
 
     /// The sticky key to look up at the host before routing `req`, if any: a Responses
@@ -258,6 +301,16 @@ impl Context for SchedulerHttp {
 
 impl HttpContext for SchedulerHttp {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let cfg = self.worker.try_borrow().map(|w| std::rc::Rc::clone(&w.config));
+        let Ok(cfg) = cfg else {
+            return Action::Continue;
+        };
+        // A scheduler arm lets pass what an earlier arm scheduled, and an idle canary everything.
+        if let Some(arm) = &cfg.rollout {
+            if arm.idle() || host::property(attache_policies::arm::SCHEDULED_PROPERTY).is_some() {
+                return Action::Continue;
+            }
+        }
         let headers = host::HeaderMap::request();
         // Never trust a client's routing headers. (Removing clears Envoy's route cache: only
         // when there is something to remove.)
@@ -266,10 +319,6 @@ impl HttpContext for SchedulerHttp {
                 host::remove_request_header(name);
             }
         }
-        let cfg = self.worker.try_borrow().map(|w| std::rc::Rc::clone(&w.config));
-        let Ok(cfg) = cfg else {
-            return Action::Continue;
-        };
         let explain = self.debug_header(&cfg, &headers);
         // The pool-wide model list, from the snapshot: no engine is asked.
         if model_list::is_model_list(headers.get(":method").as_deref(), headers.get(":path").as_deref()) {
@@ -301,7 +350,7 @@ impl HttpContext for SchedulerHttp {
             st.token_endpoint = head.token_endpoint;
             st.session_key = head.session_key;
             st.flow_headers = head.flow_headers;
-            if cfg.scoring.context {
+            if cfg.scoring.context || cfg.rollout.is_some() {
                 st.started_us = host::now_us();
                 st.session = head.rollout_session;
             }
@@ -354,6 +403,17 @@ impl HttpContext for SchedulerHttp {
                 host::set_response_header(&name, &x);
             }
         }
+        if let Some(hit) = st.arm_hit.take() {
+            let outcome = crate::metrics::ArmOutcome {
+                error: host::response_header(":status").and_then(|s| s.parse::<u16>().ok()).unwrap_or(0) >= 500,
+                trap: false,
+                ttfb_us: host::now_us().saturating_sub(st.started_us),
+                prefix_hit: hit,
+            };
+            if let Ok(mut w) = self.worker.try_borrow_mut() {
+                grade_arm(&mut w, &outcome);
+            }
+        }
         if let Some(plan) = st.planned.take() {
             // The endpoint that served it: where the custom scorers' picker sent it, or the
             // fallback Envoy moved it to.
@@ -399,7 +459,8 @@ impl HttpContext for SchedulerHttp {
             return Action::Continue;
         };
         let outcome = |trap: bool| crate::metrics::ArmOutcome { error: status >= 500, trap, ttfb_us, prefix_hit };
-        for e in &sheet.entries {
+        // A shadow acted on nothing: the picker counts its comparison.
+        for e in sheet.entries.iter().filter(|e| e.arm.acts()) {
             w.metrics.rollout(&e.slot, e.arm.as_str(), &outcome(false));
         }
         if let Some(t) = trapped {

@@ -21,6 +21,7 @@
 
 pub mod agent;
 pub mod config;
+pub mod decision_log;
 pub mod dispatch;
 pub mod fleet;
 pub mod flow_state;

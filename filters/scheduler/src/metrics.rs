@@ -559,6 +559,49 @@ impl Metrics {
         inc(hit, (f64::from(o.prefix_hit) * 1000.0).round().clamp(0.0, 1000.0) as i64);
     }
 
+    /// A shadow arm's pick graded against the live one on the same request, as the counters
+    /// the controller reads (`attache.rollout.<slot>.{shadow,live}.{requests,agree,hit_permille,
+    /// load_milli}`); `(hit, load)` of each pick.
+    pub fn shadow_compared(&mut self, slot: &str, agree: bool, shadow: (f32, f32), live: (f32, f32)) {
+        let milli = |v: f32| (f64::from(v) * 1000.0).round().max(0.0).min(i64::MAX as f64) as i64;
+        for (arm, (hit, load)) in [("shadow", shadow), ("live", live)] {
+            let key = format!("{}.{arm}.compared", sanitize(slot));
+            let ids = match self.rollout.get(&key) {
+                Some(ids) => *ids,
+                None => {
+                    let base = format!("attache.rollout.{}.{arm}", sanitize(slot));
+                    let d = |what: &str| define(MetricType::Counter, &format!("{base}.{what}"));
+                    let ids = [d("requests"), d("agree"), d("hit_permille"), d("load_milli"), None];
+                    self.rollout.insert(key, ids);
+                    ids
+                }
+            };
+            let [requests, agreed, hit_id, load_id, _] = ids;
+            inc(requests, 1);
+            if arm == "shadow" {
+                inc(agreed, i64::from(agree));
+            }
+            inc(hit_id, milli(hit.clamp(0.0, 1.0)));
+            inc(load_id, milli(load));
+        }
+    }
+
+    /// A shadow scheduler arm could not plan a request (`reason`: the refusal it would have
+    /// answered): `attache.rollout.<slot>.shadow.unplanned.<reason>`. Its pick is then missing
+    /// from the comparison, never silently.
+    pub fn shadow_unplanned(&mut self, slot: &str, reason: &str) {
+        let key = format!("{}.shadow.unplanned.{}", sanitize(slot), sanitize(reason));
+        let id = match self.rollout.get(&key) {
+            Some(ids) => ids[0],
+            None => {
+                let id = define(MetricType::Counter, &format!("attache.rollout.{key}"));
+                self.rollout.insert(key, [id, None, None, None, None]);
+                id
+            }
+        };
+        inc(id, 1);
+    }
+
     /// A new snapshot arrived (agent) or was loaded (worker).
     /// A snapshot version arrived, whole or (`delta`) as the changes from the one before.
     pub fn snapshot(&mut self, epoch: u64, version: u64, delta: bool) {

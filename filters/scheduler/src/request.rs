@@ -55,6 +55,9 @@ pub struct RequestState {
     pub learn_response: Option<String>,
     /// Waiting for the host's read-through of its `previous_response_id` (crate::lookup).
     pub lookup: Option<Lookup>,
+    /// This filter's rollout arm scheduled the request: the primary's expected prefix hit, to
+    /// grade the arm once the response starts (policies::arm).
+    pub arm_hit: Option<f32>,
 }
 
 /// A request paused while the host looks up the binding its continuation needs.

@@ -172,10 +172,12 @@ impl RootContext for AttacheRoot {
         self.role = config.role;
         match config.role {
             Role::Picker => {
-                self.picker = Some(Rc::new(picker::Shared {
-                    config: config.scoring.clone(),
-                    metrics: picker::PickerMetrics::define(),
-                }));
+                let shared = picker::Shared::new(config.scoring.clone(), config.fleet.lookup_cluster.clone());
+                self.picker = Some(Rc::new(shared));
+                if config.scoring.decision_log_rate > 0.0 {
+                    let every = Duration::from_millis(crate::decision_log::FLUSH_MS);
+                    let _ = proxy_wasm::hostcalls::set_tick_period(every);
+                }
                 return true;
             }
             Role::Passthrough => return true,
@@ -225,6 +227,10 @@ impl RootContext for AttacheRoot {
     }
 
     fn on_tick(&mut self) {
+        if let Some(p) = &self.picker {
+            p.flush();
+            return;
+        }
         let now = host::now_ms();
         self.open_stream();
         let Some(w) = &self.worker else { return };

@@ -27,7 +27,7 @@
 //! scheduler's built-in totals.
 //!
 //! The host writes the plugin configuration when it rolls the module out:
-//! `{"slot": "slo", "arm": "stable"|"canary", "version": "<sha256>", "weight": 1.0,
+//! `{"slot": "slo", "arm": "stable"|"canary"|"shadow", "version": "<sha256>", "weight": 1.0,
 //! "buckets": [from, to], "params": {...}}`. The scorer acts only on requests whose rollout
 //! bucket is in `[from, to)`, which is how a canary and a stable version share the traffic.
 //! `params` is the scorer's own configuration, handed to [`Scorer::configure`].
@@ -65,6 +65,18 @@ pub trait Scorer: Sized + 'static {
     /// the endpoint that serves. Keeps every candidate unless overridden; roll a filter-only
     /// module out with weight 0 so that its scores do not count.
     fn remove(&self, _request: &Request, _endpoint: &Candidate) -> Option<String> {
+        None
+    }
+
+    /// A picker module sets this, and the SDK calls [`Scorer::choose`].
+    const CHOOSES: bool = false;
+
+    /// Choose the primary from the scored candidates: a picker module. `totals[i]` is
+    /// candidate `i`'s combined score so far (the scheduler's total plus every earlier slot's
+    /// weighted scores); the picker puts the chosen candidate first if it is in the leading
+    /// tier (a sticky session's endpoint, the prefix holders) and not removed, the rest in
+    /// combined order. Called only when [`Scorer::CHOOSES`] is set.
+    fn choose(&self, _request: &Request, _totals: &[f64]) -> Option<usize> {
         None
     }
 }
@@ -136,7 +148,7 @@ pub fn configure<S: Scorer>(raw: &[u8]) -> Result<(SlotConfig, S), String> {
     if cfg.buckets[0] > cfg.buckets[1] || cfg.buckets[1] > scoring::BUCKETS {
         return Err(format!("buckets {:?} must be [from, to] with from <= to <= {}", cfg.buckets, scoring::BUCKETS));
     }
-    Arm::parse(&cfg.arm).ok_or_else(|| format!("arm {:?} must be stable or canary", cfg.arm))?;
+    Arm::parse(&cfg.arm).ok_or_else(|| format!("arm {:?} must be stable, canary or shadow", cfg.arm))?;
     let scorer = S::configure(&cfg.params)?;
     Ok((cfg, scorer))
 }
@@ -233,6 +245,12 @@ impl<S: Scorer> HttpContext for ScorerHttp<S> {
             .collect();
         let mut sheet =
             property(scoring::SCORES_PROPERTY).and_then(|b| ScoreSheet::decode(&b).ok()).unwrap_or_default();
+        let chosen = if S::CHOOSES {
+            let (totals, _) = scoring::combine(&ctx, &sheet);
+            sh.scorer.choose(&ctx, &totals).filter(|&i| i < ctx.candidates.len()).and_then(|i| u16::try_from(i).ok())
+        } else {
+            None
+        };
         sheet.put(ScoreEntry {
             slot: sh.slot.clone(),
             arm: sh.arm,
@@ -240,6 +258,7 @@ impl<S: Scorer> HttpContext for ScorerHttp<S> {
             weight: sh.weight,
             scores,
             removed,
+            chosen,
         });
         if set_property(scoring::SCORES_PROPERTY, &sheet.encode()) {
             inc(sh.scored);

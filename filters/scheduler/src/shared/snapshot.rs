@@ -1,11 +1,8 @@
 //! Snapshots in shared data: written from the host's stream (by the agent), read into a
 //! worker's cached [`PoolState`] (by the scheduler).
 //!
-//! Shared-data layout (namespaced by `vm_id`): `attache.snapshot` holds an encoded
-//! `attache.v1.Snapshot` (the base); `attache.snapshot.deltas` the deltas that follow it, each
-//! framed as version (8 bytes) + length (4 bytes), big-endian, then the encoded
-//! `attache.v1.SnapshotDelta`; `attache.snapshot.version` holds 16 bytes, host epoch then the
-//! newest version, big-endian. Workers read the small version key per request; when it moves
+//! Shared-data layout: [`attache_proto::shared_layout`] (the base snapshot, the delta log,
+//! the version key), namespaced by `vm_id`. Workers read the small version key per request; when it moves
 //! they apply the deltas they lack, skipping those they have by the frame's version alone, and
 //! read the whole base only when they fell behind it (a 1 MB shared-data read costs ~90 µs
 //! and decoding 10,000 endpoints far more; `reference/envoy-wasm.md` §9.7). The agent folds
@@ -19,34 +16,16 @@ use proxy_wasm::types::LogLevel;
 
 use crate::hostcalls as host;
 
-pub const SNAPSHOT_KEY: &str = "attache.snapshot";
-pub const DELTAS_KEY: &str = "attache.snapshot.deltas";
+use attache_proto::shared_layout::version_key;
+pub use attache_proto::shared_layout::{CHANGED_KEY, DELTAS_KEY, HEARD_KEY, SNAPSHOT_KEY, VERSION_KEY};
 /// The delta log is folded into a new base past this many bytes or entries since the last one.
 pub const LOG_MAX_BYTES: usize = 256 * 1024;
 pub const LOG_MAX_ENTRIES: usize = 512;
 /// What stays in the log when it is folded: the newest deltas, for workers a little behind.
 pub const LOG_KEEP_BYTES: usize = 64 * 1024;
 pub const LOG_KEEP_ENTRIES: usize = 64;
-pub const VERSION_KEY: &str = "attache.snapshot.version";
-/// Written (empty) after every snapshot: its CAS token, which Envoy advances on every write,
-/// says whether anything changed. An empty value costs a worker one host call per request
-/// and no copy into the VM (a value would need an allocation call back into the VM too).
-pub const CHANGED_KEY: &str = "attache.snapshot.changed";
-/// When the snapshot stream last carried anything (heartbeats included): ms since the epoch,
-/// 8 bytes little-endian. Workers compare it with their clock to notice a silent host.
-pub const HEARD_KEY: &str = "attache.host.heard_ms";
 
 pub use attache_proto::pool::to_pool;
-
-/// The version key: host epoch, version, and the encoded bytes of every delta since the last
-/// whole snapshot (so a worker knows how much it has to apply before reading any), big-endian.
-fn version_key(s: &v1::Snapshot, delta_bytes: u64) -> [u8; 24] {
-    let mut k = [0u8; 24];
-    k[..8].copy_from_slice(&s.host_epoch.to_be_bytes());
-    k[8..16].copy_from_slice(&s.version.to_be_bytes());
-    k[16..].copy_from_slice(&delta_bytes.to_be_bytes());
-    k
-}
 
 /// Write a snapshot for every worker: the snapshot first, then an empty delta log, then the
 /// version key, then the change signal.
