@@ -179,9 +179,14 @@ fn grpc_services(
     );
     let grpc = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(2)))
-        .add_service(
-            push::Snapshots::new(rx, cfg.heartbeat()).with_index(index_feed).with_fleet(fleet.clone()).into_server(),
-        )
+        .add_service({
+            let snapshots = push::Snapshots::new(rx, cfg.heartbeat()).with_index(index_feed).with_fleet(fleet.clone());
+            match policy {
+                Some(p) => snapshots.with_decisions(p.decisions.clone()),
+                None => snapshots,
+            }
+            .into_server()
+        })
         .add_service(ecds.into_server())
         .add_service(eds::EdsServer::new(members).into_server());
     (no_policy_tx, grpc)

@@ -15,9 +15,10 @@ use futures::Stream;
 use tokio::sync::{broadcast, mpsc, watch, RwLock};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::fleet::FleetFeed;
+use crate::policy::decisions::DecisionLog;
 use crate::state::PoolState;
 use attache_kv::index::{Delta, KvIndex};
 
@@ -215,11 +216,18 @@ pub struct Snapshots {
     heartbeat: Duration,
     index: Option<IndexFeed>,
     fleet: Option<FleetFeed>,
+    decisions: Option<Arc<DecisionLog>>,
 }
 
 impl Snapshots {
     pub fn new(rx: SnapshotRx, heartbeat: Duration) -> Self {
-        Self { rx, heartbeat, index: None, fleet: None }
+        Self { rx, heartbeat, index: None, fleet: None, decisions: None }
+    }
+
+    /// Keep the decisions pickers share (`Report.decisions`) in the policy service's log.
+    pub fn with_decisions(mut self, log: Arc<DecisionLog>) -> Self {
+        self.decisions = Some(log);
+        self
     }
 
     /// Also stream the precise index.
@@ -416,6 +424,18 @@ impl SnapshotService for Snapshots {
         let r = req.into_inner();
         if r.envoy.is_empty() {
             return Err(Status::invalid_argument("a shared report must name its envoy"));
+        }
+        if !r.decisions.is_empty() {
+            let kept = match &self.decisions {
+                Some(log) => log.append(&r.decisions).unwrap_or_else(|e| {
+                    warn!(envoy = %r.envoy, error = %e, "writing the decision log");
+                    0
+                }),
+                None => 0,
+            };
+            let m = crate::telemetry::metrics();
+            m.policy_decisions("logged", kept);
+            m.policy_decisions("refused", r.decisions.len() - kept);
         }
         if let Some(f) = &self.fleet {
             f.report(&r.envoy, &r);

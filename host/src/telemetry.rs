@@ -72,6 +72,11 @@ pub struct HostMetrics {
     policy_transitions: Mutex<BTreeMap<String, u64>>,
     /// The rollout controller's reads of Envoy stats, by outcome (`ok`, `error`).
     policy_stats_reads: Mutex<BTreeMap<&'static str, u64>>,
+    /// Decisions the pickers sent, by outcome (`logged`, `refused`: no policy service, the log
+    /// off or unwritable).
+    policy_decisions: Mutex<BTreeMap<&'static str, u64>>,
+    /// The last shadow comparison per slot: (requests, agreement, hit-rate delta, load delta).
+    policy_shadows: Mutex<BTreeMap<String, (u64, f64, f64, f64)>>,
     /// Whether this replica acts as the rollout controller (policy state in Kubernetes), and
     /// writes of the shared policy state refused because another replica wrote first.
     policy_leader: AtomicI64,
@@ -182,6 +187,26 @@ impl HostMetrics {
     /// A write of the shared policy state lost a race with another replica.
     pub fn policy_conflict(&self) {
         self.policy_conflicts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `n` decisions from the pickers were logged or refused.
+    pub fn policy_decisions(&self, outcome: &'static str, n: usize) {
+        if n > 0 {
+            *lock(&self.policy_decisions).entry(outcome).or_default() += n as u64;
+        }
+    }
+
+    /// A slot's shadow run as the controller last saw it; `None` ends it.
+    pub fn policy_shadow(&self, slot: &str, report: Option<(u64, f64, f64, f64)>) {
+        let mut g = lock(&self.policy_shadows);
+        match report {
+            Some(r) => {
+                g.insert(slot.to_owned(), r);
+            }
+            None => {
+                g.remove(slot);
+            }
+        }
     }
 
     pub fn policy_stats_read(&self, outcome: &'static str) {
@@ -359,6 +384,7 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     for (outcome, n) in lock(&m.policy_stats_reads).iter() {
         let _ = writeln!(out, "attache_host_policy_stats_reads_total{{outcome=\"{outcome}\"}} {n}");
     }
+    render_decisions_and_shadows(out, m);
     family(
         out,
         "attache_host_model_list_reads_total",
@@ -376,6 +402,33 @@ fn render_snapshots_and_policy(out: &mut String, m: &HostMetrics) {
     );
     for (why, n) in lock(&m.scrape_filter_fallbacks).iter() {
         let _ = writeln!(out, "attache_host_scrape_filter_fallbacks_total{{reason=\"{why}\"}} {n}");
+    }
+}
+
+/// The decision log's intake and each slot's shadow comparison.
+fn render_decisions_and_shadows(out: &mut String, m: &HostMetrics) {
+    family(
+        out,
+        "attache_host_policy_decisions_total",
+        "counter",
+        "Decisions the pickers sent for the decision log, by outcome (logged, refused).",
+    );
+    for (outcome, n) in lock(&m.policy_decisions).iter() {
+        let _ = writeln!(out, "attache_host_policy_decisions_total{{outcome=\"{outcome}\"}} {n}");
+    }
+    let shadows = lock(&m.policy_shadows).clone();
+    let families = [
+        ("attache_host_policy_shadow_requests", "Requests a slot's shadow candidate was compared on."),
+        ("attache_host_policy_shadow_agreement", "Share of them on which it picked the live primary."),
+        ("attache_host_policy_shadow_hit_delta", "Its expected prefix-hit rate minus the live one's."),
+        ("attache_host_policy_shadow_load_delta", "Mean load at its pick minus the live pick's."),
+    ];
+    for (k, (name, help)) in families.into_iter().enumerate() {
+        family(out, name, "gauge", help);
+        for (slot, &(requests, agreement, hit_delta, load_delta)) in &shadows {
+            let value = [requests as f64, agreement, hit_delta, load_delta][k];
+            let _ = writeln!(out, "{name}{{slot=\"{}\"}} {value}", esc(slot));
+        }
     }
 }
 

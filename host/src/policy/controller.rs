@@ -21,7 +21,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use attache_policies::canary::{self, ArmCounters, AutoPolicy, Verdict};
+use attache_policies::canary::{self, ArmCounters, AutoPolicy, ShadowReport, Verdict};
 
 use super::rollout::RolloutState;
 
@@ -47,11 +47,7 @@ fn arm(counters: &Counters, slot: &str, arm: &str) -> ArmCounters {
 }
 
 fn add(into: &mut ArmCounters, d: &ArmCounters) {
-    into.requests += d.requests;
-    into.errors += d.errors;
-    into.traps += d.traps;
-    into.ttfb_us += d.ttfb_us;
-    into.hit_permille += d.hit_permille;
+    into.add(d);
 }
 
 /// Every Envoy's counters summed (what the status shows).
@@ -95,12 +91,57 @@ struct Window {
     started_ms: u64,
     canary: ArmCounters,
     stable: ArmCounters,
+    /// A shadow run: the candidate's picks, and the live picks of the same requests.
+    shadow: ArmCounters,
+    live: ArmCounters,
     excluded: BTreeMap<String, Excluded>,
 }
 
 impl Window {
     fn new(started_ms: u64) -> Self {
         Self { started_ms, ..Self::default() }
+    }
+
+    /// Add what each Envoy did since the last pass, leaving out those that restarted (for
+    /// `restart_grace_ms`) or were not read (`known` but absent from this reading).
+    fn advance(
+        &mut self,
+        changes: &BTreeMap<String, Change>,
+        known: &[String],
+        slot: &str,
+        policy: &AutoPolicy,
+        now_ms: u64,
+    ) {
+        let w = self;
+        // Who is left out this pass. A restarted Envoy whose grace ends now rejoins from
+        // this reading: what it did before it is still inside the grace.
+        let mut rejoined = Vec::new();
+        w.excluded.retain(|envoy, why| match why {
+            Excluded::Restarted { until_ms, .. } if now_ms >= *until_ms => {
+                rejoined.push(envoy.clone());
+                false
+            }
+            Excluded::Restarted { .. } => true,
+            Excluded::NotRead => false,
+        });
+        for envoy in known {
+            w.excluded.entry(envoy.clone()).or_insert(Excluded::NotRead);
+        }
+        for (envoy, change) in changes {
+            match change {
+                Change::Restarted => {
+                    let until_ms = now_ms.saturating_add(policy.restart_grace_ms);
+                    w.excluded.insert(envoy.clone(), Excluded::Restarted { at_ms: now_ms, until_ms });
+                }
+                Change::Delta(_) if w.excluded.contains_key(envoy) || rejoined.contains(envoy) => {}
+                Change::Delta(d) => {
+                    add(&mut w.canary, &arm(d, slot, "canary"));
+                    add(&mut w.stable, &arm(d, slot, "stable"));
+                    add(&mut w.shadow, &arm(d, slot, "shadow"));
+                    add(&mut w.live, &arm(d, slot, "live"));
+                }
+            }
+        }
     }
 
     /// The Envoys left out, for a verdict: `; left out: a (restarted, excluded for 30 s), b (not read)`.
@@ -186,39 +227,29 @@ impl Controller {
     ) -> Vec<(String, Verdict)> {
         let changes = self.observe(per, now_ms);
         let known: Vec<String> = self.last.keys().filter(|e| !per.contains_key(*e)).cloned().collect();
-        let canaries = state.slots.iter().filter_map(|(slot, s)| s.canary.as_ref().map(|c| (slot, c.started_unix_ms)));
+        // Canaries, and shadow runs (judged by the gate when a canary is asked for, not here).
+        let experiments = state.slots.iter().filter_map(|(slot, s)| {
+            let canary = s.canary.as_ref().map(|c| (c.started_unix_ms, true));
+            canary.or_else(|| s.shadow.as_ref().map(|c| (c.started_unix_ms, false))).map(|(t, c)| (slot, t, c))
+        });
         let mut out = Vec::new();
-        for (slot, started) in canaries {
+        for (slot, started, is_canary) in experiments {
             let w = self.windows.entry(slot.clone()).or_insert_with(|| Window::new(started));
             if w.started_ms != started {
                 *w = Window::new(started);
             }
-            // Who is left out this pass. A restarted Envoy whose grace ends now rejoins from
-            // this reading: what it did before it is still inside the grace.
-            let mut rejoined = Vec::new();
-            w.excluded.retain(|envoy, why| match why {
-                Excluded::Restarted { until_ms, .. } if now_ms >= *until_ms => {
-                    rejoined.push(envoy.clone());
-                    false
-                }
-                Excluded::Restarted { .. } => true,
-                Excluded::NotRead => false,
-            });
-            for envoy in &known {
-                w.excluded.entry(envoy.clone()).or_insert(Excluded::NotRead);
-            }
-            for (envoy, change) in &changes {
-                match change {
-                    Change::Restarted => {
-                        let until_ms = now_ms.saturating_add(policy.restart_grace_ms);
-                        w.excluded.insert(envoy.clone(), Excluded::Restarted { at_ms: now_ms, until_ms });
-                    }
-                    Change::Delta(_) if w.excluded.contains_key(envoy) || rejoined.contains(envoy) => {}
-                    Change::Delta(d) => {
-                        add(&mut w.canary, &arm(d, slot, "canary"));
-                        add(&mut w.stable, &arm(d, slot, "stable"));
-                    }
-                }
+            w.advance(&changes, &known, slot, policy, now_ms);
+            if !is_canary {
+                let r = ShadowReport::new(&w.shadow, &w.live);
+                let note = w.note(now_ms);
+                self.verdicts.insert(
+                    slot.clone(),
+                    format!(
+                        "Shadow(\"{} requests: agreement {:.3}, hit-rate delta {:+.3}, load delta {:+.2}{note}\")",
+                        r.requests, r.agreement, r.hit_delta, r.load_delta
+                    ),
+                );
+                continue;
             }
             let verdict = canary::judge(policy, &w.canary, &w.stable, now_ms.saturating_sub(started));
             let note = w.note(now_ms);
@@ -231,6 +262,11 @@ impl Controller {
             out.push((slot.clone(), verdict));
         }
         out
+    }
+
+    /// The shadow run of `slot` over its window, if one is being observed.
+    pub fn shadow_report(&self, slot: &str) -> Option<ShadowReport> {
+        self.windows.get(slot).map(|w| ShadowReport::new(&w.shadow, &w.live))
     }
 
     /// The last verdict per slot.
@@ -246,6 +282,7 @@ impl Controller {
             "started_unix_ms": w.started_ms,
             "canary": w.canary.json(),
             "stable": w.stable.json(),
+            "shadow": (w.shadow.requests > 0).then(|| ShadowReport::new(&w.shadow, &w.live)),
             "excluded": w.excluded,
         }))
     }
@@ -296,6 +333,38 @@ mod tests {
         }
         let v = ctl.judge(&state, &envoys(&[("a", 520, 700)]), &p, 4_000);
         assert!(matches!(&v[..], [(_, Verdict::Wait(_))]), "{v:?}");
+    }
+
+    #[test]
+    fn a_shadow_run_is_observed_over_its_window_and_never_acted_on() {
+        let deployed = Deployed { sha256: "b".into(), version: "w".into(), weight: 1.0, params: Default::default() };
+        let mut state = RolloutState::default();
+        let slot = SlotState {
+            shadow: Some(Canary { deployed, percent: 0.0, started_unix_ms: 1_000 }),
+            ..SlotState::default()
+        };
+        state.slots.insert("s".into(), slot);
+        let reading = |requests: u64, agree: u64| -> PerEnvoy {
+            let mut c = Counters::new();
+            c.insert(
+                ("s".into(), "shadow".into()),
+                ArmCounters { requests, agree, hit_permille: requests * 200, ..Default::default() },
+            );
+            c.insert(
+                ("s".into(), "live".into()),
+                ArmCounters { requests, hit_permille: requests * 900, ..Default::default() },
+            );
+            [("a".to_owned(), Reading { counters: c, uptime_s: None })].into_iter().collect()
+        };
+        let mut ctl = Controller::default();
+        // Earlier comparisons (another shadow's) are the baseline, not the window.
+        ctl.start("s", 1_000, &reading(1_000, 1_000));
+        let v = ctl.judge(&state, &reading(1_100, 1_025), &AutoPolicy::default(), 2_000);
+        assert!(v.is_empty(), "a shadow is never promoted or rolled back: {v:?}");
+        let r = ctl.shadow_report("s").unwrap();
+        assert_eq!(r.requests, 100);
+        assert!((r.agreement - 0.25).abs() < 1e-9 && (r.hit_delta + 0.7).abs() < 1e-9, "{r:?}");
+        assert!(ctl.verdicts()["s"].starts_with("Shadow(\"100 requests: agreement 0.250"), "{:?}", ctl.verdicts());
     }
 
     #[test]

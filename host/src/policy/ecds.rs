@@ -18,14 +18,14 @@ use envoy_types::pb::envoy::config::core::v3::{
     async_data_source, data_source, AsyncDataSource, DataSource, TypedExtensionConfig,
 };
 use envoy_types::pb::envoy::extensions::filters::http::wasm::v3::Wasm;
-use envoy_types::pb::envoy::extensions::wasm::v3::{plugin_config, PluginConfig, VmConfig};
+use envoy_types::pb::envoy::extensions::wasm::v3::{plugin_config, FailurePolicy, PluginConfig, VmConfig};
 use envoy_types::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse, Resource,
 };
 use envoy_types::pb::envoy::service::extension::v3::extension_config_discovery_service_server::{
     ExtensionConfigDiscoveryService, ExtensionConfigDiscoveryServiceServer,
 };
-use envoy_types::pb::google::protobuf::{Any, StringValue};
+use envoy_types::pb::google::protobuf::{Any, BoolValue, StringValue};
 use prost::Message;
 use serde::Serialize;
 use tokio::sync::{mpsc, watch};
@@ -57,22 +57,32 @@ pub struct Published {
 /// `FAIL_RELOAD` was measured to answer 503 to every request through the slot on that worker
 /// until the VM reloaded (hundreds in the 1 s backoff at 4 concurrent clients), so it is not
 /// offered.
+///
+/// A scheduler (the `scheduler` slot) runs as the bootstrap's scheduler does: root
+/// `attache_scheduler`, `FAIL_RELOAD`, headers may stop iteration for the body, and the VM id
+/// `attache` whatever its code. Shared data is namespaced by VM id alone, so a new scheduler
+/// module finds the snapshot, the sticky sessions, the affinity logs and the precise index
+/// the previous one left (and the snapshot agent keeps writing), and its workers replay the
+/// affinity logs into their tables as they start: warm prefixes keep going to their holders.
 pub fn resource(spec: &FilterSpec, module: &[u8]) -> (String, Any) {
     let config = spec.plugin_config();
     let short = spec.deployed.sha256.get(..16).unwrap_or(&spec.deployed.sha256);
+    let scheduler = spec.is_scheduler();
     #[allow(deprecated)] // `fail_open`: see below
     let wasm = Wasm {
         config: Some(PluginConfig {
             name: spec.resource.clone(),
-            root_id: "attache_scorer".into(),
+            root_id: if scheduler { "attache_scheduler" } else { "attache_scorer" }.into(),
             configuration: Some(Any {
                 type_url: STRING_VALUE.into(),
                 value: StringValue { value: config.clone() }.encode_to_vec(),
             }),
-            fail_open: true,
+            fail_open: !scheduler,
+            failure_policy: if scheduler { FailurePolicy::FailReload as i32 } else { 0 },
+            allow_on_headers_stop_iteration: scheduler.then_some(BoolValue { value: true }),
             vm: Some(plugin_config::Vm::VmConfig(VmConfig {
-                // One VM per module version: the id names the code it runs.
-                vm_id: format!("attache.scorer.{short}"),
+                // A scorer: one VM per module version, the id naming the code it runs.
+                vm_id: if scheduler { "attache".into() } else { format!("attache.scorer.{short}") },
                 runtime: "envoy.wasm.runtime.v8".into(),
                 code: Some(AsyncDataSource {
                     specifier: Some(async_data_source::Specifier::Local(DataSource {

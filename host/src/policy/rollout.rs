@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use attache_policies::arm::SCHEDULER_SLOT;
 use attache_policies::scoring::BucketRange;
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +42,10 @@ pub struct Canary {
 pub struct SlotState {
     pub stable: Option<Deployed>,
     pub canary: Option<Canary>,
+    /// A candidate scoring every request in shadow (in the canary's filter, acting on none),
+    /// until a canary replaces it or it is rolled back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<Canary>,
     /// Stable versions replaced by promotions, newest last (rollback without a canary goes
     /// back one).
     #[serde(default)]
@@ -62,6 +67,22 @@ pub struct Transition {
     /// The host replica that made it (policy state in Kubernetes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
+}
+
+impl Transition {
+    /// A transition of `slot` made now, by this replica (the Kubernetes store stamps `host`).
+    fn new(slot: &str, action: &str, by: &str, from: Option<String>, to: Option<String>, reason: String) -> Self {
+        Self {
+            at_unix_ms: now_ms(),
+            slot: slot.into(),
+            action: action.into(),
+            by: by.into(),
+            from,
+            to,
+            reason,
+            host: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -100,8 +121,12 @@ fn label(d: &Deployed) -> String {
     format!("{}@{}", d.version, d.sha256.get(..12).unwrap_or(&d.sha256))
 }
 
-/// The stable and canary filter of a slot, as ECDS resource names.
+/// The stable and canary filter of a slot, as ECDS resource names: `attache.scorer.<slot>`, or
+/// for the scheduler slot the scheduler itself.
 pub fn resource_names(slot: &str) -> (String, String) {
+    if slot == SCHEDULER_SLOT {
+        return ("attache.scheduler".into(), "attache.scheduler.canary".into());
+    }
     (format!("attache.scorer.{slot}"), format!("attache.scorer.{slot}.canary"))
 }
 
@@ -116,8 +141,26 @@ pub struct FilterSpec {
 }
 
 impl FilterSpec {
-    /// The plugin configuration the scorer SDK reads.
+    /// Whether it is a scheduler filter (the `scheduler` slot) rather than a scorer's.
+    pub fn is_scheduler(&self) -> bool {
+        self.slot == SCHEDULER_SLOT
+    }
+
+    /// The plugin configuration: for a scheduler, its configuration (`params`) with its
+    /// rollout arm; for a scorer, what the scorer SDK reads.
     pub fn plugin_config(&self) -> String {
+        if self.is_scheduler() {
+            let mut config = match &self.deployed.params {
+                serde_json::Value::Object(m) => serde_json::Value::Object(m.clone()),
+                _ => serde_json::json!({}),
+            };
+            config["rollout"] = serde_json::json!({
+                "arm": self.arm,
+                "version": self.deployed.sha256,
+                "buckets": [self.buckets.from, self.buckets.to],
+            });
+            return config.to_string();
+        }
         serde_json::json!({
             "slot": self.slot,
             "arm": self.arm,
@@ -151,15 +194,16 @@ impl RolloutState {
                     buckets: stable_range,
                 });
             }
-            let canary = s.canary.as_ref().map(|c| &c.deployed).or(s.stable.as_ref());
+            // An idle scheduler canary stays on Envoy's default (a passthrough): a scheduler
+            // module there would cost a VM per worker for nothing.
+            let idle = if slot == SCHEDULER_SLOT { None } else { s.stable.as_ref() };
+            // A shadow runs in the canary's filter while there is no canary, on every bucket.
+            let (arm, buckets, canary) = match (&s.canary, &s.shadow) {
+                (None, Some(sh)) => ("shadow", BucketRange::ALL, Some(&sh.deployed)),
+                (c, _) => ("canary", canary_range, c.as_ref().map(|c| &c.deployed).or(idle)),
+            };
             if let Some(d) = canary {
-                out.push(FilterSpec {
-                    resource: canary_name,
-                    slot: slot.clone(),
-                    arm: "canary",
-                    deployed: d.clone(),
-                    buckets: canary_range,
-                });
+                out.push(FilterSpec { resource: canary_name, slot: slot.clone(), arm, deployed: d.clone(), buckets });
             }
         }
         out
@@ -180,17 +224,40 @@ impl RolloutState {
         if let Some(c) = &s.canary {
             return Err(RolloutError::CanaryInFlight(slot.into(), label(&c.deployed)));
         }
-        let t = Transition {
-            at_unix_ms: now_ms(),
-            slot: slot.into(),
-            action: "rollout".into(),
-            by: "operator".into(),
-            from: s.stable.as_ref().map(label),
-            to: Some(label(&module)),
-            reason: format!("canary at {percent}%"),
-            host: None,
-        };
+        let t = Transition::new(
+            slot,
+            "rollout",
+            "operator",
+            s.stable.as_ref().map(label),
+            Some(label(&module)),
+            format!("canary at {percent}%"),
+        );
         s.canary = Some(Canary { deployed: module, percent, started_unix_ms: now_ms() });
+        // The canary's filter was the shadow's.
+        s.shadow = None;
+        self.revision += 1;
+        Ok(t)
+    }
+
+    /// Run `module` in shadow in `slot`: it scores every request beside the live version and
+    /// acts on none.
+    pub fn shadow(&mut self, slot: &str, module: Deployed) -> Result<Transition, RolloutError> {
+        if !valid_slot(slot) {
+            return Err(RolloutError::BadSlot(slot.into()));
+        }
+        let s = self.slots.entry(slot.into()).or_default();
+        if let Some(c) = &s.canary {
+            return Err(RolloutError::CanaryInFlight(slot.into(), label(&c.deployed)));
+        }
+        let t = Transition::new(
+            slot,
+            "shadow",
+            "operator",
+            s.shadow.as_ref().map(|c| label(&c.deployed)),
+            Some(label(&module)),
+            "shadow on every request, acting on none".into(),
+        );
+        s.shadow = Some(Canary { deployed: module, percent: 0.0, started_unix_ms: now_ms() });
         self.revision += 1;
         Ok(t)
     }
@@ -205,16 +272,7 @@ impl RolloutState {
             let excess = s.previous.len().saturating_sub(16);
             s.previous.drain(..excess);
         }
-        let t = Transition {
-            at_unix_ms: now_ms(),
-            slot: slot.into(),
-            action: "promote".into(),
-            by: by.into(),
-            from,
-            to: Some(label(&c.deployed)),
-            reason: reason.into(),
-            host: None,
-        };
+        let t = Transition::new(slot, "promote", by, from, Some(label(&c.deployed)), reason.to_owned());
         s.stable = Some(c.deployed);
         self.revision += 1;
         Ok(t)
@@ -223,31 +281,33 @@ impl RolloutState {
     /// Drop the canary; without one, return the stable filter to the previous version.
     pub fn rollback(&mut self, slot: &str, by: &str, reason: &str) -> Result<Transition, RolloutError> {
         let s = self.slots.get_mut(slot).ok_or_else(|| RolloutError::NothingToRollBack(slot.into()))?;
-        let t = if let Some(c) = s.canary.take() {
-            Transition {
-                at_unix_ms: now_ms(),
-                slot: slot.into(),
-                action: "rollback".into(),
-                by: by.into(),
-                from: Some(label(&c.deployed)),
-                to: s.stable.as_ref().map(label),
-                reason: reason.into(),
-                host: None,
-            }
+        let t = if let Some(sh) = s.shadow.take().filter(|_| s.canary.is_none()) {
+            Transition::new(
+                slot,
+                "rollback",
+                by,
+                Some(label(&sh.deployed)),
+                s.stable.as_ref().map(label),
+                format!("shadow ended: {reason}"),
+            )
+        } else if let Some(c) = s.canary.take() {
+            Transition::new(
+                slot,
+                "rollback",
+                by,
+                Some(label(&c.deployed)),
+                s.stable.as_ref().map(label),
+                reason.to_owned(),
+            )
         } else {
-            let prev = s.previous.pop().ok_or_else(|| RolloutError::NothingToRollBack(slot.into()))?;
+            // The stable version before the oldest one deployed is the bootstrap's own filter.
+            if s.stable.is_none() {
+                return Err(RolloutError::NothingToRollBack(slot.into()));
+            }
+            let prev = s.previous.pop();
             let from = s.stable.as_ref().map(label);
-            let t = Transition {
-                at_unix_ms: now_ms(),
-                slot: slot.into(),
-                action: "rollback".into(),
-                by: by.into(),
-                from,
-                to: Some(label(&prev)),
-                reason: reason.into(),
-                host: None,
-            };
-            s.stable = Some(prev);
+            let t = Transition::new(slot, "rollback", by, from, prev.as_ref().map(label), reason.to_owned());
+            s.stable = prev;
             t
         };
         self.revision += 1;
@@ -357,8 +417,68 @@ mod tests {
         assert_eq!(ranges(&s)[0].2, "v2");
         s.rollback("slo", "operator", "regression").unwrap();
         assert_eq!(ranges(&s)[0].2, "v1");
+        // Before v1 was the bootstrap's own filter: no resource, so Envoy's default runs.
+        let t = s.rollback("slo", "operator", "again").unwrap();
+        assert_eq!((t.from.as_deref(), t.to), (Some("v1@000000000000"), None));
+        assert!(ranges(&s).is_empty());
         assert!(matches!(s.rollback("slo", "operator", "again"), Err(RolloutError::NothingToRollBack(_))));
-        assert!(s.revision >= 7);
+        assert!(s.revision >= 8);
+    }
+
+    #[test]
+    fn a_shadow_runs_in_the_canary_filter_on_every_bucket_until_a_canary_replaces_it() {
+        let mut s = RolloutState::default();
+        s.rollout("slo", module("v1"), 100.0).unwrap();
+        s.promote("slo", "operator", "ok").unwrap();
+        s.shadow("slo", module("v2")).unwrap();
+        assert_eq!(
+            ranges(&s),
+            vec![
+                ("attache.scorer.slo".into(), "stable", "v1".into(), 0, 10_000),
+                ("attache.scorer.slo.canary".into(), "shadow", "v2".into(), 0, 10_000),
+            ]
+        );
+        // A canary takes the filter over; no shadow beside a canary.
+        s.rollout("slo", module("v2"), 10.0).unwrap();
+        assert!(s.slots["slo"].shadow.is_none());
+        assert!(matches!(s.shadow("slo", module("v3")), Err(RolloutError::CanaryInFlight(..))));
+        s.rollback("slo", "operator", "x").unwrap();
+        // Rolling back a shadow ends it and leaves the stable version.
+        s.shadow("slo", module("v3")).unwrap();
+        let t = s.rollback("slo", "operator", "enough").unwrap();
+        assert_eq!((t.from.as_deref(), t.to.as_deref()), (Some("v3@000000000000"), Some("v1@000000000000")));
+        assert_eq!(ranges(&s)[0].2, "v1");
+        assert_eq!(ranges(&s)[1].1, "canary");
+        // A scheduler in shadow: the canary scheduler filter, planning every request as a shadow.
+        s.shadow(SCHEDULER_SLOT, module("w")).unwrap();
+        let spec = s.filters().into_iter().find(|f| f.is_scheduler()).unwrap();
+        assert_eq!((spec.resource.as_str(), spec.arm), ("attache.scheduler.canary", "shadow"));
+        let config: serde_json::Value = serde_json::from_str(&spec.plugin_config()).unwrap();
+        assert_eq!(config["rollout"]["arm"], "shadow");
+        assert_eq!(config["rollout"]["buckets"], serde_json::json!([0, 10_000]));
+    }
+
+    #[test]
+    fn the_scheduler_slot_is_the_scheduler_filter_and_carries_its_arm_in_its_configuration() {
+        let mut s = RolloutState::default();
+        let mut v2 = module("v2");
+        v2.params = serde_json::json!({"scheduler": {"max_endpoints": 2}});
+        s.rollout(SCHEDULER_SLOT, v2, 20.0).unwrap();
+        // The bootstrap's scheduler stays the stable arm: only the canary is served.
+        let f = s.filters();
+        assert_eq!(ranges(&s), vec![("attache.scheduler.canary".into(), "canary", "v2".into(), 0, 2_000)]);
+        let config: serde_json::Value = serde_json::from_str(&f[0].plugin_config()).unwrap();
+        assert_eq!(config["scheduler"]["max_endpoints"], 2);
+        assert_eq!(
+            config["rollout"],
+            serde_json::json!({"arm": "canary", "version": format!("{:0>64}", "v2"), "buckets": [0, 2000]})
+        );
+        attache_policies::plugin_config::FilterConfig::parse(f[0].plugin_config().as_bytes()).unwrap();
+        // Promoted, it is the scheduler, and the idle canary goes back to Envoy's default.
+        s.promote(SCHEDULER_SLOT, "operator", "ok").unwrap();
+        assert_eq!(ranges(&s), vec![("attache.scheduler".into(), "stable", "v2".into(), 0, 10_000)]);
+        s.rollback(SCHEDULER_SLOT, "operator", "back").unwrap();
+        assert!(s.filters().is_empty(), "back to the bootstrap's scheduler");
     }
 
     #[test]

@@ -11,10 +11,12 @@ use serde_json::{json, Value};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use attache_policies::canary::{ArmCounters, AutoPolicy, Verdict};
+use attache_policies::arm::SCHEDULER_SLOT;
+use attache_policies::canary::{self, ArmCounters, AutoPolicy, ShadowReport, Verdict};
 
 use super::admission::{self, AdmissionConfig};
 use super::controller::{self as ctl, Controller, Counters, PerEnvoy, Reading};
+use super::decisions::DecisionLog;
 use super::ecds::{self, Acks, Published};
 use super::envoys::Envoys;
 use super::kube_state::{KubeState, PolicyKubernetes, WriteError};
@@ -59,7 +61,19 @@ pub struct PolicyConfig {
     /// them (`policy::kube_state`). `store_dir` is then a local cache.
     #[serde(default)]
     pub kubernetes: Option<PolicyKubernetes>,
+    /// The decision log's bound, MiB (`<store_dir>/decisions.log` and the file before it); 0:
+    /// decisions the pickers send are not kept. What share they send is the scheduler
+    /// configuration's `scoring.decision_log_rate`.
+    #[serde(default = "default_decision_log_mb")]
+    pub decision_log_mb: u64,
 }
+
+fn default_decision_log_mb() -> u64 {
+    16
+}
+
+/// Recorded decisions a scorer is admitted on, the newest in the log.
+const ADMISSION_RECORDED_SAMPLES: usize = 32;
 
 fn default_max_modules() -> usize {
     super::store::DEFAULT_MAX_MODULES
@@ -96,6 +110,8 @@ pub fn parse_rollout_stats(text: &str, into: &mut Counters) {
             "traps" => c.traps += v,
             "ttfb_us" => c.ttfb_us += v,
             "hit_permille" => c.hit_permille += v,
+            "agree" => c.agree += v,
+            "load_milli" => c.load_milli += v,
             _ => {}
         }
     }
@@ -173,6 +189,8 @@ pub struct PolicyService {
     /// Each canary's starting counters and the last verdicts.
     controller: Mutex<Controller>,
     http: reqwest::Client,
+    /// Sampled decisions the pickers sent (`Share`), for replay and admission.
+    pub decisions: Arc<DecisionLog>,
 }
 
 impl PolicyService {
@@ -207,6 +225,7 @@ impl PolicyService {
             token,
             controller: Mutex::new(Controller::default()),
             http: reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?,
+            decisions: Arc::new(DecisionLog::open(&cfg.store_dir, cfg.decision_log_mb.saturating_mul(1 << 20))),
             cfg,
         });
         if svc.kube.is_some() {
@@ -370,15 +389,43 @@ impl PolicyService {
     }
 
     fn admission_for(&self, slot: &str, params: &Value) -> AdmissionConfig {
+        let budget_per_request = Duration::from_millis(self.cfg.admission_budget_ms);
+        let memory_limit_bytes = self.cfg.admission_memory_mb.saturating_mul(1 << 20);
+        if slot == SCHEDULER_SLOT {
+            // A scheduler: its configuration as Envoy will get it, on a pool of its own.
+            let mut config = params.clone();
+            config["rollout"] = json!({"arm": "stable", "version": "admission"});
+            let pool = admission::scheduler_pool();
+            return AdmissionConfig {
+                plugin_config: config.to_string().into_bytes(),
+                samples: admission::default_samples(),
+                shared_data: attache_proto::shared_layout::whole(&pool, rollout::now_ms())
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), v))
+                    .collect(),
+                check_outputs: Some(admission::check_scheduler_outputs),
+                budget_per_request,
+                memory_limit_bytes,
+                ..AdmissionConfig::default()
+            };
+        }
+        // Recorded decisions' contexts when the log holds any, else the synthetic ones.
+        let recorded: Vec<_> = self
+            .decisions
+            .recent(ADMISSION_RECORDED_SAMPLES)
+            .iter()
+            .map(|r| &r.ctx)
+            .map(admission::context_sample)
+            .collect();
         AdmissionConfig {
             plugin_config: json!({"slot": slot, "arm": "stable", "version": "admission", "weight": 1.0,
                                   "buckets": [0, attache_policies::scoring::BUCKETS], "params": params})
             .to_string()
             .into_bytes(),
-            samples: admission::scorer_samples(),
+            samples: if recorded.is_empty() { admission::scorer_samples() } else { recorded },
             check_outputs: Some(admission::check_scorer_outputs),
-            budget_per_request: Duration::from_millis(self.cfg.admission_budget_ms),
-            memory_limit_bytes: self.cfg.admission_memory_mb.saturating_mul(1 << 20),
+            budget_per_request,
+            memory_limit_bytes,
             ..AdmissionConfig::default()
         }
     }
@@ -412,6 +459,20 @@ impl PolicyService {
         Ok(record)
     }
 
+    /// A configuration-only version: module `from` (a version or sha256 stored for `slot`)
+    /// with new `params`, admitted under them and recorded as `version`. No module moves.
+    pub fn configure(&self, slot: &str, version: &str, from: &str, params: &Value) -> Result<ModuleRecord, ApiError> {
+        let history = self.modules(Some(slot))?;
+        let base =
+            history.iter().rev().find(|r| r.sha256 == from || r.version == from).ok_or_else(|| {
+                ApiError::new(404, "not_found", format!("no module {from:?} uploaded for slot {slot:?}"))
+            })?;
+        let bytes = self.store.load(&base.sha256).map_err(|e| ApiError::new(500, "store_error", e))?;
+        let record = self.upload(slot, version, params, &bytes)?;
+        info!(slot, version, from, sha256 = %record.sha256, "configuration version recorded");
+        Ok(record)
+    }
+
     pub fn modules(&self, slot: Option<&str>) -> Result<Vec<ModuleRecord>, ApiError> {
         self.store.history(slot).map_err(|e| ApiError::new(500, "store_error", e))
     }
@@ -433,8 +494,8 @@ impl PolicyService {
         self.announce(t);
     }
 
-    /// Start a canary of a stored module (by sha256 or version label) in `slot`.
-    pub async fn rollout(&self, slot: &str, module: &str, percent: f64, weight: f64) -> Result<Transition, ApiError> {
+    /// A stored version of `slot` (by sha256 or version label), to deploy with `weight`.
+    async fn deployable(&self, slot: &str, module: &str, weight: f64) -> Result<Deployed, ApiError> {
         if self.kube.is_some() {
             // A version uploaded through another replica.
             self.import_modules().await.map_err(|e| ApiError::new(503, "state_unavailable", format!("{e:#}")))?;
@@ -443,10 +504,52 @@ impl PolicyService {
         let rec = history.iter().rev().find(|r| r.sha256 == module || r.version == module).ok_or_else(|| {
             ApiError::new(404, "not_found", format!("no module {module:?} uploaded for slot {slot:?}"))
         })?;
-        let deployed =
-            Deployed { sha256: rec.sha256.clone(), version: rec.version.clone(), weight, params: rec.params.clone() };
+        Ok(Deployed { sha256: rec.sha256.clone(), version: rec.version.clone(), weight, params: rec.params.clone() })
+    }
+
+    /// With `auto.require_shadow`, refuse a canary of `deployed` unless the same version ran
+    /// in shadow in `slot` and its comparison passes the gate (`counters`: a fresh reading).
+    fn shadow_gate(&self, slot: &str, deployed: &Deployed, counters: Option<&PerEnvoy>) -> Result<(), ApiError> {
+        if !self.cfg.auto.require_shadow {
+            return Ok(());
+        }
+        let state = self.lock().clone();
+        let same = state
+            .slots
+            .get(slot)
+            .and_then(|s| s.shadow.as_ref())
+            .is_some_and(|sh| sh.deployed.sha256 == deployed.sha256 && sh.deployed.params == deployed.params);
+        let mut ctl = self.controller();
+        if let Some(c) = counters {
+            // Bring the shadow's window up to now (verdicts on canaries wait for the next pass).
+            ctl.judge(&state, c, &self.cfg.auto, rollout::now_ms());
+        }
+        let report = if same { ctl.shadow_report(slot) } else { None };
+        canary::shadow_gate(&self.cfg.auto, report.as_ref()).map_err(|e| {
+            warn!(slot, version = %deployed.version, reason = %e, "canary refused by the shadow gate");
+            ApiError::new(409, "shadow_gate", e)
+        })
+    }
+
+    /// Run a stored module in shadow in `slot`: it scores every request, acts on none, and is
+    /// compared with the live pick.
+    pub async fn shadow(&self, slot: &str, module: &str, weight: f64) -> Result<Transition, ApiError> {
+        let deployed = self.deployable(slot, module, weight).await?;
+        let counters = self.read_counters().await;
+        let t = self.change(|st| st.shadow(slot, deployed)).await?;
+        let started = self.lock().slots.get(slot).and_then(|s| s.shadow.as_ref()).map(|c| c.started_unix_ms);
+        if let (Some(started), Some(counters)) = (started, counters) {
+            self.controller().start(slot, started, &counters);
+        }
+        Ok(t)
+    }
+
+    /// Start a canary of a stored module (by sha256 or version label) in `slot`.
+    pub async fn rollout(&self, slot: &str, module: &str, percent: f64, weight: f64) -> Result<Transition, ApiError> {
+        let deployed = self.deployable(slot, module, weight).await?;
         // The canary is judged on what happens after this instant.
         let counters = self.read_counters().await;
+        self.shadow_gate(slot, &deployed, counters.as_ref())?;
         let t = self.change(|st| st.rollout(slot, deployed, percent)).await?;
         let started = self.lock().slots.get(slot).and_then(|s| s.canary.as_ref()).map(|c| c.started_unix_ms);
         if let (Some(started), Some(counters)) = (started, counters) {
@@ -512,10 +615,21 @@ impl PolicyService {
         let Some(counters) = self.read_counters().await else {
             return;
         };
-        let verdicts = {
+        let (verdicts, shadows) = {
             let state = self.lock();
-            self.controller().judge(&state, &counters, &self.cfg.auto, rollout::now_ms())
+            let mut ctl = self.controller();
+            let verdicts = ctl.judge(&state, &counters, &self.cfg.auto, rollout::now_ms());
+            let shadows: Vec<(String, Option<ShadowReport>)> = state
+                .slots
+                .iter()
+                .map(|(slot, s)| (slot.clone(), s.shadow.as_ref().and_then(|_| ctl.shadow_report(slot))))
+                .collect();
+            (verdicts, shadows)
         };
+        for (slot, r) in shadows {
+            let r = r.map(|r| (r.requests, r.agreement, r.hit_delta, r.load_delta));
+            crate::telemetry::metrics().policy_shadow(&slot, r);
+        }
         for (slot, verdict) in verdicts {
             // The Lease may have lapsed while the stats were read.
             if self.kube.as_ref().is_some_and(|k| !k.may_act()) {
@@ -588,18 +702,32 @@ impl PolicyService {
 
     pub async fn status(&self) -> Value {
         let state = self.lock().clone();
-        let counters = ctl::sum(&self.read_counters().await.unwrap_or_default());
+        let per = self.read_counters().await.unwrap_or_default();
+        if !self.cfg.auto.enabled {
+            // No controller pass brings the windows up to now: this reading does (verdicts
+            // are not acted on).
+            self.controller().judge(&state, &per, &self.cfg.auto, rollout::now_ms());
+        }
+        let counters = ctl::sum(&per);
         let verdicts = self.controller().verdicts().clone();
         let slots: serde_json::Map<String, Value> = state
             .slots
             .iter()
             .map(|(slot, s)| {
-                let arm = |a: &str| counters.get(&(slot.clone(), a.to_owned())).map(ArmCounters::json);
+                let raw = |a: &str| counters.get(&(slot.clone(), a.to_owned())).copied();
+                let arm = |a: &str| raw(a).as_ref().map(ArmCounters::json);
+                // The shadow over the controller's window, else over Envoy's whole counts.
+                let shadow = s.shadow.as_ref().map(|_| {
+                    self.controller().shadow_report(slot).unwrap_or_else(|| {
+                        ShadowReport::new(&raw("shadow").unwrap_or_default(), &raw("live").unwrap_or_default())
+                    })
+                });
                 (
                     slot.clone(),
                     json!({
                         "stable": s.stable,
                         "canary": s.canary,
+                        "shadow": s.shadow.as_ref().map(|sh| json!({"deployed": sh, "report": shadow})),
                         "previous": s.previous.iter().map(|d| &d.version).collect::<Vec<_>>(),
                         "counters": {"stable": arm("stable"), "canary": arm("canary")},
                         "controller": verdicts.get(slot),

@@ -19,7 +19,10 @@ use std::time::{Duration, Instant};
 use wasmtime::{Config, Engine, Instance, Module, Store, Trap, TypedFunc, WasmParams, WasmResults};
 
 use abi::{HostState, MemoryCap};
-pub use samples::{check_scorer_outputs, default_samples, scorer_samples, SampleRequest};
+pub use samples::{
+    check_scheduler_outputs, check_scorer_outputs, context_sample, default_samples, scheduler_pool, scorer_samples,
+    SampleRequest,
+};
 
 /// The ABI exports a module must have.
 pub const REQUIRED_EXPORTS: [&str; 7] = [
@@ -110,6 +113,8 @@ pub enum AdmissionError {
     Trap { sample: usize, phase: &'static str, message: String },
     #[error("scorer did not score sample request {sample}: {reason}")]
     NoScores { sample: usize, reason: String },
+    #[error("scheduler did not schedule sample request {sample}: {reason}")]
+    NotScheduled { sample: usize, reason: String },
     #[error("sample request {sample} took {took_ms:.1} ms, over the {budget_ms:.1} ms budget (admission_budget_ms)")]
     OverBudget { sample: usize, took_ms: f64, budget_ms: f64 },
     #[error("module was stopped in {site} at the wall-clock limit of {budget_ms:.1} ms ({limit})")]

@@ -64,7 +64,7 @@ pub fn default_samples() -> Vec<SampleRequest> {
 /// Synthetic scheduling contexts for a custom scorer: the filter state the scheduler leaves
 /// (1, 4 and 16 candidates; labelled and unlabelled; idle, queued and cold endpoints).
 pub fn scorer_samples() -> Vec<SampleRequest> {
-    use attache_policies::scoring::{Candidate, ScoringContext, CONTEXT_PROPERTY};
+    use attache_policies::scoring::{Candidate, ScoringContext};
     let classes = ["l4", "a100", "h100", ""];
     let ctx = |n: usize, prompt_tokens: u32, seed: u64| ScoringContext {
         bucket: (seed % 10_000) as u16,
@@ -90,13 +90,16 @@ pub fn scorer_samples() -> Vec<SampleRequest> {
             })
             .collect(),
     };
-    [ctx(1, 12, 1), ctx(4, 6000, 2), ctx(16, 900, 3), ctx(16, 0, 9_999)]
-        .into_iter()
-        .map(|c| SampleRequest {
-            properties: vec![(CONTEXT_PROPERTY.into(), c.encode())],
-            ..SampleRequest::post("/v1/chat/completions", "")
-        })
-        .collect()
+    [ctx(1, 12, 1), ctx(4, 6000, 2), ctx(16, 900, 3), ctx(16, 0, 9_999)].iter().map(context_sample).collect()
+}
+
+/// A sample request carrying a scoring context, as a scorer sees one (a synthetic one, or one
+/// recorded in the decision log).
+pub fn context_sample(ctx: &attache_policies::scoring::ScoringContext) -> SampleRequest {
+    SampleRequest {
+        properties: vec![(attache_policies::scoring::CONTEXT_PROPERTY.into(), ctx.encode())],
+        ..SampleRequest::post("/v1/chat/completions", "")
+    }
 }
 
 /// Check that a scorer scored every sample: a decodable score sheet with one finite score per
@@ -129,6 +132,70 @@ pub fn check_scorer_outputs(samples: &[SampleRequest], report: &AdmissionReport)
         }
         if entry.removed.iter().any(|(_, reason)| reason.is_empty()) {
             return Err(no("a removal without a reason".into()));
+        }
+    }
+    Ok(())
+}
+
+/// The pool a scheduler module is admitted on: four ready endpoints of model `m`, idle to
+/// busy, two of them labelled l4 and two h100.
+pub fn scheduler_pool() -> attache_proto::v1::Snapshot {
+    use attache_proto::v1::{Endpoint, Snapshot};
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    Snapshot {
+        version: 1,
+        host_epoch: 1,
+        generated_unix_ms: now,
+        observed_unix_ms: now,
+        saturation: Some(0.1),
+        dispatch_cost: 0.01,
+        endpoints: (0..4u32)
+            .map(|i| Endpoint {
+                address: format!("10.0.0.{}:8000", i + 1),
+                models: vec!["m".into()],
+                role: "both".into(),
+                ready: true,
+                has_metrics: true,
+                waiting: f64::from(i % 2),
+                running: f64::from(i),
+                kv_usage: f64::from(i) / 10.0,
+                block_size: 16,
+                num_gpu_blocks: 4096,
+                engine: "vllm".into(),
+                id: i + 1,
+                labels: [("attache.io/accelerator".to_owned(), if i < 2 { "l4" } else { "h100" }.to_owned())]
+                    .into_iter()
+                    .collect(),
+                ..Endpoint::default()
+            })
+            .collect(),
+        ..Snapshot::default()
+    }
+}
+
+/// Check that a scheduler routed every well-formed sample to an endpoint of the pool it was
+/// given ([`scheduler_pool`]) and answered each malformed one itself with a 4xx.
+pub fn check_scheduler_outputs(samples: &[SampleRequest], report: &AdmissionReport) -> Result<(), AdmissionError> {
+    let pool: Vec<String> = scheduler_pool().endpoints.into_iter().map(|e| e.address).collect();
+    for (k, (sample, outcome)) in samples.iter().zip(&report.outcomes).enumerate() {
+        let bad = |reason: String| AdmissionError::NotScheduled { sample: k, reason };
+        let well_formed = serde_json::from_slice::<serde_json::Value>(&sample.body).is_ok();
+        let destination = outcome
+            .headers
+            .iter()
+            .find(|(n, _)| n == attache_policies::plan::DESTINATION_HEADER)
+            .map(|(_, v)| v.as_str());
+        match (well_formed, destination, outcome.local_response) {
+            (true, Some(d), None) => {
+                let primary = d.split(',').next().unwrap_or_default();
+                if !pool.iter().any(|a| a == primary) {
+                    return Err(bad(format!("routed to {primary:?}, which is not in the pool")));
+                }
+            }
+            (true, _, Some(status)) => return Err(bad(format!("answered {status} itself"))),
+            (true, None, None) => return Err(bad("set no destination".into())),
+            (false, _, Some(status)) if (400..500).contains(&status) => {}
+            (false, _, status) => return Err(bad(format!("malformed body, answered {status:?} (want a 4xx)"))),
         }
     }
     Ok(())
