@@ -28,6 +28,8 @@ pub use epp::{
 pub const ATTACHE_TEMPLATE: &str = include_str!("../attache.yaml");
 /// `envoy/scorer-slot.yaml`: one custom-scorer slot filter.
 pub const SCORER_SLOT_TEMPLATE: &str = include_str!("../scorer-slot.yaml");
+/// `envoy/scheduler-canary.yaml`: the canary scheduler filter, before the scheduler.
+pub const SCHEDULER_CANARY_TEMPLATE: &str = include_str!("../scheduler-canary.yaml");
 /// `envoy/picker.yaml`: the picker after the last scorer slot.
 pub const PICKER_TEMPLATE: &str = include_str!("../picker.yaml");
 
@@ -137,13 +139,31 @@ fn pool_discovery(pool: &Pool) -> Result<String, BootstrapError> {
     })
 }
 
+/// The picker's configuration: the scheduler configuration's `scoring` section (the response
+/// header, the decision log's rate) and its `fleet.lookup_cluster` (where decisions go).
+fn picker_config(scheduler: &serde_json::Value) -> serde_json::Value {
+    let mut picker = serde_json::json!({"role": "picker"});
+    if let Some(s) = scheduler.get("scoring").filter(|s| s.is_object()) {
+        picker["scoring"] = s.clone();
+    }
+    if let Some(c) = scheduler.get("fleet").and_then(|f| f.get("lookup_cluster")) {
+        picker["fleet"] = serde_json::json!({"lookup_cluster": c});
+    }
+    picker
+}
+
+/// A filter template without its comment lines.
+fn uncommented(t: &str) -> String {
+    t.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect()
+}
+
 /// The scorer-slot filters and the picker (`{{SCORER_FILTERS}}`), without the templates'
 /// comment lines.
 fn scorer_filters(slots: &[String]) -> String {
     if slots.is_empty() {
         return String::new();
     }
-    let body = |t: &str| -> String { t.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect() };
+    let body = uncommented;
     let slot = body(SCORER_SLOT_TEMPLATE);
     let mut out = String::new();
     for s in slots {
@@ -163,6 +183,8 @@ fn quoted(v: &serde_json::Value) -> String {
 /// Every placeholder a template may hold.
 const PLACEHOLDERS: &[&str] = &[
     "SCORER_FILTERS",
+    "SCHEDULER_CANARY",
+    "PICKER_CONFIG",
     "POOL_DISCOVERY",
     "POOL_ENDPOINTS",
     "ADMIN_ADDRESS",
@@ -198,6 +220,10 @@ fn scheduler_config(p: &Params<'_>) -> Result<serde_json::Value, BootstrapError>
     let mut scheduler = p.scheduler_config.clone();
     if !p.scorer_slots.is_empty() {
         scheduler["scoring"]["context"] = serde_json::json!(true);
+        // The stable arm of scheduler rollouts: it lets pass what the canary scheduled.
+        if scheduler.get("rollout").is_none_or(serde_json::Value::is_null) {
+            scheduler["rollout"] = serde_json::json!({"arm": "stable", "version": "bootstrap"});
+        }
     }
     match p.variant {
         Variant::AsWritten => {}
@@ -214,7 +240,10 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         return Err(BootstrapError::Unknown(name));
     }
     let scheduler = scheduler_config(p)?;
-    let mut out = template.replace("{{SCORER_FILTERS}}\n", &scorer_filters(p.scorer_slots));
+    let canary = if p.scorer_slots.is_empty() { String::new() } else { uncommented(SCHEDULER_CANARY_TEMPLATE) };
+    let mut out = template
+        .replace("{{SCORER_FILTERS}}\n", &scorer_filters(p.scorer_slots))
+        .replace("{{SCHEDULER_CANARY}}\n", &canary);
     if out.contains("{{POOL_DISCOVERY}}") {
         out = out.replace("{{POOL_DISCOVERY}}\n", &pool_discovery(p.pool)?);
     }
@@ -233,6 +262,7 @@ pub fn render(template: &str, p: &Params<'_>) -> Result<String, BootstrapError> 
         )
         // Inside a double-quoted YAML scalar.
         .replace("{{WASM}}", &p.wasm.display().to_string().replace('\\', "\\\\").replace('"', "\\\""))
+        .replace("{{PICKER_CONFIG}}", &quoted(&picker_config(&scheduler)))
         .replace("{{SCHEDULER_CONFIG}}", &quoted(&scheduler));
     match p.variant {
         // As written, comments and all.
@@ -334,7 +364,16 @@ mod tests {
         assert!(y.contains("attache.scorer.cost\n") || y.contains("attache.scorer.cost"), "{y}");
         assert!(y.contains(".canary"), "{y}");
         assert!(y.contains(r#""context":true"#), "{y}");
-        let _: serde_yaml::Value = serde_yaml::from_str(&y).unwrap();
+        let doc: serde_yaml::Value = serde_yaml::from_str(&y).unwrap();
+        // The canary scheduler goes first, and the scheduler is the rollout's stable arm.
+        let hcm = &doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"];
+        let names: Vec<&str> =
+            hcm["http_filters"].as_sequence().unwrap().iter().map(|f| f["name"].as_str().unwrap()).collect();
+        assert_eq!(&names[..3], ["attache.scheduler.canary", "attache.scheduler", "attache.scorer.cost"], "{y}");
+        assert!(y.contains(r#""rollout":{"arm":"stable","version":"bootstrap"}"#), "{y}");
+        // Without slots, neither.
+        let y = render(ATTACHE_TEMPLATE, &params(&Pool::Eds, &cfg, &[])).unwrap();
+        assert!(!y.contains("attache.scheduler.canary") && !y.contains("rollout"), "{y}");
     }
 
     #[test]

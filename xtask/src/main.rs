@@ -170,6 +170,8 @@ fn build_wasm() -> Result<()> {
         "-p",
         "attache-filter-label",
         "-p",
+        "attache-picker-class",
+        "-p",
         "attache-test-trap-scorer",
         "--target",
         "wasm32-wasip1",
@@ -262,6 +264,8 @@ fn lint() -> Result<()> {
         "attache-scorer-cost-aware",
         "-p",
         "attache-filter-label",
+        "-p",
+        "attache-picker-class",
     ];
     run(cargo().args(["clippy", "--profile", TEST_PROFILE]).args(wasm_crates).args([
         "--target",
