@@ -42,6 +42,18 @@ fn policy_stack_with(
     labels: Vec<Vec<(String, String)>>,
     extra: &[SimOpts],
 ) -> PolicyStack {
+    policy_stack_full(name, slots, auto, labels, extra, &Stack::default_scheduler_config())
+}
+
+/// [`policy_stack_with`] whose Envoy's scheduler runs `scheduler` (its configuration).
+fn policy_stack_full(
+    name: &str,
+    slots: &[&str],
+    auto: Value,
+    labels: Vec<Vec<(String, String)>>,
+    extra: &[SimOpts],
+    scheduler: &Value,
+) -> PolicyStack {
     let mut s = Stack::new(name).expect("stack");
     let keys = s.workdir.join("keys");
     let token_file = s.workdir.join("admin.token");
@@ -57,19 +69,15 @@ fn policy_stack_with(
     }));
     s.scorer_slots = slots.iter().map(|x| x.to_string()).collect();
     s.endpoint_labels = labels;
-    if extra.is_empty() {
-        start_attache(&mut s, small_pool());
-    } else {
-        let pool = small_pool();
-        let engines = usize::from(pool.engines) + extra.len();
-        s.start_sim(pool).expect("sim");
-        for opts in extra {
-            s.start_extra_engine_with(opts.clone()).expect("extra engine");
-        }
-        s.start_host().expect("host");
-        s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
-        s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
+    let pool = small_pool();
+    let engines = usize::from(pool.engines) + extra.len();
+    s.start_sim(pool).expect("sim");
+    for opts in extra {
+        s.start_extra_engine_with(opts.clone()).expect("extra engine");
     }
+    s.start_host().expect("host");
+    s.start_envoy(EnvoyKind::Attache, scheduler, 2).expect("envoy");
+    s.wait_snapshot(engines, Duration::from_secs(20)).expect("snapshot");
     PolicyStack { s, keys }
 }
 
@@ -87,7 +95,9 @@ async fn cli_on(p: &PolicyStack, port: u16, args: &[&str]) -> (bool, String, Str
     let mut cmd = Command::new(&p.s.paths.host_bin);
     cmd.arg("policy").args(args);
     let server = format!("http://127.0.0.1:{port}");
-    if ["upload", "list", "rollout", "promote", "rollback", "status"].contains(&args[0]) {
+    if ["upload", "configure", "list", "rollout", "shadow", "promote", "rollback", "status", "decisions"]
+        .contains(&args[0])
+    {
         cmd.args(["--server", &server]).env("ATTACHE_ADMIN_TOKEN", TOKEN);
     }
     let out = tokio::task::spawn_blocking(move || cmd.output()).await.expect("join").expect("attache cli");
@@ -100,16 +110,16 @@ async fn cli_on(p: &PolicyStack, port: u16, args: &[&str]) -> (bool, String, Str
 
 /// Sign a built module with this stack's key; returns the signed file.
 async fn signed(p: &PolicyStack, crate_name: &str) -> PathBuf {
-    let input = p.s.paths.module(crate_name);
     let out = p.s.workdir.join(format!("{crate_name}.signed.wasm"));
-    let key = p.keys.join("attache.key");
-    let (ok, _, err) = cli(
-        p,
-        &["sign", "--key", key.to_str().unwrap(), "--in", input.to_str().unwrap(), "--out", out.to_str().unwrap()],
-    )
-    .await;
-    assert!(ok, "sign: {err}");
+    sign_file(p, &p.keys.join("attache.key"), &p.s.paths.module(crate_name), &out).await;
     out
+}
+
+/// `attache policy sign` of `input` into `out` with `key`; the signing must succeed.
+async fn sign_file(p: &PolicyStack, key: &std::path::Path, input: &std::path::Path, out: &std::path::Path) {
+    let (key, input, out) = (key.to_str().unwrap(), input.to_str().unwrap(), out.to_str().unwrap());
+    let (ok, _, err) = cli(p, &["sign", "--key", key, "--in", input, "--out", out]).await;
+    assert!(ok, "sign: {err}");
 }
 
 /// Upload via the CLI; returns the module's sha256.
@@ -145,6 +155,8 @@ struct Served {
     status: u16,
     ok: bool,
     scorers: String,
+    /// The scheduler arm that scheduled it (`x-attache-scheduler`).
+    scheduler: String,
     /// When the answer completed.
     at: Instant,
     error: Option<String>,
@@ -196,6 +208,7 @@ impl Load {
                             status: o.status,
                             ok: o.ok() && o.error.is_none(),
                             scorers: o.header("x-attache-scorers").unwrap_or("").to_owned(),
+                            scheduler: o.header("x-attache-scheduler").unwrap_or("").to_owned(),
                             at: Instant::now(),
                             error: o.error.clone(),
                         });
@@ -520,20 +533,7 @@ async fn refused_modules_change_nothing_and_a_cost_scorer_steers_traffic() {
     assert!(ok, "{err}");
     let wrong_key_path = p.s.workdir.join("wrong-key.wasm");
     let key = other_keys.join("attache.key");
-    let (ok, _, err) = cli(
-        &p,
-        &[
-            "sign",
-            "--key",
-            key.to_str().unwrap(),
-            "--in",
-            raw.to_str().unwrap(),
-            "--out",
-            wrong_key_path.to_str().unwrap(),
-        ],
-    )
-    .await;
-    assert!(ok, "{err}");
+    sign_file(&p, &key, &raw, &wrong_key_path).await;
     // A valid, signed WebAssembly module that is not a proxy-wasm filter.
     let empty = p.s.workdir.join("empty.wasm");
     std::fs::write(&empty, b"\0asm\x01\0\0\0").unwrap();
@@ -991,4 +991,441 @@ async fn a_canary_started_before_the_controller_host_dies_completes_after_it() {
         );
     }
     println!("{samples} samples of both replicas' leader gauges: never two controllers; lease holders {holders:?}");
+}
+
+/// `wasm` with one more custom section: the same scheduler, a distinct module (sha256).
+fn with_custom_section(wasm: &[u8], name: &str, payload: &[u8]) -> Vec<u8> {
+    fn leb(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let byte = (n & 0x7f) as u8;
+            n >>= 7;
+            out.push(if n == 0 { byte } else { byte | 0x80 });
+            if n == 0 {
+                return;
+            }
+        }
+    }
+    let mut body = Vec::new();
+    leb(name.len(), &mut body);
+    body.extend_from_slice(name.as_bytes());
+    body.extend_from_slice(payload);
+    let mut out = wasm.to_vec();
+    out.push(0);
+    leb(body.len(), &mut out);
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The prefix-cache hit rate the engines measured (tokens hit over tokens queried) over the
+/// next `window`.
+async fn engine_hit_rate(p: &PolicyStack, window: Duration) -> f64 {
+    let (q0, h0) = p.s.prefix_counters().await.expect("engine counters");
+    tokio::time::sleep(window).await;
+    let (q1, h1) = p.s.prefix_counters().await.expect("engine counters");
+    (h1 - h0) / (q1 - q0).max(1.0)
+}
+
+/// The scheduler configuration of the swap test: sessions are not sticky, so only the
+/// scheduler's prefix state keeps a session's prefix on the engine that holds it.
+fn swap_scheduler_config() -> Value {
+    json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304}, "sessions": {"enabled": false}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_is_canaried_promoted_rolled_back_and_reconfigured_under_load_with_its_state_kept() {
+    let window =
+        Duration::from_secs(std::env::var("ATTACHE_SWAP_WINDOW_S").ok().and_then(|s| s.parse().ok()).unwrap_or(12));
+    let config = swap_scheduler_config();
+    let p = policy_stack_full("schedswap", &["custom"], manual(), Vec::new(), &[], &config);
+    // A new scheduler module: this build's scheduler with a build note of its own, signed.
+    let built = std::fs::read(p.s.paths.module("attache_scheduler_filter")).expect("scheduler module");
+    let unsigned = p.s.workdir.join("scheduler-v2.wasm");
+    std::fs::write(&unsigned, with_custom_section(&built, "attache.build", b"v2")).unwrap();
+    let module = p.s.workdir.join("scheduler-v2.signed.wasm");
+    let key = p.keys.join("attache.key");
+    sign_file(&p, &key, &unsigned, &module).await;
+    // The whole configuration, as the bootstrap gives it (the launcher turns on the scorers'
+    // context for the chain's scorer slot).
+    let mut params = config.clone();
+    params["scoring"] = json!({"context": true});
+    let v2 = upload(&p, "scheduler", "v2", &module, params.clone()).await;
+
+    let load = Load::start_long(&p.s, 4, 48, "swap");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut rates = vec![("before", engine_hit_rate(&p, window).await)];
+
+    // 1. A canary of the new module at 20%.
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "scheduler", "--module", "v2", "--canary", "20%"]).await;
+    assert!(ok, "rollout: {err}");
+    let t = Instant::now();
+    let canary = format!("canary@{}", short(&v2));
+    // The new module's VM is compiled on each Envoy worker first: the canary acts from its
+    // first response on (seconds on this machine; shown), and every session keeps its arm.
+    let first = wait_served(&load, t, Duration::from_secs(20), |r| r.scheduler == canary).await.expect("no canary");
+    println!("canary acting {:.2} s after the rollout", first.duration_since(t).as_secs_f64());
+    rates.push(("canary at 20%", engine_hit_rate(&p, window).await));
+    let settled = first + Duration::from_secs(1);
+    let during: Vec<Served> = load.snapshot().into_iter().filter(|r| r.at > settled).collect();
+    let mut arms: HashMap<usize, HashSet<String>> = HashMap::new();
+    for r in &during {
+        arms.entry(r.session).or_default().insert(r.scheduler.clone());
+    }
+    if arms.values().any(|a| a.len() != 1) {
+        // Which session went where, how often, and when (seconds after the first canary).
+        let mut counts: HashMap<(usize, String), (usize, f64, f64)> = HashMap::new();
+        for r in &during {
+            let e = counts.entry((r.session, r.scheduler.clone())).or_insert((0, f64::MAX, 0.0));
+            let at = r.at.duration_since(first).as_secs_f64();
+            *e = (e.0 + 1, e.1.min(at), e.2.max(at));
+        }
+        panic!("a session switched arms: {counts:?}");
+    }
+    let on_canary = arms.values().filter(|a| a.contains(&canary)).count() as f64 / arms.len() as f64;
+    let expected = (0..48).filter(|i| {
+        let (c, _) = attache_policies::scoring::BucketRange::split(20.0);
+        c.contains(attache_policies::scoring::bucket_of(format!("swap-{i}").as_bytes()))
+    });
+    let expected = expected.count() as f64 / 48.0;
+    println!("canary at 20%: {on_canary:.3} of {} sessions (their buckets: {expected:.3})", arms.len());
+    assert!((on_canary - expected).abs() < 1e-9, "the canary's sessions are those its buckets name");
+    assert!(arms.values().all(|a| a.iter().all(|x| x == &canary || x == "stable@bootstrap")), "{arms:?}");
+    let st = status(&p).await;
+    let counted = st["slots"]["scheduler"]["counters"]["canary"]["requests"].as_u64().unwrap_or(0);
+    assert!(counted > 0, "the canary arm's requests are counted for the controller: {st}");
+
+    // 2. Promote: the new module schedules everything.
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "scheduler"]).await;
+    assert!(ok, "promote: {err}");
+    let t = Instant::now();
+    let stable = format!("stable@{}", short(&v2));
+    assert!(wait_served(&load, t, Duration::from_secs(20), |r| r.scheduler == stable).await.is_some());
+    rates.push(("promoted", engine_hit_rate(&p, window).await));
+
+    // 3. Roll back: the bootstrap's scheduler again.
+    let (ok, _, err) = cli(&p, &["rollback", "--slot", "scheduler"]).await;
+    assert!(ok, "rollback: {err}");
+    let t = Instant::now();
+    assert!(wait_served(&load, t, Duration::from_secs(20), |r| r.scheduler == "stable@bootstrap").await.is_some());
+    rates.push(("rolled back", engine_hit_rate(&p, window).await));
+
+    // 4. A configuration-only version: v2's module with other weights; no module uploaded.
+    let mut weights = params.clone();
+    weights["scheduler"]["profiles"] = json!({"decode": {"plugins": [
+        {"type": "model-filter"}, {"type": "decode-filter"}, {"type": "saturation-filter"},
+        {"type": "prefix-cache-scorer", "weight": 4.0}, {"type": "precise-prefix-cache-scorer", "weight": 3.0},
+        {"type": "queue-scorer", "weight": 1.0}, {"type": "kv-cache-utilization-scorer", "weight": 1.0},
+        {"type": "no-hit-lru-scorer", "weight": 1.0}, {"type": "lora-affinity-scorer", "weight": 5.0},
+        {"type": "session-load-scorer", "weight": 2.0}, {"type": "max-score-picker"}]}});
+    let (ok, out, err) = configure(&p, "scheduler", "v2", "v2-weights", &weights).await;
+    assert!(ok, "configure: {err}");
+    let record: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(record["sha256"], json!(v2), "a configuration-only version runs the stored module");
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "scheduler", "--module", "v2-weights", "--canary", "50%"]).await;
+    assert!(ok, "rollout v2-weights: {err}");
+    let t = Instant::now();
+    assert!(wait_served(&load, t, Duration::from_secs(20), |r| r.scheduler == canary).await.is_some());
+    rates.push(("weights at 50%", engine_hit_rate(&p, window).await));
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "scheduler"]).await;
+    assert!(ok, "promote v2-weights: {err}");
+    let t = Instant::now();
+    assert!(wait_served(&load, t, Duration::from_secs(20), |r| r.scheduler == stable).await.is_some());
+    rates.push(("weights promoted", engine_hit_rate(&p, window).await));
+
+    // 5. A configuration in shadow: one that ignores prefixes plans every request beside the
+    // live scheduler, acting on none.
+    let mut load_only = params.clone();
+    load_only["scheduler"]["profiles"] = json!({"decode": {"plugins": [
+        {"type": "model-filter"}, {"type": "decode-filter"}, {"type": "saturation-filter"},
+        {"type": "queue-scorer", "weight": 1.0}, {"type": "max-score-picker"}]}});
+    let (ok, _, err) = configure(&p, "scheduler", "v2", "load-only", &load_only).await;
+    assert!(ok, "configure load-only: {err}");
+    let (ok, _, err) = cli(&p, &["shadow", "--slot", "scheduler", "--module", "load-only"]).await;
+    assert!(ok, "shadow: {err}");
+    let t = Instant::now();
+    let report = loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let st = status(&p).await;
+        let r = st["slots"]["scheduler"]["shadow"]["report"].clone();
+        if r["requests"].as_u64().unwrap_or(0) >= 100 {
+            break r;
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let url = format!("http://127.0.0.1:{}/stats", p.s.envoy_admin_port);
+            let page = reqwest::get(url).await.unwrap().text().await.unwrap();
+            let stats: Vec<&str> = page.lines().filter(|l| l.contains("rollout") || l.contains("errors")).collect();
+            panic!("the scheduler shadow compared too few requests: {st}\n{}", stats.join("\n"));
+        }
+    };
+    println!("scheduler configuration in shadow: {report}");
+    assert!(report["hit_delta"].as_f64().unwrap() < 0.0, "ignoring prefixes lowers the expected hit: {report}");
+    assert!(report["agreement"].as_f64().unwrap() < 1.0, "a load-only scheduler picks otherwise at times: {report}");
+    let shadowed: Vec<Served> = load.snapshot().into_iter().filter(|r| r.at > t).collect();
+    assert!(shadowed.iter().all(|r| r.scheduler == stable), "a shadow schedules nothing");
+    let (ok, _, err) = cli(&p, &["rollback", "--slot", "scheduler"]).await;
+    assert!(ok, "end the shadow: {err}");
+
+    let served = load.finish().await;
+    let failed = failures(&served);
+    println!("request loop: {} requests, {} failed", served.len(), failed.len());
+    for pair in rates.windows(2) {
+        let ((a, ra), (b, rb)) = (pair[0], pair[1]);
+        println!("engine prefix hit rate over {window:?}: {a} {ra:.3} -> {b} {rb:.3} ({:+.3})", rb - ra);
+    }
+    assert!(failed.is_empty(), "requests failed across the swaps: {:?}", &failed[..failed.len().min(5)]);
+    assert!(served.len() > 300, "the loop kept the proxy busy: {}", served.len());
+    for pair in rates.windows(2) {
+        let ((a, ra), (b, rb)) = (pair[0], pair[1]);
+        assert!((rb - ra).abs() <= 0.05, "hit rate {a} {ra:.3} -> {b} {rb:.3}: the swap lost the scheduler's state");
+    }
+    let st = status(&p).await;
+    assert_eq!(st["slots"]["scheduler"]["stable"]["version"], "v2-weights", "{st}");
+    let node = &st["envoy"]["attache-gateway"];
+    assert!(node["attache.scheduler"]["acked"].is_string() && node["attache.scheduler"]["nack"].is_null(), "{st}");
+}
+
+/// `attache policy configure`: a configuration-only version `version` of `slot`, running
+/// `from`'s module with `params`.
+async fn configure(p: &PolicyStack, slot: &str, from: &str, version: &str, params: &Value) -> (bool, String, String) {
+    let params = params.to_string();
+    cli(p, &["configure", "--slot", slot, "--from", from, "--version", version, "--params", &params]).await
+}
+
+/// The replay summary `attache policy replay` prints last (a JSON object).
+fn replay_summary(out: &str) -> Value {
+    let start = out.find("{\n").expect("a summary");
+    serde_json::from_str(&out[start..]).expect("summary JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadowed_candidate_reports_its_agreement_acts_on_nothing_and_its_replay_agrees() {
+    let auto = json!({"enabled": true, "promote": false, "interval_ms": 200, "min_requests": 1_000_000,
+                      "require_shadow": true, "shadow_min_requests": 50, "min_shadow_hit_delta": -0.05});
+    // Every decision goes to the decision log.
+    let config =
+        json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304}, "scoring": {"decision_log_rate": 1.0}});
+    let p = policy_stack_full("shadow", &["prefer"], auto, one_l4_three_h100(), &[], &config);
+    let l4 = p.s.engine_addrs()[0].rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    // The live version: a cost scorer that leans a little to the l4.
+    let cost = signed(&p, "attache_scorer_cost_aware").await;
+    let cost_params = json!({"costs": {"l4": 1.0, "h100": 2.0}});
+    let v1 = upload(&p, "prefer", "cost", &cost, cost_params.clone()).await;
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "prefer", "--module", "cost", "--canary", "100%", "--weight", "0.3"]).await;
+    assert!(
+        !ok && err.contains("shadow_gate") && err.contains("not run in shadow"),
+        "without a shadow run, no canary: {err}"
+    );
+    // (The gate guards canaries; the first version is shadowed, then canaried.)
+    let (ok, _, err) = cli(&p, &["shadow", "--slot", "prefer", "--module", "cost", "--weight", "0.3"]).await;
+    assert!(ok, "{err}");
+    // The candidate prefers the other class: it removes every h100, so it would always pick
+    // the l4.
+    let module = signed(&p, "attache_filter_label").await;
+    upload(&p, "prefer", "l4-only", &module, json!({"remove": ["h100"]})).await;
+
+    let http = fresh_client();
+    let measure = |tag: &'static str| {
+        let (p, http) = (&p, &http);
+        async move {
+            let (mut total, mut on_l4) = (0u64, 0u64);
+            // 60 prefixes, three requests each: the live scheduler keeps a prefix on its holder.
+            for round in 0..3 {
+                for g in 0..60 {
+                    let body = chat(&long_prefix(&format!("{tag}-{g}")), &format!("turn {round}"), 2);
+                    let o = send(&p.s, http, body, &[]).await;
+                    assert!(o.ok(), "{} {}", o.status, o.body);
+                    assert!(
+                        !o.header("x-attache-scorers").unwrap_or("").contains("shadow"),
+                        "a shadow acts on nothing"
+                    );
+                    total += 1;
+                    on_l4 += u64::from(o.engine_port == Some(l4));
+                }
+            }
+            (total, on_l4)
+        }
+    };
+    let wait_report = |total: u64| {
+        let p = &p;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let st = status(p).await;
+                let r = st["slots"]["prefer"]["shadow"]["report"].clone();
+                if r["requests"].as_u64().unwrap_or(0) >= total {
+                    return r;
+                }
+                assert!(Instant::now() < deadline, "the shadow's comparisons never reached {total}: {st}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    let acked = |resource: &'static str| {
+        let p = &p;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while status(p).await["envoy"]["attache-gateway"][resource]["acked"].is_null() {
+                assert!(Instant::now() < deadline, "Envoy never took {resource}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    // The cost scorer in shadow passes the gate (it agrees with the live picks nearly always),
+    // then is canaried at 100% and promoted: the live version.
+    acked("attache.scorer.prefer.canary").await;
+    let (total, _) = measure("warm").await;
+    let warm = wait_report(total).await;
+    println!("cost scorer in shadow: {warm}");
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "prefer", "--module", "cost", "--canary", "100%", "--weight", "0.3"]).await;
+    assert!(ok, "a shadow that passes opens the gate: {err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "prefer"]).await;
+    assert!(ok, "{err}");
+    wait_acting(&p, &http, &format!("prefer=stable@{}", short(&v1))).await;
+
+    // The candidate in shadow, beside it.
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis().to_string();
+    let (ok, _, err) = cli(&p, &["shadow", "--slot", "prefer", "--module", "l4-only", "--weight", "0"]).await;
+    assert!(ok, "shadow: {err}");
+    // A picker sends its decisions in batches, at the latest on its 1 s tick: wait that long,
+    // so that no earlier decision is counted as one of the shadowed requests'.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    acked("attache.scorer.prefer.canary").await;
+    let logged_before = host_metric(&p, "attache_host_policy_decisions_total{outcome=\"logged\"}");
+    let (total, on_l4) = measure("shadow").await;
+    // Computed independently: the shadow always picks the l4, so it agrees exactly when the
+    // live decision went to the l4.
+    let expected = on_l4 as f64 / total as f64;
+    assert!(expected < 0.6, "the shadow acted: {on_l4} of {total} requests went to the l4");
+    let report = wait_report(total).await;
+    let agreement = report["agreement"].as_f64().unwrap();
+    let hit_delta = report["hit_delta"].as_f64().unwrap();
+    println!(
+        "shadow: agreement {agreement:.3} (the l4's share of live picks: {expected:.3}), hit-rate delta {hit_delta:+.3}, load delta {:+.2}, over {} requests",
+        report["load_delta"].as_f64().unwrap(),
+        report["requests"]
+    );
+    assert_eq!(report["requests"].as_u64(), Some(total), "every measured request was compared, and only those");
+    assert!((agreement - expected).abs() <= 0.05, "agreement {agreement} vs the test's {expected}");
+    assert!(hit_delta < -0.05, "sending held prefixes away lowers the expected hit rate: {hit_delta}");
+    let metrics = attache_e2e::admin_http::http_get_blocking(p.s.host_admin_port, "/metrics").expect("host /metrics");
+    assert!(
+        metrics.lines().any(|l| l.starts_with("attache_host_policy_shadow_agreement{slot=\"prefer\"}")),
+        "{metrics}"
+    );
+
+    // The controller refuses its canary: the shadow's hit-rate delta is below the floor.
+    let (ok, _, err) = cli(&p, &["rollout", "--slot", "prefer", "--module", "l4-only", "--canary", "10%"]).await;
+    assert!(!ok && err.contains("shadow_gate") && err.contains("below the floor"), "{err}");
+    assert!(status(&p).await["slots"]["prefer"]["canary"].is_null(), "no canary started");
+
+    // Replay: the pickers logged every decision; the stable module reproduces all of them, and
+    // the candidate changes the share the shadow disagreed on.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while host_metric(&p, "attache_host_policy_decisions_total{outcome=\"logged\"}") < logged_before + total as f64 {
+        assert!(Instant::now() < deadline, "the decisions never reached the host's log");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let log = p.s.workdir.join("decisions.bin");
+    let (ok, out, err) = cli(&p, &["decisions", "--out", log.to_str().unwrap()]).await;
+    assert!(ok, "decisions: {err}");
+    println!("{}", out.trim());
+    let replay = |module: &std::path::Path, params: Value, weight: &str| {
+        // The decisions since the candidate's shadow started: the cost scorer was live for all.
+        let params = params.to_string();
+        let args = [
+            "replay",
+            "--log",
+            log.to_str().unwrap(),
+            "--module",
+            module.to_str().unwrap(),
+            "--slot",
+            "prefer",
+            "--params",
+            params.as_str(),
+            "--weight",
+            weight,
+            "--show",
+            "3",
+            "--since-ms",
+            since.as_str(),
+        ]
+        .map(str::to_owned);
+        let p = &p;
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (ok, out, err) = cli(p, &args).await;
+            assert!(ok, "replay: {err}");
+            println!("{out}");
+            replay_summary(&out)
+        }
+    };
+    let same = replay(&cost, cost_params, "0.3").await;
+    assert_eq!(same["decisions"].as_u64(), Some(total), "the log holds every shadowed decision: {same}");
+    assert_eq!(same["changed"], 0, "the stable module reproduces every recorded decision: {same}");
+    let candidate = replay(&module, json!({"remove": ["h100"]}), "0").await;
+    let changed_share = candidate["changed_share"].as_f64().unwrap();
+    println!(
+        "replay of the candidate: changed share {changed_share:.3} vs the shadow's 1 - agreement {:.3}",
+        1.0 - agreement
+    );
+    assert!(candidate["hit_rate_delta"].as_f64().unwrap() < 0.0, "{candidate}");
+    assert!((changed_share - (1.0 - agreement)).abs() <= 0.05, "replay {changed_share} vs shadow {}", 1.0 - agreement);
+    // Ending the shadow leaves the stable version.
+    let (ok, _, err) = cli(&p, &["rollback", "--slot", "prefer"]).await;
+    assert!(ok, "rollback: {err}");
+    let st = status(&p).await;
+    assert!(
+        st["slots"]["prefer"]["shadow"].is_null() && st["slots"]["prefer"]["stable"]["sha256"] == json!(v1),
+        "{st}"
+    );
+}
+
+/// A sample of the host's `/metrics` (0 when absent).
+fn host_metric(p: &PolicyStack, line_prefix: &str) -> f64 {
+    let text = attache_e2e::admin_http::http_get_blocking(p.s.host_admin_port, "/metrics").unwrap_or_default();
+    text.lines().find_map(|l| l.strip_prefix(line_prefix).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_picker_module_chooses_the_primary_within_the_leading_tier() {
+    let p = policy_stack("classpicker", &["pick"], manual(), one_l4_three_h100());
+    let l4 = p.s.engine_addrs()[0].rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let http = fresh_client();
+    // Before: new prefixes spread over the pool; remember where the h100s hold some.
+    let mut held = Vec::new();
+    let mut on_l4 = 0;
+    for g in 0..24 {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("before-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        on_l4 += usize::from(o.engine_port == Some(l4));
+        if o.engine_port != Some(l4) {
+            held.push((g, o.engine_port));
+        }
+    }
+    assert!(on_l4 < 16, "before the picker, new prefixes spread: {on_l4} of 24 on the l4");
+
+    // A picker module that chooses the l4 whenever it scores within 100 of the best (always,
+    // here), rolled out like a scorer, with weight 0: it picks, it does not score.
+    let module = signed(&p, "attache_picker_class").await;
+    let v1 = upload(&p, "pick", "v1", &module, json!({"prefer": "l4", "margin": 100.0})).await;
+    let (ok, _, err) =
+        cli(&p, &["rollout", "--slot", "pick", "--module", "v1", "--canary", "100%", "--weight", "0"]).await;
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&p, &["promote", "--slot", "pick"]).await;
+    assert!(ok, "{err}");
+    wait_acting(&p, &http, &format!("pick=stable@{}", short(&v1))).await;
+    for g in 0..16 {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("after-{g}")), "hi", 2), &[]).await;
+        assert!(o.ok(), "{} {}", o.status, o.body);
+        assert_eq!(o.engine_port, Some(l4), "new prefix {g}: the picker module chose the l4");
+    }
+    // A prefix an h100 holds stays there: the holders lead, and the choice is among them.
+    let mut stayed = 0;
+    for (g, home) in &held {
+        let o = send(&p.s, &http, chat(&long_prefix(&format!("before-{g}")), "again", 2), &[]).await;
+        stayed += usize::from(o.engine_port == *home);
+    }
+    println!("picker module: 16 of 16 new prefixes on the l4; {stayed} of {} held prefixes stayed", held.len());
+    assert!(stayed + 1 >= held.len(), "held prefixes stay with their holders: {stayed} of {}", held.len());
 }
