@@ -657,13 +657,23 @@ async fn a_filter_module_removes_a_class_and_what_is_learned_follows_the_final_p
         assert_ne!(o.engine_port, Some(l4), "fresh prefix {g} went to the removed class");
     }
     // What the scheduler learned is the final pick: each moved prefix's next request goes to
-    // where the filter sent it, held there in the affinity tier.
-    let mut followed = 0;
+    // where the filter sent it, held there in the affinity tier. (Each request opens its own
+    // connection, so it may reach the other Envoy worker, which learns the correction from the
+    // shared affinity log on its flush tick: wait a few ticks, `prefix.shared_flush_ms`.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut missed = Vec::new();
     for g in &held {
         let o = send(&p.s, &http, chat(&long_prefix(&format!("held-{g}")), "third", 2), &[]).await;
-        followed += usize::from(o.engine_port == homes[g]);
+        if o.engine_port != homes[g] {
+            missed.push((*g, homes[g], o.engine_port));
+        }
     }
-    assert!(followed + 1 >= held.len(), "moved prefixes stay where the filter sent them: {followed} of {}", held.len());
+    let followed = held.len() - missed.len();
+    assert!(
+        missed.len() <= 1,
+        "moved prefixes stay where the filter sent them: {followed} of {}; missed (prefix, home, went to): {missed:?}",
+        held.len()
+    );
     let removed = p.s.envoy_stat("wasmcustom.attache.picker.removed");
     assert!(removed >= 16, "the picker counts the removals: {removed}");
 }

@@ -94,7 +94,9 @@ cluster, which fails over between them). */}}
 {{/*
 The scheduler filter's JSON configuration; `subscribeCluster` names the Envoy cluster of the
 host (each worker subscribes itself: no bootstrap singleton). `scoringContext` turns on the
-context custom scorers read (when scorer slots exist).
+context custom scorers read (when scorer slots exist). `rolloutArm` makes it the stable arm of
+scheduler rollouts (the gateway's chain, where the host publishes a canary scheduler in front of
+it), unless the values give a `rollout` of their own.
 */}}
 {{- define "attache.schedulerConfig" -}}
 {{- $cfg := deepCopy .ctx.Values.scheduler.config }}
@@ -103,6 +105,9 @@ context custom scorers read (when scorer slots exist).
 {{- $scoring := default (dict) (get $cfg "scoring") }}
 {{- $_ := set $scoring "context" true }}
 {{- $_ := set $cfg "scoring" $scoring }}
+{{- end }}
+{{- if and .rolloutArm (not (get $cfg "rollout")) }}
+{{- $_ := set $cfg "rollout" (dict "arm" "stable" "version" "bootstrap") }}
 {{- end }}
 {{- if .subscribeCluster }}
 {{- $_ := set $cfg "subscribe" (dict "cluster" .subscribeCluster "idle_timeout_ms" 5000 "tick_ms" 500) }}
@@ -164,4 +169,19 @@ http: {url: {{ .url | quote }}, sha256: {{ .sha256 | quote }}}
 {{/* Where the Istio objects go: the gateway pods' namespace. */}}
 {{- define "attache.istioNamespace" -}}
 {{- default (default .Release.Namespace .Values.gatewayApi.parentRef.namespace) .Values.istio.namespace }}
+{{- end }}
+
+{{/*
+The picker filter's JSON configuration: the scheduler configuration's `scoring` section (the
+response header, the decision log's rate; as attache.schedulerConfig gives it) and its
+`fleet.lookup_cluster`, where the picker sends logged decisions.
+*/}}
+{{- define "attache.pickerConfig" -}}
+{{- $sched := include "attache.schedulerConfig" (dict "ctx" .ctx "scoringContext" true) | fromJson }}
+{{- $cfg := dict "role" "picker" "scoring" (get $sched "scoring") }}
+{{- $fleet := default (dict) (get $sched "fleet") }}
+{{- if hasKey $fleet "lookup_cluster" }}
+{{- $_ := set $cfg "fleet" (dict "lookup_cluster" (get $fleet "lookup_cluster")) }}
+{{- end }}
+{{- toJson $cfg }}
 {{- end }}
