@@ -147,11 +147,8 @@ impl SchedulerHttp {
         let Ok(mut st) = self.st.try_borrow_mut() else {
             return Action::Continue;
         };
-        let sc = &w.config.sessions;
         let token = st.token_endpoint.take();
-        st.session_key = intake::body_session_key(&w.config, st.session_key, &req);
-        st.sticky =
-            session::resolve(sc, &mut SharedSticky, token, st.session_key, req.previous_response_id.as_deref(), now);
+        resolve_session(&mut st, &w.config, &req, token, now);
         if intake::learns_response(&w.config, req.api) {
             st.learn_response = Some(String::new());
         }
@@ -180,10 +177,8 @@ impl SchedulerHttp {
             // Plan as this configuration would, on the same session binding, change nothing,
             // and let the scheduler after it act.
             let now = host::now_ms();
-            st.session_key = intake::body_session_key(&config, st.session_key, req);
             let token = st.token_endpoint.clone();
-            let prev = req.previous_response_id.as_deref();
-            st.sticky = session::resolve(&config.sessions, &mut SharedSticky, token, st.session_key, prev, now);
+            resolve_session(&mut st, &config, req, token, now);
             if let Ok(mut w) = self.worker.try_borrow_mut() {
                 w.cache.refresh_for_request(now);
                 crate::dispatch::shadow(&mut w, &st, req, body_len, now);
@@ -526,6 +521,22 @@ impl HttpContext for SchedulerHttp {
             }
         }
     }
+}
+
+/// Resolve `req`'s session: its table key (the session header's, or the body's), then the
+/// endpoint it is bound to, from the session token's endpoint (`token`), the key's binding or
+/// the Responses chain (policies::session). The scheduling path and a shadow arm both use it,
+/// so a shadow plans on the binding the acting scheduler will see.
+fn resolve_session(
+    st: &mut RequestState,
+    config: &FilterConfig,
+    req: &InferenceRequest,
+    token: Option<String>,
+    now: u64,
+) {
+    st.session_key = intake::body_session_key(config, st.session_key, req);
+    let prev = req.previous_response_id.as_deref();
+    st.sticky = session::resolve(&config.sessions, &mut SharedSticky, token, st.session_key, prev, now);
 }
 
 #[cfg(test)]
