@@ -606,12 +606,11 @@ impl PolicyService {
         (!per.is_empty()).then_some(per)
     }
 
-    /// One controller pass: judge every canary and act on the verdicts. With the state in
-    /// Kubernetes, only the replica holding the controller Lease acts.
+    /// One controller pass: bring every canary's window and every shadow's report up to now,
+    /// then act on the verdicts. Every replica judges, so each one's status is current; only
+    /// with `auto.enabled`, and with the state in Kubernetes only on the replica holding the
+    /// controller Lease, does it act.
     pub async fn evaluate(&self) {
-        if self.kube.as_ref().is_some_and(|k| !k.may_act()) {
-            return;
-        }
         let Some(counters) = self.read_counters().await else {
             return;
         };
@@ -630,8 +629,11 @@ impl PolicyService {
             let r = r.map(|r| (r.requests, r.agreement, r.hit_delta, r.load_delta));
             crate::telemetry::metrics().policy_shadow(&slot, r);
         }
+        if !self.cfg.auto.enabled {
+            return;
+        }
         for (slot, verdict) in verdicts {
-            // The Lease may have lapsed while the stats were read.
+            // Only the Lease holder acts (it may have lapsed while the stats were read).
             if self.kube.as_ref().is_some_and(|k| !k.may_act()) {
                 return;
             }
@@ -684,8 +686,7 @@ impl PolicyService {
             });
         }
         if !self.cfg.auto.enabled {
-            info!("rollout controller off (auto.enabled false)");
-            return;
+            info!("rollout controller judges but does not act (auto.enabled false)");
         }
         if self.cfg.envoy_admin.is_empty() {
             info!("rollout controller reads the stats of the Envoys subscribed to ECDS (no envoy_admin listed)");
@@ -703,11 +704,6 @@ impl PolicyService {
     pub async fn status(&self) -> Value {
         let state = self.lock().clone();
         let per = self.read_counters().await.unwrap_or_default();
-        if !self.cfg.auto.enabled {
-            // No controller pass brings the windows up to now: this reading does (verdicts
-            // are not acted on).
-            self.controller().judge(&state, &per, &self.cfg.auto, rollout::now_ms());
-        }
         let counters = ctl::sum(&per);
         let verdicts = self.controller().verdicts().clone();
         let slots: serde_json::Map<String, Value> = state
