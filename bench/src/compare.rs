@@ -66,8 +66,9 @@ struct SystemRun {
     summary: RunSummary,
     stages: Vec<StageSummary>,
     extra: Value,
-    /// Attaché's own expected prefix hit rate ([`expected_hit_rate`]).
-    expected_hit_rate: Option<f64>,
+    /// Attaché's own expected prefix hit rate, calibrated and as believed
+    /// ([`expected_hit_rate`]).
+    expected_hit_rate: Option<IndexRates>,
 }
 
 /// Reference-model tokens per generated word, measured with the tokenizer the engines use.
@@ -276,17 +277,29 @@ async fn start(
     Ok(Started { stack, url, proxy_pid, peer: None })
 }
 
-/// The hit rate Attaché's index expected for the endpoints it picked: prefix blocks its primary
-/// was believed to hold over the blocks of the prompts (`attache.prefix.blocks_*`, added from
-/// each worker's tick). `None` for systems without the counters.
-async fn expected_hit_rate(stack: &Stack) -> Option<f64> {
+/// What Attaché expected of the endpoints it picked, over the prompt tokens it sent.
+#[derive(Debug, Clone, Copy)]
+pub struct IndexRates {
+    /// Calibrated against the engines' prefix-cache counters (policies::calibration).
+    pub expected: f64,
+    /// As its indexes believed, before calibration.
+    pub believed: f64,
+}
+
+/// The hit rate Attaché expected for the endpoints it picked: the prompt tokens its primary was
+/// expected to hold over the prompt tokens sent (`attache.prefix.{expected,believed,prompt}_tokens`,
+/// added from each worker's tick). `None` for systems without the counters.
+async fn expected_hit_rate(stack: &Stack) -> Option<IndexRates> {
     stack.envoy.as_ref()?;
     // The counters lag the requests by at most one tick.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let stats = stack.envoy_stats();
     let get = |n: &str| attache_e2e::stats::stat_value(&stats, n) as f64;
-    let total = get("wasmcustom.attache.prefix.blocks_total");
-    (total > 0.0).then(|| get("wasmcustom.attache.prefix.blocks_matched") / total)
+    let total = get("wasmcustom.attache.prefix.prompt_tokens");
+    (total > 0.0).then(|| IndexRates {
+        expected: get("wasmcustom.attache.prefix.expected_tokens") / total,
+        believed: get("wasmcustom.attache.prefix.believed_tokens") / total,
+    })
 }
 
 async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a: &Args) -> anyhow::Result<SystemRun> {
@@ -332,7 +345,9 @@ async fn run_system(system: &str, sc: &Scenario, plan: Arc<Vec<SessionPlan>>, a:
         run.extra["session_sticky_hits"] = json!(stack.envoy_stat("wasmcustom.attache.session.sticky_hits"));
         run.expected_hit_rate = expected_hit_rate(&stack).await;
     }
-    let expected = run.expected_hit_rate.map_or(String::new(), |e| format!(" (index expected {e:.3})"));
+    let expected = run
+        .expected_hit_rate
+        .map_or(String::new(), |e| format!(" (index expected {:.3}, believed {:.3})", e.expected, e.believed));
     println!(
         "  {system:<24} {} requests in {real:.0} s real, simulator lag {lag:.2}%, prefix hit rate {hit:.3}{expected}, per engine {per_engine:?}",
         sent.len()
@@ -684,7 +699,8 @@ async fn run_scenario(path: &Path, a: &Args, wpt: f64) -> anyhow::Result<()> {
                 o.insert("steal_pct".into(), json!((p * 10.0).round() / 10.0));
             }
             all[i].open[r] = Some(run.summary);
-            all[i].expected_hit[r] = run.expected_hit_rate;
+            all[i].expected_hit[r] = run.expected_hit_rate.map(|e| e.expected);
+            all[i].believed_hit[r] = run.expected_hit_rate.map(|e| e.believed);
             let seen = extra.entry(system.to_string()).or_insert_with(|| json!({"seeds": []}));
             if let Some(v) = seen["seeds"].as_array_mut() {
                 v.push(run.extra);

@@ -138,6 +138,7 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
             "block_size": e.block_size,
             "num_gpu_blocks": e.num_gpu_blocks,
             "kv_written_tokens": e.kv_written_tokens,
+            "prefix_cache_hit_tokens": e.prefix_cache_hit_tokens,
             "ttft_ms": e.ttft_ms,
             "prefill_tokens_per_s": e.prefill_tokens_per_s,
             "labels": e.labels,

@@ -268,6 +268,7 @@ impl PoolState {
                     kv_written_tokens: m
                         .prefix_cache_reported
                         .then(|| (m.prefix_cache_queries - m.prefix_cache_hits).max(0.0) as u64),
+                    prefix_cache_hit_tokens: m.prefix_cache_reported.then(|| m.prefix_cache_hits.max(0.0) as u64),
                 }
             })
             .collect();
@@ -378,9 +379,11 @@ mod tests {
         assert_eq!(p.record_scrape("1.1.1.1:1", Ok(m(300.0, 60.0)), t0), Change::Load, "100 tokens written");
         let snap = p.snapshot(1, 1, t0, Duration::from_secs(5));
         assert_eq!(snap.endpoints[0].kv_written_tokens, Some(240), "the clock: queries - hits");
+        assert_eq!(snap.endpoints[0].prefix_cache_hit_tokens, Some(60), "the hits, for calibration");
         p.record_scrape("1.1.1.1:1", Ok(EngineMetrics { prefix_cache_reported: false, ..m(0.0, 0.0) }), t0);
         let snap = p.snapshot(2, 1, t0, Duration::from_secs(5));
         assert_eq!(snap.endpoints[0].kv_written_tokens, None, "no counters, no clock");
+        assert_eq!(snap.endpoints[0].prefix_cache_hit_tokens, None);
     }
 
     fn spec(a: &str) -> StaticEndpoint {

@@ -71,6 +71,11 @@ pub struct Endpoint {
     /// reports no prefix-cache counters.
     #[serde(default)]
     pub kv_written: Option<u64>,
+    /// Prompt tokens the engine found in its prefix cache so far
+    /// (`vllm:prefix_cache_hits_total`): with `kv_written`, what the expected hit is
+    /// calibrated against ([`crate::calibration`]). `None` when it reports none.
+    #[serde(default)]
+    pub kv_hits: Option<u64>,
     /// Pod labels, sorted by key (for scorers, e.g. `attache.io/accelerator`).
     #[serde(default)]
     pub labels: Vec<(String, String)>,

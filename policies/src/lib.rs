@@ -12,6 +12,7 @@
 //! request: request → parse → plan → apply.
 
 pub mod arm;
+pub mod calibration;
 pub mod canary;
 pub mod chat_template;
 pub mod config;

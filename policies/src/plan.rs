@@ -6,6 +6,7 @@
 
 use hashbrown::HashMap;
 
+use crate::calibration::CacheCounters;
 use crate::endpoint::PoolState;
 use crate::error::{ErrorResponse, ScheduleError};
 use crate::filters::subset::Subset;
@@ -111,6 +112,12 @@ pub struct MetricsDelta {
     pub scores: ScoreList,
     pub matched_blocks: usize,
     pub total_blocks: usize,
+    /// The request's prompt tokens, those the primary was believed to hold (either index),
+    /// and those expected cached once that belief is calibrated against the engine's own
+    /// prefix-cache counters ([`crate::calibration`]).
+    pub prompt_tokens: usize,
+    pub believed_tokens: usize,
+    pub expected_tokens: usize,
     /// The primary is the session's sticky endpoint.
     pub sticky_hit: bool,
     /// The request's session or conversation was bound to an endpoint that is no longer its
@@ -211,7 +218,9 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         uncached_tokens: input.prompt_tokens.saturating_sub(best.cached_tokens) as u64,
     };
     let bound = config.sessions.enabled && request.sticky.is_some();
-    let metrics = metrics(config.scheduler, &decision, load_only, bound);
+    let believed = best.cached_tokens.min(prompt_tokens);
+    let expected = view.state.calibration.expected_tokens(&best.address, believed, prompt_tokens);
+    let metrics = metrics(config.scheduler, &decision, load_only, bound, [prompt_tokens, believed, expected]);
     let known = shared.as_ref().and_then(|m| m.get(best.address.as_str())).copied().unwrap_or(0);
     let index = IndexUpdate {
         shared: if shared.is_some() { index::shared_entries(&hashes, &anchors, known) } else { Vec::new() },
@@ -262,8 +271,15 @@ fn precise_scores(
     Some(precise::scores(view.pool, &pc.tier_weights, keys_for, |k| kv.holders(k)))
 }
 
-/// `bound`: the request's session or conversation was bound to an endpoint.
-fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, bound: bool) -> MetricsDelta {
+/// `bound`: the request's session or conversation was bound to an endpoint; `tokens`: the
+/// prompt's, those believed cached and those expected cached.
+fn metrics(
+    scheduler: &Scheduler,
+    decision: &Decision,
+    load_only: bool,
+    bound: bool,
+    tokens: [usize; 3],
+) -> MetricsDelta {
     let best = decision.scores.first();
     // The profile's scorers name their histograms; a scorer left out of the scores (nothing to
     // go on) records none.
@@ -281,6 +297,9 @@ fn metrics(scheduler: &Scheduler, decision: &Decision, load_only: bool, bound: b
         scores,
         matched_blocks: best.map_or(0, |b| b.matched_blocks),
         total_blocks: decision.total_blocks,
+        prompt_tokens: tokens[0],
+        believed_tokens: tokens[1],
+        expected_tokens: tokens[2],
         sticky_hit: bound && decision.sticky,
         rebound: bound && !decision.sticky,
         spread: decision.spread,
@@ -373,6 +392,11 @@ pub fn learn(
     affinity: Option<&mut AffinityTable>,
     room: usize,
 ) -> Vec<(u64, String)> {
+    if let Some(primary) = plan.decision.scores.first() {
+        let counters = CacheCounters::from_written(primary.kv_written, primary.kv_hits);
+        let m = &plan.metrics;
+        state.calibration.record(&primary.address, m.believed_tokens as u64, m.prompt_tokens as u64, counters);
+    }
     learn_with(plan, state, affinity, room, true)
 }
 
@@ -643,6 +667,33 @@ pub(crate) mod tests {
         let after = w.plan(&req(&r), None).unwrap();
         assert_eq!(after.metrics.matched_blocks, 0, "evicted: {}", after.log_line("m", 1));
         assert!(after.decision.cold);
+    }
+
+    #[test]
+    fn the_expected_hit_follows_the_engines_own_counters() {
+        // One engine, so every request lands where the index believes the prompt is held;
+        // the engine, though, reports finding only a fifth of what it is sent.
+        let mut p = pool(1);
+        (p.endpoints[0].kv_written, p.endpoints[0].kv_hits) = (Some(0), Some(0));
+        let mut w = World::new(p);
+        let r = request(&format!(r#"{{"model":"m","prompt":"{}"}}"#, "a prompt the engine keeps losing ".repeat(80)));
+        let first = w.route(&req(&r));
+        let prompt = first.metrics.prompt_tokens as u64;
+        assert!(prompt > 0 && first.metrics.believed_tokens == 0, "cold: {:?}", first.metrics);
+        let (mut written, mut hits) = (0u64, 0u64);
+        let mut last = first;
+        for _ in 0..40 {
+            written += prompt - prompt / 5;
+            hits += prompt / 5;
+            (w.pool.endpoints[0].kv_written, w.pool.endpoints[0].kv_hits) = (Some(written), Some(hits));
+            last = w.route(&req(&r));
+        }
+        let m = &last.metrics;
+        assert_eq!(m.believed_tokens, m.prompt_tokens, "the index believes it all held");
+        let share = m.expected_tokens as f64 / m.prompt_tokens as f64;
+        assert!((share - 0.2).abs() < 0.05, "calibrated to the engine's fifth: {share} {m:?}");
+        let rates = w.state.calibration.rates(&last.dispatch.endpoint).expect("calibrated");
+        assert!(rates.belief > 0.9 && (rates.engine - 0.2).abs() < 0.01, "{rates:?}");
     }
 
     #[test]

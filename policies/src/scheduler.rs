@@ -4,6 +4,7 @@
 
 use hashbrown::HashMap;
 
+use crate::calibration::HitCalibration;
 use crate::config::SchedulerConfig;
 use crate::endpoint::{Endpoint, PoolState};
 use crate::error::ScheduleError;
@@ -85,6 +86,8 @@ pub struct SchedulerState {
     pub index: ApproxPrefixIndex,
     pub no_hit_lru: LastCold,
     pub sessions: ActiveSessions,
+    /// The expected prefix hit against the engines' own counters.
+    pub calibration: HitCalibration,
 }
 
 impl SchedulerState {
@@ -93,6 +96,7 @@ impl SchedulerState {
             index: ApproxPrefixIndex::new(config.prefix.index_capacity),
             no_hit_lru: LastCold::default(),
             sessions: ActiveSessions::default(),
+            calibration: HitCalibration::default(),
         }
     }
 

@@ -26,6 +26,7 @@ pub fn to_endpoint(e: &v1::Endpoint) -> Endpoint {
         block_size: e.block_size,
         kv_blocks: e.num_gpu_blocks,
         kv_written: e.kv_written_tokens,
+        kv_hits: e.prefix_cache_hit_tokens,
         address: e.address.clone(),
         models: e.models.clone(),
         role: Role::from_label(&e.role),

@@ -252,6 +252,68 @@ async fn a_prefix_its_engine_has_evicted_no_longer_counts_as_held() {
     assert!(hits < 200.0, "which the engine no longer holds: it hit {hits} tokens");
 }
 
+/// The expected hit is calibrated against the engine's own prefix-cache counters
+/// ([`attache_policies::calibration`]): prompts a client warmed on the engine directly, out of
+/// the gateway's sight, are believed cold yet hit. Over the second half of the run the filter's
+/// calibrated expectation tracks the hit rate the engine reports, while its belief stays near 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_expected_hit_is_calibrated_against_the_engines_counters() {
+    let mut s = Stack::new("calibrated").expect("stack");
+    s.start_sim(SimOpts { engines: 1, time_scale: 0.05, ..SimOpts::default() }).expect("sim");
+    s.start_host().expect("host");
+    let config = serde_json::json!({"role": "scheduler", "scheduler": {"max_body_bytes": 4_194_304}});
+    s.start_envoy(EnvoyKind::Attache, &config, 1).expect("envoy");
+    s.wait_snapshot(1, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+    let completion = |i: usize| {
+        serde_json::json!({"model": MODEL, "prompt": format!("warmed {i} ").repeat(300), "max_tokens": 1})
+            .to_string()
+            .into_bytes()
+    };
+    let gateway = s.url("/v1/completions");
+    let probe = client::post(&http, &gateway, completion(usize::MAX), &[]).await;
+    assert!(probe.ok(), "{}", probe.body);
+    let engine = format!("http://127.0.0.1:{}", probe.engine_port.expect("port"));
+    let engine_counters = || async {
+        let page = reqwest::get(format!("{engine}/metrics")).await.unwrap().text().await.unwrap();
+        let m = attache_kv::prom::engine_metrics(&page, attache_kv::Engine::Vllm).unwrap();
+        (m.prefix_cache_queries, m.prefix_cache_hits)
+    };
+    let filter = |s: &Stack| {
+        let stats = s.envoy_stats();
+        let get = |n: &str| attache_e2e::stats::stat_value(&stats, &format!("wasmcustom.attache.prefix.{n}")) as f64;
+        (get("prompt_tokens"), get("believed_tokens"), get("expected_tokens"))
+    };
+    let mut marks = Vec::new();
+    for i in 0..20 {
+        if i == 10 {
+            // The filter adds its sums from its tick.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            marks.push((filter(&s), engine_counters().await));
+        }
+        let warm = client::post(&http, &format!("{engine}/v1/completions"), completion(i), &[]).await;
+        assert!(warm.ok(), "{}", warm.body);
+        // The engine's counters reach the filter with its next scrape and snapshot.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let o = client::post(&http, &gateway, completion(i), &[]).await;
+        assert!(o.ok(), "{}", o.body);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    marks.push((filter(&s), engine_counters().await));
+    let (((p0, b0, e0), (q0, h0)), ((p1, b1, e1), (q1, h1))) = (marks[0], marks[1]);
+    let (prompt, believed, expected) = (p1 - p0, b1 - b0, e1 - e0);
+    let engine_rate = (h1 - h0) / (q1 - q0);
+    let (belief, calibrated) = (believed / prompt, expected / prompt);
+    println!(
+        "second half: engine hit rate {engine_rate:.3}, calibrated expectation {calibrated:.3}, belief {belief:.3}"
+    );
+    assert!(prompt > 5_000.0, "ten requests of about 1,000 tokens: {prompt}");
+    assert!(belief < 0.05, "the gateway never saw the warm-up: {belief}");
+    assert!(engine_rate > 0.3, "the warmed prompts hit: {engine_rate}");
+    assert!((calibrated - engine_rate).abs() < 0.1, "calibrated {calibrated} against the engine's {engine_rate}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_destination_headers_are_ignored() {
     let s = attache_stack("spoof", small_pool());

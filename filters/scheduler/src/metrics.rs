@@ -23,6 +23,8 @@ pub struct Metrics {
     scores: Vec<(&'static str, Option<u32>)>,
     prefix_blocks_matched: Option<u32>,
     prefix_blocks_total: Option<u32>,
+    /// `attache.prefix.{prompt,believed,expected}_tokens` (policies::calibration).
+    prefix_tokens: [Option<u32>; 3],
     snapshot_version: Option<u32>,
     snapshot_epoch: Option<u32>,
     snapshot_updates: Option<u32>,
@@ -61,6 +63,8 @@ pub struct Metrics {
     /// Prefix blocks matched and total since the last tick (`attache.prefix.blocks_*`, added
     /// from the tick: the counters lag the requests by at most one tick).
     blocks: (i64, i64),
+    /// Prompt, believed-cached and expected-cached tokens since the last tick, the same way.
+    tokens: [i64; 3],
     /// Counter increments taken on the request path (`attache.requests.scheduled`, the
     /// per-endpoint picks), added from the tick: one host call per counter per tick instead
     /// of one per request.
@@ -168,6 +172,11 @@ impl Metrics {
             apis: Api::ALL.map(|a| define(MetricType::Counter, &format!("attache.requests.api.{}", a.as_str()))),
             prefix_blocks_matched: define(MetricType::Counter, "attache.prefix.blocks_matched"),
             prefix_blocks_total: define(MetricType::Counter, "attache.prefix.blocks_total"),
+            prefix_tokens: [
+                define(MetricType::Counter, "attache.prefix.prompt_tokens"),
+                define(MetricType::Counter, "attache.prefix.believed_tokens"),
+                define(MetricType::Counter, "attache.prefix.expected_tokens"),
+            ],
             snapshot_version: define(MetricType::Gauge, "attache.snapshot.version"),
             snapshot_epoch: define(MetricType::Gauge, "attache.snapshot.host_epoch"),
             snapshot_updates: define(MetricType::Counter, "attache.snapshot.updates"),
@@ -305,6 +314,12 @@ impl Metrics {
             inc(self.prefix_blocks_matched, matched);
             inc(self.prefix_blocks_total, total);
         }
+        let tokens = std::mem::take(&mut self.tokens);
+        if tokens[0] > 0 {
+            for (&id, by) in self.prefix_tokens.iter().zip(tokens) {
+                inc(id, by);
+            }
+        }
     }
 
     /// Add `by` to counter `id` at the next tick.
@@ -329,6 +344,9 @@ impl Metrics {
         // Summed here and added from the tick: two host calls fewer per request.
         self.blocks.0 += m.matched_blocks as i64;
         self.blocks.1 += m.total_blocks as i64;
+        for (sum, by) in self.tokens.iter_mut().zip([m.prompt_tokens, m.believed_tokens, m.expected_tokens]) {
+            *sum += by as i64;
+        }
         if m.load_only {
             inc(self.load_only, 1);
         }

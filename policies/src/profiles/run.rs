@@ -78,7 +78,8 @@ impl Scored {
     pub fn named(&self, endpoints: &[Endpoint]) -> ScoredEndpoint {
         let e = endpoints.get(self.position);
         let address = e.map(|e| e.address.clone()).unwrap_or_default();
-        ScoredEndpoint { address, kv_written: e.and_then(|e| e.kv_written), scored: self.clone() }
+        let (kv_written, kv_hits) = (e.and_then(|e| e.kv_written), e.and_then(|e| e.kv_hits));
+        ScoredEndpoint { address, kv_written, kv_hits, scored: self.clone() }
     }
 }
 
@@ -90,6 +91,8 @@ pub struct ScoredEndpoint {
     /// Its engine's KV write clock when the decision was made ([`Endpoint::kv_written`]): what
     /// the approximate index stamps the request's blocks with.
     pub kv_written: Option<u64>,
+    /// Its engine's prefix-cache hits then ([`Endpoint::kv_hits`]).
+    pub kv_hits: Option<u64>,
     pub scored: Scored,
 }
 
