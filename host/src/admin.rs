@@ -24,6 +24,8 @@ pub struct AdminState {
     pub picker: Option<Arc<crate::epp::Picker>>,
     /// The fleet state merged from the Envoys' reports.
     pub fleet: Option<crate::fleet::FleetFeed>,
+    /// The pool label and objectives of the `attache_pool_*` signals.
+    pub autoscaling: crate::autoscaling::AutoscalingConfig,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -51,6 +53,8 @@ async fn prometheus(State(st): State<AdminState>) -> impl axum::response::IntoRe
     if let Some(f) = &st.fleet {
         f.render(&mut text);
     }
+    let queued = st.fleet.as_ref().map(|f| f.lock().queued(crate::fleet::now_ms()));
+    crate::autoscaling::PoolSignals::compute(&snap, queued).render(&st.autoscaling, &mut text);
     if let Some(p) = &st.picker {
         let (inflight, waiting) = p.load();
         p.metrics.render(&mut text, &inflight, waiting);
@@ -140,6 +144,7 @@ pub fn snapshot_json(s: &v1::Snapshot) -> Value {
             "kv_written_tokens": e.kv_written_tokens,
             "prefix_cache_hit_tokens": e.prefix_cache_hit_tokens,
             "ttft_ms": e.ttft_ms,
+            "tpot_ms": e.tpot_ms,
             "prefill_tokens_per_s": e.prefill_tokens_per_s,
             "labels": e.labels,
             "lora_running": e.lora_running,

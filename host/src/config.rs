@@ -65,6 +65,9 @@ pub struct HostConfig {
     /// Fleet state: what each Envoy learns (bindings, prefix affinity, tenant usage), merged
     /// and sent to the others.
     pub fleet: crate::fleet::FleetConfig,
+    /// Autoscaling signals in `/metrics` (`attache_pool_*`): the pool label and the latency
+    /// objectives the SLO ratios divide by.
+    pub autoscaling: crate::autoscaling::AutoscalingConfig,
 }
 
 impl Default for HostConfig {
@@ -89,6 +92,7 @@ impl Default for HostConfig {
             kubernetes: None,
             flow: crate::state::FlowInputs::default(),
             fleet: crate::fleet::FleetConfig::default(),
+            autoscaling: crate::autoscaling::AutoscalingConfig::default(),
         }
     }
 }

@@ -128,6 +128,8 @@ impl FleetCounters {
 struct EnvoyUsage {
     at_ms: u64,
     usage: HashMap<String, f64>,
+    /// Requests waiting in the Envoy's flow-control queues.
+    queued: u32,
     /// Host clock at the report, for staleness.
     heard_ms: u64,
 }
@@ -292,8 +294,20 @@ impl Fleet {
                 self.counters.evicted.fetch_add(1, Ordering::Relaxed);
             }
         }
-        self.usage.insert(envoy.to_owned(), EnvoyUsage { at_ms: r.usage_unix_ms, usage, heard_ms: now_ms });
+        let u = EnvoyUsage { at_ms: r.usage_unix_ms, usage, queued: r.queued, heard_ms: now_ms };
+        self.usage.insert(envoy.to_owned(), u);
         self.usage_changed = true;
+    }
+
+    /// Requests waiting in the flow-control queues of the Envoys reporting to this host (not
+    /// its peers': each host replica counts its own Envoys, so a sum over replicas counts each
+    /// once), and how many Envoys that is. Envoys silent past `envoy_stale_ms` are left out.
+    pub fn queued(&self, now_ms: u64) -> (u64, usize) {
+        let live = self
+            .usage
+            .iter()
+            .filter(|(envoy, u)| !is_peer(envoy) && now_ms.saturating_sub(u.heard_ms) <= self.cfg.envoy_stale_ms);
+        live.fold((0, 0), |(q, n), (_, u)| (q + u64::from(u.queued), n + 1))
     }
 
     /// Take what changed since the last call, if anything did.
@@ -661,5 +675,23 @@ mod tests {
         // Bad figures are refused.
         f.report("b", &usage(&[("t1", f64::NAN), ("t2", -1.0)], 7_001), 7_001);
         assert_eq!(f.counters.refused.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn queue_depth_sums_this_hosts_live_envoys() {
+        let cfg = FleetConfig { envoy_stale_ms: 5_000, ..Default::default() };
+        let mut f = Fleet::new(cfg);
+        let queued = |n: u32, at: u64| v1::Report { queued: n, usage_unix_ms: at, ..Default::default() };
+        assert_eq!(f.queued(0), (0, 0));
+        f.report("a", &queued(5, 1_000), 1_000);
+        f.report("b", &queued(3, 1_000), 1_000);
+        f.report("b", &queued(2, 2_000), 2_000);
+        // A peer host's stream carries its own Envoys' figures: counted there, not here.
+        f.report(&format!("{PEER_PREFIX}10.0.0.2:50051"), &queued(40, 2_000), 2_000);
+        assert_eq!(f.queued(2_000), (7, 2), "b's newest report replaces its older one");
+        assert_eq!(f.queued(6_500), (2, 1), "a is silent past envoy_stale_ms");
+        // A report without usage (bindings only) does not touch the queue figure.
+        f.report("b", &v1::Report { queued: 99, ..Default::default() }, 6_500);
+        assert_eq!(f.queued(6_500), (2, 1));
     }
 }

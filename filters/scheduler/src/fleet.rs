@@ -57,6 +57,8 @@ pub struct FleetMember {
     backlog: VecDeque<Entry>,
     board_cas: Option<u32>,
     last_usage_ms: u64,
+    /// The queue depth last reported: a change is reported at once.
+    last_queued: u32,
     /// The stream (re)opened: resend what was learned recently.
     resync: bool,
 }
@@ -74,6 +76,7 @@ impl FleetMember {
             backlog: VecDeque::new(),
             board_cas: None,
             last_usage_ms: 0,
+            last_queued: 0,
             resync: false,
             cfg,
         }
@@ -145,13 +148,18 @@ impl FleetMember {
         if cas == self.board_cas && !due {
             return;
         }
-        let Some(board) = bytes.as_deref().and_then(attache_policies::flow::Board::decode) else { return };
+        // No board yet (nothing queued or dispatched under flow control, or flow control off):
+        // an empty one, so the host still hears that nothing waits here.
+        let board = bytes.as_deref().and_then(attache_policies::flow::Board::decode).unwrap_or_default();
         self.board_cas = cas;
-        if board.usage.is_empty() && !due {
+        let queued = board.queued();
+        if board.usage.is_empty() && queued == self.last_queued && !due {
             return;
         }
         self.out.usage = board.usage.into_iter().collect();
         self.out.usage_unix_ms = board.at_ms.max(1);
+        self.out.queued = queued;
+        self.last_queued = queued;
         self.last_usage_ms = now_ms;
     }
 

@@ -1,5 +1,6 @@
-//! The `attache` command line: `host`, `gateway` and `policy` subcommands.
+//! The `attache` command line: `host`, `gateway`, `policy` and `async` subcommands.
 
+mod async_cmd;
 mod gateway;
 mod host;
 mod policy;
@@ -26,6 +27,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: policy::PolicyCmd,
     },
+    /// The batch worker: jobs from Redis into the pool's spare capacity, through the gateway.
+    Async(Box<async_cmd::AsyncArgs>),
 }
 
 impl Cli {
@@ -35,6 +38,7 @@ impl Cli {
             Cmd::Policy { cmd } => policy::run(cmd).await,
             Cmd::Gateway(args) => gateway::run(args).await,
             Cmd::Host(args) => host::run(args).await,
+            Cmd::Async(args) => async_cmd::run(*args).await,
         }
     }
 }

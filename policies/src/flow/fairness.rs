@@ -68,6 +68,12 @@ impl Board {
         serde_json::to_vec(self).unwrap_or_default()
     }
 
+    /// Requests waiting on every worker of this Envoy, as they last posted.
+    pub fn queued(&self) -> u32 {
+        let n: u64 = self.workers.values().flat_map(|d| d.waiting.iter()).map(|(_, _, n)| u64::from(*n)).sum();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
     /// The tenant's usage over the fleet: this Envoy's, plus the others' when known.
     pub fn usage(&self, tenant: &str) -> f64 {
         self.usage.get(tenant).copied().unwrap_or(0.0) + self.remote.get(tenant).copied().unwrap_or(0.0)
