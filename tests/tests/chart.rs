@@ -116,6 +116,8 @@ fn lint_template_and_validate_default_and_every_ci_values_file() {
         "gateway-api-values.yaml",
         "pd-values.yaml",
         "policy-values.yaml",
+        "autoscaling-keda-values.yaml",
+        "autoscaling-hpa-values.yaml",
     ] {
         assert!(names.iter().any(|n| n == want), "charts/attache/ci/{want} is missing ({names:?})");
     }
@@ -568,7 +570,7 @@ fn the_gateway_bootstrap_differs_from_envoy_attache_yaml_only_as_documented() {
 #[test]
 fn misconfigurations_fail_with_clear_messages() {
     let t = tools();
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 11] = [
         (&["istio.enabled=true"], "istio.enabled needs gatewayApi.enabled"),
         (&["istio.enabled=true", "gatewayApi.enabled=true"], "istio.scheduler.sha256 is required"),
         (
@@ -585,6 +587,20 @@ fn misconfigurations_fail_with_clear_messages() {
         (
             &["gatewayApi.enabled=true", "host.ports.eppHealth=9002"],
             "host.ports.epp and host.ports.eppHealth must differ",
+        ),
+        (&["autoscaling.keda.enabled=true"], "set autoscaling.target.name"),
+        (
+            &["autoscaling.keda.enabled=true", "autoscaling.hpa.enabled=true", "autoscaling.target.name=x"],
+            "enable keda or hpa, not both",
+        ),
+        (
+            &[
+                "autoscaling.hpa.enabled=true",
+                "autoscaling.target.name=x",
+                "autoscaling.signals.queueDepth=",
+                "autoscaling.signals.runningRequests=",
+            ],
+            "every signal is off",
         ),
     ];
     for (sets, message) in cases {
@@ -973,4 +989,46 @@ fn metrics_are_scrapeable_and_the_dashboard_covers_the_host_and_the_filter() {
     let monitors = of_kind(&d, "ServiceMonitor");
     assert_eq!(monitors.len(), 1);
     assert_eq!(monitors[0]["metadata"]["name"], "llama-attache-host");
+}
+
+/// The autoscaling objects scale the right Deployment on the host's pool signals: totals with a
+/// per-replica target, ratios with a pool-wide one, and the host told the pool's name and SLOs.
+#[test]
+fn autoscaling_renders_keda_or_hpa_on_the_pool_signals() {
+    let t = tools();
+    let keda = docs(&t.render(Some(&t.chart().join("ci/autoscaling-keda-values.yaml")), &[]).expect("render"));
+    let so = keda.iter().find(|d| d["kind"] == "ScaledObject").expect("a ScaledObject");
+    assert!(keda.iter().all(|d| d["kind"] != "HorizontalPodAutoscaler"), "KEDA makes its own HPA");
+    let target = so["spec"]["scaleTargetRef"]["name"].as_str().unwrap();
+    assert!(
+        keda.iter().any(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == target),
+        "the ScaledObject scales the chart's model servers ({target})"
+    );
+    let triggers = so["spec"]["triggers"].as_array().unwrap();
+    let query = |name: &str| {
+        let t = triggers.iter().find(|t| t["name"] == name).unwrap_or_else(|| panic!("no {name} trigger"));
+        (t["metadata"]["query"].as_str().unwrap().to_owned(), t["metricType"].as_str().unwrap().to_owned())
+    };
+    let (q, kind) = query("queue-depth");
+    assert!(q.starts_with("sum(attache_pool_queue_depth{pool=\"") && q.contains("namespace=\"ml\""), "{q}");
+    assert_eq!(kind, "AverageValue");
+    let (q, kind) = query("saturation");
+    assert!(q.starts_with("max(attache_pool_saturation{"), "{q}");
+    assert_eq!(kind, "Value");
+    let host_cm = keda.iter().find(|d| d["kind"] == "ConfigMap" && d["data"]["host.yaml"].is_string()).unwrap();
+    let host: Value = serde_yaml::from_str(host_cm["data"]["host.yaml"].as_str().unwrap()).unwrap();
+    let pool = q.split("pool=\"").nth(1).and_then(|r| r.split('"').next()).unwrap();
+    assert_eq!(host["autoscaling"]["pool"].as_str(), Some(pool), "the host labels its metrics with the queried pool");
+    assert_eq!(host["autoscaling"]["ttft_slo_ms"].as_f64(), Some(1000.0));
+
+    let hpa = docs(&t.render(Some(&t.chart().join("ci/autoscaling-hpa-values.yaml")), &[]).expect("render"));
+    let h = hpa.iter().find(|d| d["kind"] == "HorizontalPodAutoscaler").expect("an HPA");
+    assert_eq!(h["apiVersion"], "autoscaling/v2");
+    assert_eq!(h["spec"]["scaleTargetRef"]["name"], "vllm-llama");
+    let metrics = h["spec"]["metrics"].as_array().unwrap();
+    let names: Vec<&str> = metrics.iter().filter_map(|m| m["external"]["metric"]["name"].as_str()).collect();
+    assert_eq!(names, ["attache_pool_queue_depth", "attache_pool_saturation", "attache_pool_running_requests"]);
+    assert_eq!(metrics[0]["external"]["target"]["averageValue"], "4");
+    assert_eq!(metrics[1]["external"]["target"]["value"], "0.7", "a ratio: a pool-wide target");
+    assert_eq!(metrics[2]["external"]["target"]["averageValue"], "16", "the default floor");
 }
