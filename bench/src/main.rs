@@ -4,6 +4,7 @@
 #![allow(clippy::too_many_lines)]
 
 mod agents;
+mod async_batch;
 mod closed_loop;
 mod compare;
 mod conversation;
@@ -51,6 +52,9 @@ struct Cli {
 enum Cmd {
     /// Shared-prefix chat through Envoy: plain round-robin, then Attaché, on 4 simulated engines.
     Demo(DemoArgs),
+    /// Async inference into spare capacity: interactive chat with and without `attache async`
+    /// draining a batch backlog (TTFT p95 ratio, batch share of the idle capacity).
+    Async(async_batch::Args),
     /// Start simulated engines, the host and Envoy, and keep them running until Ctrl-C.
     Up(up::Args),
     /// llm-d's shared-prefix workload on 8 engines: round-robin vs approximate vs precise.
@@ -219,6 +223,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::SharedPrefix(a) => shared_prefix::run(a).await,
         Cmd::Policy(a) => policy::run(a).await,
         Cmd::FlowControl(a) => flow_control::run(a).await,
+        Cmd::Async(a) => async_batch::run(a).await,
         Cmd::Pd(a) => pd::run(a).await,
         Cmd::Overhead(a) => overhead::run(a).await,
         Cmd::PreciseGrowth(a) => precise_growth::run(a).await,
