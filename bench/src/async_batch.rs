@@ -51,6 +51,10 @@ pub struct Args {
     /// Output tokens per batch job.
     #[arg(long, default_value_t = 256)]
     job_tokens: u64,
+    /// Prompt tokens per batch job (each its own document): 800 for summaries (prefill-heavy);
+    /// a generation backlog (synthetic data, evaluations) has short prompts and long outputs.
+    #[arg(long, default_value_t = 800)]
+    job_prompt_tokens: usize,
     /// The worker's saturation ceiling and concurrency in the interactive + async run.
     #[arg(long, default_value_t = 0.8)]
     ceiling: f64,
@@ -90,13 +94,14 @@ fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
 }
 
-/// The backlog: document summaries, each its own ~800-token prompt, sent under `objective`.
+/// The backlog: summaries of `job_prompt_tokens`-token documents, each its own, sent under
+/// `objective`.
 fn jobs(a: &Args, objective: &str) -> Vec<Vec<u8>> {
     let mut rng = SplitMix64::new(a.seed ^ 0xba7c);
     (0..a.jobs)
         .map(|i| {
             let payload = json!({"model": MODEL, "max_tokens": a.job_tokens, "messages": [
-                {"role": "user", "content": format!("Summarise document {i}: {}", words(&mut rng, 800))}]});
+                {"role": "user", "content": format!("Summarise document {i}: {}", words(&mut rng, a.job_prompt_tokens))}]});
             let job = json!({"id": format!("doc-{i:05}"), "created": unix_now(), "deadline": unix_now() + 3600.0,
                 "payload": payload, "metadata": {"tenant": "batch", "objective": objective}});
             job.to_string().into_bytes()
@@ -258,8 +263,8 @@ async fn one_run(a: &Args, name: &str, chat: bool, worker: Option<(f64, usize, &
 
 pub async fn run(a: Args) -> anyhow::Result<()> {
     println!(
-        "async: {} engines x {} sequences; {} interactive req/s for {} s; {} batch jobs of {} output tokens",
-        a.engines, a.max_num_seqs, a.interactive_rps, a.duration_s, a.jobs, a.job_tokens
+        "async: {} engines x {} sequences; {} interactive req/s for {} s; {} batch jobs of {} prompt and {} output tokens",
+        a.engines, a.max_num_seqs, a.interactive_rps, a.duration_s, a.jobs, a.job_prompt_tokens, a.job_tokens
     );
     let alone = one_run(&a, "interactive", true, None).await?;
     let slots = usize::from(a.engines) * a.max_num_seqs;
@@ -283,7 +288,7 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
         "benchmark": "async",
         "command": "cargo xtask bench async",
         "config": {"engines": a.engines, "max_num_seqs": a.max_num_seqs, "duration_s": a.duration_s,
-                   "interactive_rps": a.interactive_rps, "jobs": a.jobs, "job_tokens": a.job_tokens,
+                   "interactive_rps": a.interactive_rps, "jobs": a.jobs, "job_tokens": a.job_tokens, "job_prompt_tokens": a.job_prompt_tokens,
                    "ceiling": a.ceiling, "concurrency": a.concurrency, "seed": a.seed},
         "runs": [alone.row, capacity.row, both.row],
         "capacity_tok_per_s": round2(capacity.batch_tok_s),

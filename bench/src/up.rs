@@ -70,6 +70,9 @@ pub async fn run(a: Args) -> anyhow::Result<()> {
     ensure_free(a.port, "--port")?;
     ensure_free(a.envoy_admin_port, "--envoy-admin-port")?;
     ensure_free(a.host_admin_port, "--host-admin-port")?;
+    // Chosen by the caller (a test picks them in its own process): keep the stack's own port
+    // picks (engines, the host's gRPC) off them, since nothing has bound them yet.
+    attache_e2e::ports::reserve(&[a.port, a.envoy_admin_port, a.host_admin_port]);
     let mut stack = Stack::new("up")?;
     stack.envoy_port = a.port;
     stack.envoy_admin_port = a.envoy_admin_port;

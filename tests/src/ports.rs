@@ -19,10 +19,9 @@ fn bindable(p: u16) -> bool {
     TcpListener::bind(("127.0.0.1", p)).is_ok()
 }
 
-/// Pick `n` consecutive free loopback ports (the simulator binds base..base+n); 0 if none.
-pub fn free_port_range(n: u16) -> u16 {
+fn registry() -> std::sync::MutexGuard<'static, Option<(u16, HashSet<u16>)>> {
     let mut guard = PORTS.lock().unwrap_or_else(|p| p.into_inner());
-    let (next, used) = guard.get_or_insert_with(|| {
+    guard.get_or_insert_with(|| {
         // Start somewhere different in each process, so concurrent runs rarely meet.
         let seed = std::process::id() as u64
             ^ std::time::SystemTime::now()
@@ -31,6 +30,21 @@ pub fn free_port_range(n: u16) -> u16 {
                 .unwrap_or(0);
         (PORT_LOW + (seed % u64::from(PORT_HIGH - PORT_LOW)) as u16, HashSet::new())
     });
+    guard
+}
+
+/// Never hand out `ports`: they were chosen elsewhere (another process's registry, a flag)
+/// and may not be bound yet, so a probe would find them free.
+pub fn reserve(ports: &[u16]) {
+    if let Some((_, used)) = registry().as_mut() {
+        used.extend(ports.iter().copied());
+    }
+}
+
+/// Pick `n` consecutive free loopback ports (the simulator binds base..base+n); 0 if none.
+pub fn free_port_range(n: u16) -> u16 {
+    let mut guard = registry();
+    let Some((next, used)) = guard.as_mut() else { return 0 };
     for _ in 0..(PORT_HIGH - PORT_LOW) {
         let base = *next;
         *next = if base + n >= PORT_HIGH { PORT_LOW } else { base + n };
