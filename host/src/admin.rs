@@ -26,6 +26,8 @@ pub struct AdminState {
     pub fleet: Option<crate::fleet::FleetFeed>,
     /// The pool label and objectives of the `attache_pool_*` signals.
     pub autoscaling: crate::autoscaling::AutoscalingConfig,
+    /// The gateway's Responses store, for its `attache_responses_*` families.
+    pub responses: Option<crate::responses::Responses>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -55,6 +57,9 @@ async fn prometheus(State(st): State<AdminState>) -> impl axum::response::IntoRe
     }
     let queued = st.fleet.as_ref().map(|f| f.lock().queued(crate::fleet::now_ms()));
     crate::autoscaling::PoolSignals::compute(&snap, queued).render(&st.autoscaling, &mut text);
+    if let Some(r) = &st.responses {
+        r.render(&mut text);
+    }
     if let Some(p) = &st.picker {
         let (inflight, waiting) = p.load();
         p.metrics.render(&mut text, &inflight, waiting);

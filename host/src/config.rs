@@ -68,6 +68,8 @@ pub struct HostConfig {
     /// Autoscaling signals in `/metrics` (`attache_pool_*`): the pool label and the latency
     /// objectives the SLO ratios divide by.
     pub autoscaling: crate::autoscaling::AutoscalingConfig,
+    /// The gateway's Responses API store (`docs/responses.md`): its bounds and TTL.
+    pub responses: crate::responses::ResponsesConfig,
 }
 
 impl Default for HostConfig {
@@ -93,6 +95,7 @@ impl Default for HostConfig {
             flow: crate::state::FlowInputs::default(),
             fleet: crate::fleet::FleetConfig::default(),
             autoscaling: crate::autoscaling::AutoscalingConfig::default(),
+            responses: crate::responses::ResponsesConfig::default(),
         }
     }
 }

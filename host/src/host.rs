@@ -74,8 +74,11 @@ impl Host {
         let members = eds::Members::default();
         let fleet = crate::fleet::FleetFeed::spawn(cfg.fleet.clone());
         crate::peers::spawn(fleet.clone(), host_name(&cfg, epoch), own_addresses(&cfg));
+        let responses = crate::responses::Responses::new(cfg.responses.clone());
+        responses.spawn_expiry();
         let (no_policy_tx, grpc) =
             grpc_services(&cfg, policy.as_ref(), rx.clone(), &kv_index, &kv_changed, &members, &fleet);
+        let grpc = grpc.add_service(responses.clone().into_server());
         let grpc_listener = bind(cfg.grpc_listen).await?;
         let admin_listener = bind(cfg.admin_listen).await?;
         info!(grpc = %cfg.grpc_listen, admin = %cfg.admin_listen, epoch, "attache host listening");
@@ -104,6 +107,7 @@ impl Host {
             picker,
             fleet: Some(fleet),
             autoscaling: cfg.autoscaling.clone(),
+            responses: Some(responses),
         };
         let admin_router = admin_router(admin_state, admin_token, policy);
         let admin = std::future::IntoFuture::into_future(axum::serve(admin_listener, admin_router));

@@ -19,6 +19,7 @@ pub mod model_list;
 pub mod peers;
 pub mod policy;
 pub mod push;
+pub mod responses;
 pub mod scrape;
 pub mod state;
 pub mod tcp;

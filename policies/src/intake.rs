@@ -27,6 +27,41 @@ pub struct Head {
     pub flow_headers: Vec<(String, String)>,
     /// The first configured rollout session header's value (custom scorers' bucket).
     pub rollout_session: Option<String>,
+    /// A Responses request in gateway mode: the tenant its ids belong to
+    /// ([`crate::responses::tenant_of`]).
+    pub tenant: Option<String>,
+}
+
+/// A route of the Responses API the gateway answers from its store (gateway mode): `GET` or
+/// `DELETE /v1/responses/{id}`, `GET .../input_items`, `POST .../cancel`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreRoute {
+    pub method: String,
+    /// The path with its query.
+    pub path: String,
+    pub tenant: String,
+}
+
+/// The tenant of a request, from the flow-control tenant and API-key headers.
+fn tenant<'h>(cfg: &FilterConfig, get: &impl Fn(&str) -> Option<Cow<'h, str>>) -> String {
+    crate::responses::tenant_of(get(&cfg.flow.tenant_header).as_deref(), get(&cfg.flow.api_key_header).as_deref())
+}
+
+/// The Responses route the gateway's store answers, if the request is one.
+pub fn store_route<'h>(cfg: &FilterConfig, get: impl Fn(&str) -> Option<Cow<'h, str>>) -> Option<StoreRoute> {
+    if cfg.responses.mode != crate::responses::Mode::Gateway {
+        return None;
+    }
+    let method = get(":method")?;
+    let path = get(":path")?;
+    let bare = path.split('?').next().unwrap_or_default();
+    let rest = bare.strip_prefix("/v1/responses/")?;
+    let ours = match (method.as_ref(), rest.split_once('/')) {
+        ("GET" | "DELETE", None) => !rest.is_empty(),
+        ("GET", Some((id, "input_items"))) | ("POST", Some((id, "cancel"))) => !id.is_empty(),
+        _ => false,
+    };
+    ours.then(|| StoreRoute { method: method.into_owned(), path: path.into_owned(), tenant: tenant(cfg, &get) })
 }
 
 impl Head {
@@ -66,6 +101,9 @@ pub fn head<'h>(
             }
         }
     }
+    if api == Api::Responses && cfg.responses.mode == crate::responses::Mode::Gateway {
+        head.tenant = Some(tenant(cfg, &get));
+    }
     if cfg.scoring.context {
         head.rollout_session = cfg.scoring.session_headers.iter().find_map(|h| get(h)).map(Cow::into_owned);
     }
@@ -102,9 +140,10 @@ pub fn flow_controlled(cfg: &FilterConfig, api: Api) -> bool {
     cfg.flow.enabled && !api.is_utility()
 }
 
-/// The response to a Responses API call teaches its id → endpoint binding (when sessions are on).
+/// The response to a Responses API call teaches its id → endpoint binding (when sessions are on
+/// and the engines keep Responses state).
 pub fn learns_response(cfg: &FilterConfig, api: Api) -> bool {
-    cfg.sessions.enabled && api == Api::Responses
+    cfg.sessions.enabled && api == Api::Responses && cfg.responses.mode == crate::responses::Mode::Engine
 }
 
 /// The headers of an answer the scheduler sends itself: JSON, the reason, then `extra`
@@ -178,10 +217,36 @@ mod tests {
     }
 
     #[test]
+    fn the_stores_routes_are_recognised_in_gateway_mode_only() {
+        let mut cfg = FilterConfig::default();
+        let route = |cfg: &FilterConfig, method: &'static str, path: &'static str| {
+            store_route(cfg, |n| match n {
+                ":method" => Some(Cow::Borrowed(method)),
+                ":path" => Some(Cow::Borrowed(path)),
+                "authorization" => Some(Cow::Borrowed("Bearer k")),
+                _ => None,
+            })
+        };
+        let r = route(&cfg, "GET", "/v1/responses/resp_1/input_items?limit=2").expect("input_items");
+        assert_eq!((r.method.as_str(), r.path.as_str()), ("GET", "/v1/responses/resp_1/input_items?limit=2"));
+        assert!(r.tenant.starts_with("key-"));
+        for (m, p) in [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel")] {
+            assert!(route(&cfg, m, p).is_some(), "{m} {p}");
+        }
+        for (m, p) in [("POST", "/v1/responses"), ("GET", "/v1/responses/"), ("PUT", "/v1/responses/r"), ("GET", "/v1/responses/r/x")] {
+            assert!(route(&cfg, m, p).is_none(), "{m} {p}");
+        }
+        cfg.responses.mode = crate::responses::Mode::Engine;
+        assert!(route(&cfg, "GET", "/v1/responses/resp_1").is_none(), "the engines answer in engine mode");
+    }
+
+    #[test]
     fn answers_carry_json_the_reason_and_extras() {
         let h = answer_headers("shed", &[("retry-after", "1")]);
         assert_eq!(h, vec![("content-type", "application/json"), (ERROR_HEADER, "shed"), ("retry-after", "1")]);
         let mut cfg = FilterConfig::default();
+        assert!(!learns_response(&cfg, Api::Responses), "the gateway keeps Responses state by default");
+        cfg.responses.mode = crate::responses::Mode::Engine;
         assert!(learns_response(&cfg, Api::Responses) && !learns_response(&cfg, Api::Completions));
         cfg.sessions.enabled = false;
         assert!(!learns_response(&cfg, Api::Responses));

@@ -36,6 +36,7 @@ pub mod profiles;
 pub mod prompt_tokens;
 pub mod replay;
 pub mod request;
+pub mod responses;
 pub mod rng;
 pub mod scheduler;
 pub mod scorers;

@@ -120,6 +120,9 @@ pub struct FilterConfig {
     pub sessions: crate::session::SessionConfig,
     /// Fleet state shared with the other Envoys through the host.
     pub fleet: FleetConfig,
+    /// Responses API state: kept by the gateway (default), by the engines, or not at all
+    /// (policies::responses).
+    pub responses: crate::responses::ResponsesConfig,
     /// Time each stage of the body callback and add it to Envoy counters
     /// (`attache.stage.<stage>.ns`, `attache.stage.decisions`). Off by default: each clock
     /// reading is a host call, about 0.35 µs, that every decision pays while it is on.

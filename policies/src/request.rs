@@ -134,6 +134,10 @@ pub struct InferenceRequest {
     pub user: Option<String>,
     /// `/v1/responses` continuation.
     pub previous_response_id: Option<String>,
+    /// `/v1/responses`: whether the response is to be stored (`store`, true unless false).
+    pub store: bool,
+    /// `/v1/responses`: `background: true`.
+    pub background: bool,
     /// Chat and Responses requests: the conversation, for rendering with the model's chat
     /// template. Empty for completions.
     pub messages: Vec<ChatMessage>,
@@ -426,6 +430,10 @@ struct Body<'a> {
     user: Option<String>,
     #[serde(default)]
     previous_response_id: Option<String>,
+    #[serde(default)]
+    store: Option<bool>,
+    #[serde(default)]
+    background: Option<bool>,
     /// `/inference/v1/generate`: the prompt's token ids.
     #[serde(default)]
     token_ids: Option<Vec<u32>>,
@@ -543,6 +551,8 @@ fn messages_request(c: crate::messages::Conversation) -> InferenceRequest {
         priority: None,
         user: c.user,
         previous_response_id: None,
+        store: false,
+        background: false,
         messages: c.messages,
         message_ends,
         tools: c.tools,
@@ -562,6 +572,8 @@ fn utility(api: Api, model: String) -> InferenceRequest {
         priority: None,
         user: None,
         previous_response_id: None,
+        store: false,
+        background: false,
         messages: Vec::new(),
         message_ends: Vec::new(),
         tools: None,
@@ -641,6 +653,8 @@ pub fn parse(api: Api, body: &[u8]) -> Result<InferenceRequest, RequestError> {
         priority: b.priority,
         user: b.user,
         previous_response_id: b.previous_response_id,
+        store: api == Api::Responses && b.store.unwrap_or(true),
+        background: b.background.unwrap_or(false),
         messages,
         message_ends,
         tools: None,

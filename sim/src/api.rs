@@ -7,7 +7,7 @@ use attache_policies::chat_template::ChatMessage;
 use attache_policies::prompt_tokens::PromptTokenizer;
 use attache_policies::request::{self, Api, Prompt};
 use axum::body::Bytes;
-use axum::extract::{RawQuery, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -32,29 +32,10 @@ pub struct AppState {
     pub address: String,
     /// The model's real tokenizer (and chat template), if given; else the byte-level fallback.
     pub tokenizer: Option<std::sync::Arc<std::sync::Mutex<PromptTokenizer>>>,
-    /// This engine's stored Responses API conversations (vLLM keeps them in the server's
-    /// memory: `previous_response_id` only works on the engine that produced the response).
-    pub responses: ResponseStore,
-}
-
-/// Response id → the conversation's tokens (prompt and output), most recent 4,096.
-#[derive(Clone)]
-pub struct ResponseStore(std::sync::Arc<std::sync::Mutex<lru::LruCache<String, Vec<u32>>>>);
-
-impl Default for ResponseStore {
-    fn default() -> Self {
-        let cap = std::num::NonZeroUsize::new(4096).unwrap_or(std::num::NonZeroUsize::MIN);
-        Self(std::sync::Arc::new(std::sync::Mutex::new(lru::LruCache::new(cap))))
-    }
-}
-
-impl ResponseStore {
-    fn get(&self, id: &str) -> Option<Vec<u32>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(id).cloned()
-    }
-    fn put(&self, id: String, tokens: Vec<u32>) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).put(id, tokens);
-    }
+    /// This engine's Responses store: off unless `--responses-store` (vLLM's
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`), in the server's memory when on
+    /// (crate::responses).
+    pub responses: crate::responses::ResponseStore,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -62,6 +43,18 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/responses", post(responses))
+        .route(
+            "/v1/responses/{id}",
+            get(|State(st): State<AppState>, Path(id): Path<String>| async move {
+                crate::responses::get(&st.responses, &id)
+            }),
+        )
+        .route(
+            "/v1/responses/{id}/cancel",
+            post(|State(st): State<AppState>, Path(id): Path<String>| async move {
+                crate::responses::cancel(&st.responses, &id)
+            }),
+        )
         .route("/v1/models", get(models))
         .route("/v1/load_lora_adapter", post(load_lora_adapter))
         .route("/v1/unload_lora_adapter", post(unload_lora_adapter))
@@ -113,6 +106,13 @@ pub(crate) fn identify(mut r: Response, port: &str, pod: &str, address: &str) ->
 pub(crate) struct StreamOptions {
     #[serde(default)]
     pub(crate) include_usage: Option<bool>,
+}
+
+/// The Responses fields only the simulator's answer echoes.
+#[derive(Deserialize, Default)]
+struct ResponsesExtra {
+    #[serde(default)]
+    instructions: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -426,21 +426,20 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
         Ok(ids) => ids,
         Err(e) => return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", None, &e),
     };
-    // Responses API: continue a conversation this engine stored, as vLLM does.
+    // Responses API: background needs the store; continue a conversation this engine stored,
+    // as vLLM does (with the store off, every id is unknown).
+    if api == Api::Responses {
+        if let Some(refused) = crate::responses::check_background(&st.responses, req.background, req.store) {
+            return refused;
+        }
+    }
     let prompt = match (&req.previous_response_id, api) {
-        (Some(prev), Api::Responses) => match st.responses.get(prev) {
+        (Some(prev), Api::Responses) => match st.responses.tokens(prev) {
             Some(mut earlier) => {
                 earlier.extend_from_slice(&prompt);
                 earlier
             }
-            None => {
-                return error(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    Some("previous_response_id"),
-                    &format!("Response with id '{prev}' not found."),
-                )
-            }
+            None => return crate::responses::not_found(prev),
         },
         _ => prompt,
     };
@@ -480,7 +479,17 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
                "remote_host": "127.0.0.1", "remote_port": st.port, "remote_num_tokens": prompt.len(),
                "tp_size": 1, "dcp_size": 1, "pp_size": 1})
     });
-    let store = (api == Api::Responses).then(|| (st.responses.clone(), prompt.clone()));
+    let turn = (api == Api::Responses).then(|| crate::responses::Turn {
+        id: format!("resp_{}", crate::responses::hex16()),
+        model: if req.model.is_empty() { cfg.model.clone() } else { req.model.clone() },
+        created: now_s(),
+        instructions: serde_json::from_slice::<ResponsesExtra>(body).ok().and_then(|e| e.instructions),
+        previous_response_id: req.previous_response_id.clone(),
+        max_output_tokens: req.max_tokens.unwrap_or(16) as usize,
+        background: req.background,
+        store: req.store && st.responses.enabled(),
+        prompt: prompt.clone(),
+    });
     let prompt_tokens = prompt.len();
     let (tx, rx) = mpsc::unbounded_channel();
     st.engine.submit(SimRequest { prompt, max_tokens, tx, remote_tokens, lora });
@@ -501,8 +510,11 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
         (Api::Generate, false) => {
             crate::generate::full(format!("generate-tokens-{}", rand_hex()), model, now_s(), rx, transfer).await
         }
-        (Api::Responses, _) => non_stream(api, model, rx, transfer, store).await,
-        (_, false) => non_stream(api, model, rx, transfer, None).await,
+        (Api::Responses, _) => match turn {
+            Some(t) => crate::responses::respond(&st.responses, t, streamed, rx).await,
+            None => non_stream(api, model, rx, transfer).await,
+        },
+        (_, false) => non_stream(api, model, rx, transfer).await,
         (_, true) => stream(api, model, rx, include_usage),
     };
     if let Some(v) = prefiller.and_then(|p| HeaderValue::from_str(&p).ok()) {
@@ -527,18 +539,13 @@ pub(crate) async fn non_stream(
     model: String,
     mut rx: mpsc::UnboundedReceiver<TokenEvent>,
     kv_transfer: Option<Value>,
-    store: Option<(ResponseStore, Vec<u32>)>,
 ) -> Response {
     let mut text = String::new();
     let mut usage = None;
-    let mut output: Vec<u32> = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             TokenEvent::Tokens(ts, _) => {
                 ts.iter().for_each(|t| text.push_str(tokenizer::decode_token(*t)));
-                if store.is_some() {
-                    output.extend(ts);
-                }
             }
             TokenEvent::Done(u) => {
                 usage = Some(u);
@@ -551,11 +558,6 @@ pub(crate) async fn non_stream(
     };
     let created = now_s();
     let kv_transfer = kv_transfer.unwrap_or(Value::Null);
-    let response_id = format!("resp_{}", rand_hex());
-    if let Some((responses, mut tokens)) = store {
-        tokens.extend(output);
-        responses.put(response_id.clone(), tokens);
-    }
     let body = match api {
         // Messages and generate answer in their own shapes (crate::messages, crate::generate);
         // utility routes never generate.
@@ -565,7 +567,8 @@ pub(crate) async fn non_stream(
         | Api::Generate
         | Api::Tokenize
         | Api::Detokenize
-        | Api::Render => json!({
+        | Api::Render
+        | Api::Responses => json!({
             "id": format!("cmpl-{}", rand_hex()), "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null,
                          "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null, "routed_experts": null}],
@@ -580,16 +583,6 @@ pub(crate) async fn non_stream(
             "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage_json(&u),
             "prompt_logprobs": null, "prompt_token_ids": null, "prompt_text": null,
             "kv_transfer_params": kv_transfer.clone(), "ec_transfer_params": null, "metrics": null,
-        }),
-        Api::Responses => json!({
-            "id": response_id, "object": "response", "created_at": created, "model": model,
-            "status": "completed",
-            "output": [{"type": "message", "id": format!("msg_{}", rand_hex()), "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-            "usage": {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-                      "total_tokens": u.prompt_tokens + u.completion_tokens,
-                      "input_tokens_details": {"cached_tokens": u.cached_tokens},
-                      "output_tokens_details": {"reasoning_tokens": 0}},
         }),
     };
     (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()

@@ -446,7 +446,7 @@ async fn answer(pool: &CheapPool, i: usize, api: Api, body: &[u8]) -> Response {
         let include_usage = extra.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         crate::api::stream(api, req.model, rx, include_usage)
     } else {
-        crate::api::non_stream(api, req.model, rx, None, None).await
+        crate::api::non_stream(api, req.model, rx, None).await
     }
 }
 

@@ -15,6 +15,7 @@ pub mod kv_publish;
 pub mod latency;
 pub mod messages;
 pub mod metrics;
+pub mod responses;
 pub mod tokenizer;
 pub mod wire;
 

@@ -67,6 +67,11 @@ struct Args {
     /// Tokens per streamed chunk after the first (vLLM's `--stream-interval`).
     #[arg(long, default_value_t = 1)]
     stream_interval: usize,
+    /// Keep Responses API state in the engine, as vLLM does with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`: `store`, `previous_response_id`, `background`,
+    /// `GET` and `cancel` work. Off, as vLLM ships: `store` is ignored, every id is unknown.
+    #[arg(long)]
+    responses_store: bool,
     /// Disable prefix caching.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -188,7 +193,7 @@ async fn main() -> anyhow::Result<()> {
             port,
             address: format!("{}:{port}", a.host),
             tokenizer: tokenizer.clone(),
-            responses: api::ResponseStore::default(),
+            responses: attache_sim::responses::ResponseStore::new(a.responses_store),
         });
         info!(port, "engine listening");
         servers.push(tokio::spawn(async move { axum::serve(api::NoDelay(listener), app).await }));

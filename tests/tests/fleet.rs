@@ -45,8 +45,11 @@ fn fleet_quantile(replicas: &[Replica], name: &str, quantile: &str) -> Option<f6
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_and_responses_follow_their_engine_across_three_replicas() {
-    let opts = SimOpts { engines: 4, time_scale: 0.5, ..SimOpts::default() };
-    let (_s, replicas) = fleet_stack("fleet-sessions", opts, &never_saturated());
+    // Engine mode: the engines keep Responses state, and the fleet carries the bindings.
+    let opts = SimOpts { engines: 4, time_scale: 0.5, responses_store: true, ..SimOpts::default() };
+    let mut cfg = never_saturated();
+    cfg["responses"] = json!({"mode": "engine"});
+    let (_s, replicas) = fleet_stack("fleet-sessions", opts, &cfg);
     let urls: Vec<String> = replicas.iter().map(|r| r.url("")).collect();
     let urls = Arc::new(urls);
 

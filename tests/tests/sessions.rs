@@ -20,12 +20,17 @@ fn port_of(addr: &str) -> Option<u16> {
 }
 
 /// Three engines in the simulator process and one in its own process (so it can be killed).
+/// Engines that keep Responses state (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`), and the
+/// filter in engine mode: a continuation goes where its response was produced.
 fn session_stack(name: &str, max_num_seqs: usize) -> (Stack, String) {
     let mut s = Stack::new(name).expect("stack");
-    s.start_sim(SimOpts { engines: 3, time_scale: 0.05, max_num_seqs, ..SimOpts::default() }).expect("sim");
+    let opts = SimOpts { engines: 3, time_scale: 0.05, max_num_seqs, responses_store: true, ..SimOpts::default() };
+    s.start_sim(opts).expect("sim");
     let extra = s.start_extra_engine().expect("extra engine");
     s.start_host().expect("host");
-    s.start_envoy(EnvoyKind::Attache, &Stack::default_scheduler_config(), 2).expect("envoy");
+    let mut cfg = Stack::default_scheduler_config();
+    cfg["responses"] = json!({"mode": "engine"});
+    s.start_envoy(EnvoyKind::Attache, &cfg, 2).expect("envoy");
     s.wait_snapshot(4, Duration::from_secs(20)).expect("snapshot");
     (s, extra)
 }

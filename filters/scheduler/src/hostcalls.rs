@@ -227,6 +227,11 @@ pub fn property_path(path: &[&str]) -> Option<Vec<u8>> {
     hostcalls::get_property(path.to_vec()).ok().flatten()
 }
 
+/// Replace the buffered request body (its first `size` bytes, the whole of it) with `body`.
+pub fn set_request_body(size: usize, body: &[u8]) -> bool {
+    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, size, body).is_ok()
+}
+
 /// The first `size` bytes of the response body chunk being processed.
 pub fn response_body(size: usize) -> Option<Vec<u8>> {
     hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size).ok().flatten()

@@ -11,6 +11,7 @@ use attache_policies::model_list;
 use attache_policies::plan::{self, Plan, ROUTING_HEADERS};
 use attache_policies::plugin_config::FilterConfig;
 use attache_policies::request::{self, Api, InferenceRequest};
+use attache_policies::responses::{self as gateway, Mode};
 use attache_policies::scoring::{self, ScoreSheet};
 use attache_policies::session;
 use attache_policies::{ErrorResponse, RequestError};
@@ -21,11 +22,16 @@ use crate::dispatch::{answer, refuse, route, shape_of};
 use crate::hostcalls as host;
 use crate::lookup;
 use crate::queue::{pump, Pumped};
-use crate::request::{Lookup, Parked, RequestState, SharedRequest};
+use crate::request::{Lookup, Parked, RequestState, Resolving, SharedRequest};
+use crate::responses::{self, Capture, Resolution};
 use crate::shared::entry_log::PENDING_MAX;
 use crate::shared::sessions::SharedSticky;
 use crate::stages::{self, Stage};
 use crate::worker::Worker;
+
+/// Set on a Responses request whose answer a scheduler filter captures, so that a later
+/// scheduler filter in the chain (a rollout arm) does not capture it too.
+const CAPTURED_PROPERTY: &str = "attache.responses.captured";
 
 pub struct SchedulerHttp {
     id: u32,
@@ -133,7 +139,192 @@ impl SchedulerHttp {
             Err(e) => return self.reject(ErrorResponse::from(&e)),
         };
         stages::mark(Stage::Parse);
-        if !self.arm_takes(&req, body.len()) {
+        if api == Api::Responses && self.keeps_responses() {
+            if let Some(prev) = req.previous_response_id.clone() {
+                return self.continuation(api, body, prev, now);
+            }
+            if req.store {
+                self.capture(&req, body, None);
+            }
+        }
+        self.route_parsed(req, body.len(), now)
+    }
+
+    /// Whether this filter keeps Responses state in the gateway (a shadow arm acts on nothing).
+    fn keeps_responses(&self) -> bool {
+        self.worker.try_borrow().is_ok_and(|w| {
+            w.config.responses.mode == Mode::Gateway && !w.config.rollout.as_ref().is_some_and(|a| a.shadow())
+        })
+    }
+
+    /// A continuation: resolve its `previous_response_id` from this worker's conversations, or
+    /// pause and ask the host.
+    fn continuation(&mut self, api: Api, body: &[u8], prev: String, now: u64) -> Action {
+        let started_us = host::now_us();
+        let tenant = self.st.try_borrow().ok().and_then(|st| st.tenant.clone()).unwrap_or_default();
+        let local =
+            self.worker.try_borrow_mut().ok().and_then(|mut w| w.conversations.get(&tenant, &prev).map(str::to_owned));
+        if let Some(history) = local {
+            self.count_response("resolved.local");
+            return self.rewrite(api, body, &prev, &history, started_us, now);
+        }
+        let cfg = match self.worker.try_borrow() {
+            Ok(w) => w.config.responses.clone(),
+            Err(_) => return Action::Continue,
+        };
+        match responses::resolve(&cfg, &tenant, &prev) {
+            Some(token) => {
+                if let Ok(mut st) = self.st.try_borrow_mut() {
+                    st.resolving = Some(Resolving { token, api, body: body.to_vec(), previous_id: prev, started_us });
+                }
+                Action::Pause
+            }
+            None => {
+                self.count_response("resolved.failed");
+                self.answer_store_unavailable()
+            }
+        }
+    }
+
+    /// Rewrite a continuation into its whole conversation and route it.
+    fn rewrite(&mut self, api: Api, body: &[u8], prev: &str, history: &str, started_us: u64, now: u64) -> Action {
+        let c = match gateway::continuation_body(body, history) {
+            Ok(c) => c,
+            Err(e) => {
+                let err = ErrorResponse::from(&RequestError::InvalidField { field: "input", detail: e.to_string() });
+                return self.reject(err);
+            }
+        };
+        if !host::set_request_body(body.len(), &c.body) {
+            host::log(LogLevel::Error, "attache: could not replace a continuation's body");
+            return self.answer_store_unavailable();
+        }
+        host::set_request_header("content-length", &c.body.len().to_string());
+        let req = match request::parse(api, &c.body) {
+            Ok(r) => r,
+            Err(e) => return self.reject(ErrorResponse::from(&e)),
+        };
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.metrics.responses("rewrites");
+            w.metrics.responses_resolve_us(host::now_us().saturating_sub(started_us));
+        }
+        if req.store {
+            self.capture(&req, &c.body, Some((prev, c.turn, c.conversation)));
+        }
+        self.route_parsed(req, c.body.len(), now)
+    }
+
+    /// Capture the response to `req` for the store: this turn's items (from `body`, or from
+    /// the continuation's rewrite) and, once it arrives, the answer.
+    fn capture(&mut self, req: &InferenceRequest, body: &[u8], continued: Option<(&str, String, String)>) {
+        if host::property(CAPTURED_PROPERTY).is_some() {
+            return; // an earlier scheduler filter in the chain captures it
+        }
+        let (previous_id, turn, conversation) = match continued {
+            Some((p, t, c)) => (p.to_owned(), t, c),
+            None => {
+                let input = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|mut v| {
+                    let input = v.get_mut("input")?.take();
+                    gateway::turn_items(&input).ok()
+                });
+                let Some(turn) = input else { return };
+                (String::new(), turn.clone(), turn)
+            }
+        };
+        host::set_property(CAPTURED_PROPERTY, b"1");
+        if let Ok(mut st) = self.st.try_borrow_mut() {
+            let tenant = st.tenant.clone().unwrap_or_default();
+            st.capture =
+                Some(Capture { tenant, previous_id, turn, conversation, streamed: req.stream, body: Vec::new() });
+        }
+    }
+
+    /// Copy a chunk of the answer being captured (the stream is not held back); finish at its
+    /// end. Past `responses.capture_max_bytes` the capture is dropped, and counted.
+    fn capture_chunk(&mut self, size: usize, end_of_stream: bool) {
+        let max = self.worker.try_borrow().map(|w| w.config.responses.capture_max_bytes).unwrap_or(0);
+        let dropped = {
+            let Ok(mut st) = self.st.try_borrow_mut() else { return };
+            let Some(c) = st.capture.as_mut() else { return };
+            if size > 0 && c.body.len() + size <= max {
+                if let Some(chunk) = host::response_body(size) {
+                    c.body.extend_from_slice(&chunk);
+                }
+                false
+            } else if size > 0 {
+                st.capture = None;
+                true
+            } else {
+                false
+            }
+        };
+        if dropped {
+            self.count_response("capture_dropped");
+        } else if end_of_stream {
+            self.finish_capture();
+        }
+    }
+
+    fn count_response(&self, event: &str) {
+        if let Ok(mut w) = self.worker.try_borrow_mut() {
+            w.metrics.responses(event);
+        }
+    }
+
+    /// 503: the host's store could not be reached.
+    fn answer_store_unavailable(&mut self) -> Action {
+        let body = serde_json::json!({"error": {
+            "message": "The gateway's Responses store cannot be reached; retry shortly.",
+            "type": "service_unavailable", "param": null, "code": 503}});
+        host::send_json(503, "responses_store_unavailable", &body.to_string(), &[]);
+        self.mark_answered();
+        Action::Pause
+    }
+
+    /// 404 for a `previous_response_id` the store does not hold.
+    fn answer_unknown_previous(&mut self, prev: &str, evicted: bool) -> Action {
+        let why = if evicted {
+            "it expired or was evicted from the gateway's Responses store"
+        } else {
+            "the gateway's Responses store holds no such response for this tenant"
+        };
+        let body = serde_json::json!({"error": {
+            "message": format!("previous_response_id '{prev}' not found: {why}."),
+            "type": "invalid_request_error", "param": "previous_response_id", "code": 404}});
+        host::send_json(404, "previous_response_not_found", &body.to_string(), &[]);
+        self.mark_answered();
+        Action::Pause
+    }
+
+    /// Finish capturing the answer: store the response at the host, and keep its conversation
+    /// for the next turn through this worker.
+    fn finish_capture(&mut self) {
+        let Some(c) = self.st.try_borrow_mut().ok().and_then(|mut st| st.capture.take()) else { return };
+        let Ok(mut w) = self.worker.try_borrow_mut() else { return };
+        let parts = gateway::captured_response(&c.body, c.streamed)
+            .and_then(|resp| gateway::response_parts(&resp).map(|(id, output)| (resp, id, output)));
+        let Some((response, id, output)) = parts else {
+            w.metrics.responses("capture_dropped");
+            return;
+        };
+        let msg = attache_proto::v1::StoreRequest {
+            tenant: c.tenant.clone(),
+            id: id.clone(),
+            previous_id: c.previous_id,
+            input_items: c.turn,
+            response,
+        };
+        let root = w.root_context;
+        let sent = responses::store(&w.config.responses, root, self.id, &msg);
+        w.metrics.responses(if sent { "captured" } else { "store_failed" });
+        if let Some(conversation) = gateway::join_arrays(&c.conversation, &output) {
+            w.conversations.put(&c.tenant, &id, conversation);
+        }
+    }
+
+    /// Route a parsed request (after any rewrite).
+    fn route_parsed(&mut self, req: InferenceRequest, body_len: usize, now: u64) -> Action {
+        if !self.arm_takes(&req, body_len) {
             return Action::Continue;
         }
         let worker = self.worker.clone();
@@ -157,13 +348,13 @@ impl SchedulerHttp {
         // A continuation bound nowhere here may be on its way from another replica: ask the host.
         if let Some(key) = self.read_through(w, &st, &req, now) {
             if let Some(token) = lookup::dispatch(&w.config.fleet, key) {
-                st.lookup = Some(Lookup { token, key, req, body_len: body.len() });
+                st.lookup = Some(Lookup { token, key, req, body_len });
                 return Action::Pause;
             }
             w.metrics.fleet_lookup("failed");
         }
         drop(st);
-        self.proceed(w, req, body.len(), now)
+        self.proceed(w, req, body_len, now)
     }
 
     /// Whether this filter schedules `req`: always, unless it is a rollout arm whose buckets
@@ -276,6 +467,47 @@ impl Context for SchedulerHttp {
         let w = &mut *guard;
         let st_rc = self.st.clone();
         let Ok(mut st) = st_rc.try_borrow_mut() else { return };
+        if st.serving.take_if(|t| *t == token_id).is_some() {
+            drop(st);
+            let answer = responses::served(status_code, response_size);
+            w.metrics.responses(if answer.is_some() { "served" } else { "serve_failed" });
+            drop(guard);
+            match answer {
+                Some((status, body)) => {
+                    let reason = if status < 400 { "responses_store" } else { "responses_store_refused" };
+                    host::send_json(status, reason, &body, &[]);
+                    self.mark_answered();
+                }
+                None => {
+                    self.answer_store_unavailable();
+                }
+            }
+            return;
+        }
+        if let Some(r) = st.resolving.take_if(|r| r.token == token_id) {
+            drop(st);
+            let outcome = responses::resolved(status_code, response_size);
+            let event = match &outcome {
+                Resolution::Found(_) => "resolved.host",
+                Resolution::NotFound => "resolved.not_found",
+                Resolution::Evicted => "resolved.evicted",
+                Resolution::Failed => "resolved.failed",
+            };
+            w.metrics.responses(event);
+            drop(guard);
+            let action = match outcome {
+                Resolution::Found(history) => {
+                    self.rewrite(r.api, &r.body, &r.previous_id, &history, r.started_us, host::now_ms())
+                }
+                Resolution::NotFound => self.answer_unknown_previous(&r.previous_id, false),
+                Resolution::Evicted => self.answer_unknown_previous(&r.previous_id, true),
+                Resolution::Failed => self.answer_store_unavailable(),
+            };
+            if action == Action::Continue {
+                host::resume_request();
+            }
+            return;
+        }
         let Some(pending) = st.lookup.take_if(|l| l.token == token_id) else { return };
         let now = host::now_ms();
         match lookup::answer(pending.key, status_code, response_size, w.config.sessions.slots) {
@@ -329,6 +561,21 @@ impl HttpContext for SchedulerHttp {
                 }
             }
         }
+        // The Responses API's own routes, answered from the gateway's store.
+        if let Some(route) = intake::store_route(&cfg, |n| headers.get(n)) {
+            return match responses::serve(&cfg.responses, &route) {
+                Some(token) => {
+                    if let Ok(mut st) = self.st.try_borrow_mut() {
+                        st.serving = Some(token);
+                    }
+                    Action::Pause
+                }
+                None => {
+                    self.count_response("serve_failed");
+                    self.answer_store_unavailable()
+                }
+            };
+        }
         let head = match intake::head(&cfg, |n| headers.get(n), end_of_stream) {
             Ok(h) => h,
             Err(e) => return self.reject(e),
@@ -345,6 +592,7 @@ impl HttpContext for SchedulerHttp {
             st.token_endpoint = head.token_endpoint;
             st.session_key = head.session_key;
             st.flow_headers = head.flow_headers;
+            st.tenant = head.tenant;
             if cfg.scoring.context || cfg.rollout.is_some() {
                 st.started_us = host::now_us();
                 st.session = head.rollout_session;
@@ -425,6 +673,9 @@ impl HttpContext for SchedulerHttp {
                 host::set_response_header(&name, &session::token_for(&ep));
             }
         }
+        if st.capture.is_some() && host::response_header(":status").is_none_or(|s| s != "200") {
+            st.capture = None;
+        }
         if st.learn_response.is_some() {
             // The endpoint that actually served it (a fallback, if the primary failed).
             let served = host::property_path(&["upstream", "address"]).and_then(|b| String::from_utf8(b).ok());
@@ -468,7 +719,8 @@ impl HttpContext for SchedulerHttp {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.capture_chunk(body_size, end_of_stream);
         let Ok(mut st) = self.st.try_borrow_mut() else {
             return Action::Continue;
         };
@@ -495,6 +747,7 @@ impl HttpContext for SchedulerHttp {
     }
 
     fn on_log(&mut self) {
+        self.finish_capture();
         let (parked, released, api) = match self.st.try_borrow_mut() {
             Ok(mut st) => (st.parked.take().is_some(), st.release(), st.api),
             Err(_) => return,
@@ -547,7 +800,7 @@ mod tests {
     use attache_proto::v1;
     use proxy_wasm::types::Action;
 
-    use crate::testing::harness::{address, endpoint, prompt, publish, snapshot, Filter, Request, MODEL};
+    use crate::testing::harness::{address, endpoint, prompt, publish, snapshot, Filter, Request, ENGINE_MODE, MODEL};
     use crate::testing::{metric, with};
 
     #[test]
@@ -758,7 +1011,8 @@ mod tests {
     #[test]
     fn a_responses_api_answer_binds_its_id_to_the_endpoint_that_served_it() {
         publish(&snapshot(3));
-        let filter = Filter::configure("");
+        // Engine mode: the engines keep Responses state.
+        let filter = Filter::configure(ENGINE_MODE);
         let body = serde_json::json!({ "model": MODEL, "input": "hi" }).to_string();
         let mut first = filter.send(Request::post("/v1/responses", &body));
         // A fallback served it: the primary failed.

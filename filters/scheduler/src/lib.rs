@@ -32,6 +32,7 @@ pub mod metrics;
 pub mod picker;
 pub mod queue;
 pub mod request;
+pub mod responses;
 pub mod root;
 pub mod shared;
 pub mod stages;

@@ -97,7 +97,7 @@ mod tests {
     fn an_unknown_continuation_waits_for_the_host_and_goes_where_the_conversation_is() {
         publish(&snapshot(4));
         heard(now_ms());
-        let f = Filter::configure("");
+        let f = Filter::configure(crate::testing::harness::ENGINE_MODE);
         let key = session::response_key("resp_elsewhere");
         let mut ex = f.send(continuation("resp_elsewhere"));
         assert_eq!(ex.on_body, Some(Action::Pause), "paused for the lookup");
@@ -117,7 +117,7 @@ mod tests {
     fn a_lookup_that_finds_nothing_or_fails_routes_as_a_new_conversation() {
         publish(&snapshot(4));
         heard(now_ms());
-        let f = Filter::configure("");
+        let f = Filter::configure(crate::testing::harness::ENGINE_MODE);
         let mut ex = f.send(continuation("resp_nobody"));
         answer_call(&mut ex, 0, vec![]);
         assert!(ex.primary().is_some() && ex.resumed() == 1);
@@ -138,10 +138,10 @@ mod tests {
     #[test]
     fn no_lookup_without_a_fleet_or_with_a_silent_host() {
         publish(&snapshot(4));
-        let f = Filter::configure(r#"{"fleet":{"lookup_wait_ms":0}}"#);
+        let f = Filter::configure(r#"{"fleet":{"lookup_wait_ms":0},"responses":{"mode":"engine"}}"#);
         heard(now_ms());
         assert_eq!(f.send(continuation("resp_x")).on_body, Some(Action::Continue));
-        let f = Filter::configure("");
+        let f = Filter::configure(crate::testing::harness::ENGINE_MODE);
         crate::testing::advance_ms(10_000);
         assert_eq!(f.send(continuation("resp_y")).on_body, Some(Action::Continue), "the host is silent");
         assert!(with(|h| h.grpc_calls.is_empty()));

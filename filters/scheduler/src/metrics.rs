@@ -54,6 +54,10 @@ pub struct Metrics {
     rebound: Option<u32>,
     spread: Option<u32>,
     responses_learned: Option<u32>,
+    /// Gateway Responses state: [`RESPONSES_EVENTS`] counters, and the time a resolution
+    /// added to a continuation (µs).
+    responses: [Option<u32>; RESPONSES_EVENTS.len()],
+    responses_resolve_us: Option<u32>,
     affinity_learned: Option<u32>,
     shared_corrupt: Option<u32>,
     fleet: FleetMetrics,
@@ -114,6 +118,21 @@ struct FleetMetrics {
 
 /// Outcomes of a read-through lookup (`attache.fleet.lookups.<outcome>`).
 const LOOKUP_OUTCOMES: [&str; 3] = ["found", "missed", "failed"];
+
+/// What the gateway's Responses state counts (`attache.responses.<event>`).
+pub const RESPONSES_EVENTS: [&str; 11] = [
+    "resolved.local",
+    "resolved.host",
+    "resolved.not_found",
+    "resolved.evicted",
+    "resolved.failed",
+    "rewrites",
+    "captured",
+    "capture_dropped",
+    "store_failed",
+    "served",
+    "serve_failed",
+];
 
 /// Tenants with their own queue-depth gauge per worker; the rest share `other`.
 const MAX_TENANT_GAUGES: usize = 64;
@@ -207,6 +226,8 @@ impl Metrics {
             rebound: define(MetricType::Counter, "attache.session.rebound"),
             spread: define(MetricType::Counter, "attache.prefix.spread"),
             responses_learned: define(MetricType::Counter, "attache.session.responses_learned"),
+            responses: RESPONSES_EVENTS.map(|e| define(MetricType::Counter, &format!("attache.responses.{e}"))),
+            responses_resolve_us: define(MetricType::Histogram, "attache.responses.resolve_us"),
             fleet: FleetMetrics {
                 reported: define(MetricType::Counter, "attache.fleet.reported"),
                 applied_bindings: define(MetricType::Counter, "attache.fleet.applied.bindings"),
@@ -417,6 +438,18 @@ impl Metrics {
     /// A Responses API response id was bound to the endpoint that served it.
     pub fn response_learned(&mut self) {
         inc(self.responses_learned, 1);
+    }
+
+    /// A gateway Responses event ([`RESPONSES_EVENTS`]).
+    pub fn responses(&mut self, event: &str) {
+        if let Some(i) = RESPONSES_EVENTS.iter().position(|e| *e == event) {
+            inc(self.responses[i], 1);
+        }
+    }
+
+    /// The time resolving a continuation's `previous_response_id` added, µs.
+    pub fn responses_resolve_us(&mut self, us: u64) {
+        self.sample(self.responses_resolve_us, us);
     }
 
     /// An index delta from the host was applied.

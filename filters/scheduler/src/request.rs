@@ -55,6 +55,13 @@ pub struct RequestState {
     pub learn_response: Option<String>,
     /// Waiting for the host's read-through of its `previous_response_id` (crate::lookup).
     pub lookup: Option<Lookup>,
+    /// Gateway Responses state (crate::responses): the request's tenant, the store route
+    /// waiting for the host's answer, the continuation waiting for its conversation, and the
+    /// response being captured for the store.
+    pub tenant: Option<String>,
+    pub serving: Option<u32>,
+    pub resolving: Option<Resolving>,
+    pub capture: Option<crate::responses::Capture>,
     /// This filter's rollout arm scheduled the request: the primary's expected prefix hit, to
     /// grade the arm once the response starts (policies::arm).
     pub arm_hit: Option<f32>,
@@ -66,6 +73,15 @@ pub struct Lookup {
     pub key: u64,
     pub req: InferenceRequest,
     pub body_len: usize,
+}
+
+/// A continuation paused while the host resolves its `previous_response_id`.
+pub struct Resolving {
+    pub token: u32,
+    pub api: Api,
+    pub body: Vec<u8>,
+    pub previous_id: String,
+    pub started_us: u64,
 }
 
 impl RequestState {

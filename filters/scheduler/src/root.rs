@@ -198,7 +198,10 @@ impl RootContext for AttacheRoot {
         crate::stages::enable(scheduler && config.stage_timings);
         let fleet_cfg = config.fleet.clone();
         let worker = match Worker::new(config) {
-            Ok(w) => w,
+            Ok(mut w) => {
+                w.root_context = self.context_id;
+                w
+            }
             Err(e) => {
                 host::log(LogLevel::Critical, &format!("attache: invalid plugin configuration: {e}"));
                 return false;

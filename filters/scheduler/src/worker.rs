@@ -52,6 +52,10 @@ pub struct Worker {
     pub envoy: Option<String>,
     /// When the host was last heard from, as of this worker's last tick (see [`Worker::housekeep`]).
     pub heard_ms: Option<u64>,
+    /// The conversations of the Responses this worker captured last (gateway mode).
+    pub conversations: attache_policies::responses::ConversationCache,
+    /// The worker's root context, which makes the calls that must outlive a request.
+    pub root_context: u32,
 }
 
 /// The scheduler's tick period when neither flow control nor the affinity table asks for a
@@ -163,6 +167,8 @@ impl Worker {
             bindings_log: EntryLog::new(entry_log::BINDINGS),
             envoy: None,
             heard_ms: None,
+            conversations: attache_policies::responses::ConversationCache::new(config.responses.cache_bytes),
+            root_context: 0,
             state: SchedulerState::new(&config.scheduler),
             scheduler,
             cache: SnapshotCache::default(),

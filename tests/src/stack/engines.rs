@@ -44,6 +44,9 @@ pub struct SimOpts {
     pub cheap: Option<CheapOpts>,
     /// A fault: every inference request is answered with this status (`--fail-status`).
     pub fail_status: Option<u16>,
+    /// Keep Responses API state in the engines (`--responses-store`, vLLM's
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`). Off, as vLLM ships.
+    pub responses_store: bool,
 }
 
 /// The simulator's cheap mode: which engines churn, and how many KV events they publish.
@@ -77,6 +80,7 @@ impl Default for SimOpts {
             max_loras: 1,
             cheap: None,
             fail_status: None,
+            responses_store: false,
         }
     }
 }
@@ -190,6 +194,9 @@ impl Stack {
         }
         if let Some(code) = opts.fail_status {
             cmd.arg("--fail-status").arg(code.to_string());
+        }
+        if opts.responses_store {
+            cmd.arg("--responses-store");
         }
         cmd
     }

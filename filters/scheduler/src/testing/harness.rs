@@ -15,6 +15,8 @@ use crate::worker::Worker;
 
 /// The model every test endpoint serves.
 pub const MODEL: &str = "m";
+/// A filter configuration with the engines keeping Responses state (`responses.mode: engine`).
+pub const ENGINE_MODE: &str = r#"{"responses":{"mode":"engine"}}"#;
 
 /// The address of test endpoint `i`.
 pub fn address(i: usize) -> String {
@@ -241,6 +243,22 @@ impl Exchange {
         });
         self.enter();
         self.http.on_http_response_body(body.len(), true)
+    }
+
+    /// One chunk of the response body arrives (the filter sees only this chunk).
+    pub fn respond_chunk(&mut self, chunk: &str, end_of_stream: bool) -> Action {
+        with(|h| {
+            if let Some(s) = h.streams.get_mut(&self.id) {
+                s.response_body = chunk.as_bytes().to_vec();
+            }
+        });
+        self.enter();
+        self.http.on_http_response_body(chunk.len(), end_of_stream)
+    }
+
+    /// The request body as it goes upstream (after any rewrite).
+    pub fn upstream_body(&self) -> Vec<u8> {
+        with(|h| h.streams.get(&self.id).map(|s| s.request_body.clone()).unwrap_or_default())
     }
 
     /// The stream ends (Envoy's access-log callback).
