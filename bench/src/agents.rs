@@ -2,8 +2,9 @@
 //! sessions of 10 turns whose context grows each turn. Systems:
 //! - `round-robin`: plain Envoy, chat completions with the whole history;
 //! - `attache-sessions`: Attaché, chat completions with the whole history and `x-session-id`;
-//! - `attache-responses`: Attaché, Responses API, each turn sends only its new input and
-//!   `previous_response_id` (the engine holds the conversation, as vLLM does);
+//! - `attache-responses`: Attaché, Responses API, streamed, each turn sends only its new input,
+//!   `previous_response_id` and the instructions (the gateway holds the conversation: the
+//!   engines store nothing, as vLLM ships);
 //! - `oracle`: the client sends each session straight to the engine that holds its context.
 //!
 //! The prefix hit rate is the engines' own `vllm:prefix_cache_hits_total / queries_total`.
@@ -104,15 +105,15 @@ async fn drive(
                         o
                     }
                     Mode::Responses => {
-                        let mut body = json!({"model": "tinyllama", "input": turn, "max_output_tokens": max_tokens});
-                        match &prev {
-                            Some(p) => body["previous_response_id"] = json!(p),
-                            None => body["instructions"] = json!(s.system),
+                        // Instructions are not carried from turn to turn (OpenAI's API, and
+                        // vLLM's): an agent sends them with every turn.
+                        let mut body = json!({"model": "tinyllama", "input": turn, "max_output_tokens": max_tokens,
+                                              "instructions": s.system, "stream": true});
+                        if let Some(p) = &prev {
+                            body["previous_response_id"] = json!(p);
                         }
-                        let mut o = client::post(&http, &url(i), body.to_string().into_bytes(), &[]).await;
-                        prev = o.json()["id"].as_str().map(str::to_owned);
-                        // Not streamed: its "TTFT" is the whole response; tokens from its usage.
-                        o.output_tokens = o.json()["usage"]["output_tokens"].as_u64().unwrap_or(0);
+                        let o = client::post(&http, &url(i), body.to_string().into_bytes(), &[]).await;
+                        prev = o.completed_response()["id"].as_str().map(str::to_owned);
                         o
                     }
                 };

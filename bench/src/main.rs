@@ -22,6 +22,7 @@ mod precise_growth;
 mod procstat;
 mod progress;
 mod repeats;
+mod responses;
 mod run;
 mod scale;
 mod scenario;
@@ -67,6 +68,9 @@ enum Cmd {
     Pd(pd::Args),
     /// Multi-turn agents: session- and Responses-aware routing vs round-robin vs an oracle.
     Agents(agents::Args),
+    /// Gateway Responses state: a continuation vs a plain request of the same size, and the
+    /// host's bytes per stored response.
+    Responses(responses::Args),
     /// The cost of deciding in Envoy: added latency and Envoy CPU per request vs plain Envoy.
     Overhead(overhead::Args),
     /// One conversation growing from 2k to 100k tokens: proxy CPU per request of each mode.
@@ -229,6 +233,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::PreciseGrowth(a) => precise_growth::run(a).await,
         Cmd::Epp(a) => epp::run(a).await,
         Cmd::Agents(a) => agents::run(a).await,
+        Cmd::Responses(a) => responses::run(a).await,
         Cmd::Load(a) => load::run(a).await,
         Cmd::Models(a) => models::run(a).await,
         Cmd::Scale(a) => scale::run(a).await,

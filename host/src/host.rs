@@ -74,8 +74,7 @@ impl Host {
         let members = eds::Members::default();
         let fleet = crate::fleet::FleetFeed::spawn(cfg.fleet.clone());
         crate::peers::spawn(fleet.clone(), host_name(&cfg, epoch), own_addresses(&cfg));
-        let responses = crate::responses::Responses::new(cfg.responses.clone());
-        responses.spawn_expiry();
+        let responses = crate::responses::Responses::start(cfg.responses.clone()).await?;
         let (no_policy_tx, grpc) =
             grpc_services(&cfg, policy.as_ref(), rx.clone(), &kv_index, &kv_changed, &members, &fleet);
         let grpc = grpc.add_service(responses.clone().into_server());

@@ -230,10 +230,19 @@ mod tests {
         let r = route(&cfg, "GET", "/v1/responses/resp_1/input_items?limit=2").expect("input_items");
         assert_eq!((r.method.as_str(), r.path.as_str()), ("GET", "/v1/responses/resp_1/input_items?limit=2"));
         assert!(r.tenant.starts_with("key-"));
-        for (m, p) in [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel")] {
+        for (m, p) in [
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/resp_1"),
+            ("POST", "/v1/responses/resp_1/cancel"),
+        ] {
             assert!(route(&cfg, m, p).is_some(), "{m} {p}");
         }
-        for (m, p) in [("POST", "/v1/responses"), ("GET", "/v1/responses/"), ("PUT", "/v1/responses/r"), ("GET", "/v1/responses/r/x")] {
+        for (m, p) in [
+            ("POST", "/v1/responses"),
+            ("GET", "/v1/responses/"),
+            ("PUT", "/v1/responses/r"),
+            ("GET", "/v1/responses/r/x"),
+        ] {
             assert!(route(&cfg, m, p).is_none(), "{m} {p}");
         }
         cfg.responses.mode = crate::responses::Mode::Engine;

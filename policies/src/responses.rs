@@ -141,6 +141,21 @@ pub fn join_arrays(a: &str, b: &str) -> Option<String> {
     Some(out)
 }
 
+/// A key naming a conversation on every one of its turns: its tenant and its first input item.
+/// Gateway mode binds it as a session, so a chain stays on the engine holding its cache, as a
+/// session does. Reads only the first item of `conversation` (a JSON array).
+pub fn conversation_key(tenant: &str, conversation: &str) -> Option<u64> {
+    use serde::Deserialize;
+    let rest = conversation.trim_start().strip_prefix('[')?;
+    let mut de = serde_json::Deserializer::from_str(rest);
+    let first = <&RawValue>::deserialize(&mut de).ok()?;
+    let mut key = String::with_capacity(tenant.len() + 1 + first.get().len());
+    key.push_str(tenant);
+    key.push('\0');
+    key.push_str(first.get());
+    Some(xxhash_rust::xxh64::xxh64(key.as_bytes(), 0xc0_4e55))
+}
+
 /// The response object in a Responses answer, as JSON: the body itself, or (streamed) the
 /// `response` of its `response.completed` event. `None`: no completed response in it.
 pub fn captured_response(body: &[u8], streamed: bool) -> Option<String> {
@@ -283,6 +298,21 @@ mod tests {
             None,
             "cut off before it completed"
         );
+    }
+
+    #[test]
+    fn a_conversation_keeps_its_key_from_turn_to_turn() {
+        let first = json!([{"role": "user", "content": "one"}]).to_string();
+        let later =
+            join_arrays(&first, &json!([{"type": "message", "role": "assistant", "content": "two"}]).to_string())
+                .unwrap();
+        let key = conversation_key("t", &first);
+        assert!(key.is_some());
+        assert_eq!(key, conversation_key("t", &later));
+        assert_ne!(key, conversation_key("u", &first), "per tenant");
+        assert_ne!(key, conversation_key("t", &json!([{"role": "user", "content": "other"}]).to_string()));
+        assert_eq!(conversation_key("t", "[]"), None);
+        assert_eq!(conversation_key("t", "{}"), None);
     }
 
     #[test]

@@ -42,6 +42,16 @@ impl Outcome {
         self.error.is_none() && self.status == 200
     }
 
+    /// A streamed Responses answer's response object (its `response.completed` event).
+    pub fn completed_response(&self) -> Value {
+        self.events
+            .iter()
+            .rev()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find(|v| v["type"] == "response.completed")
+            .map_or(Value::Null, |mut v| v["response"].take())
+    }
+
     /// The assistant's text of a streamed chat response (its `delta.content` chunks, or a
     /// Messages stream's `text_delta`s).
     pub fn streamed_text(&self) -> String {
@@ -103,7 +113,8 @@ pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>, headers: &
                                         || c["token_ids"].as_array().is_some_and(|t| !t.is_empty())
                                 })
                             }) || nonempty(&v["delta"]["text"])
-                                || nonempty(&v["delta"]["partial_json"]);
+                                || nonempty(&v["delta"]["partial_json"])
+                                || (v["type"] == "response.output_text.delta" && nonempty(&v["delta"]));
                             if has_content && out.ttft.is_none() {
                                 out.ttft = Some(start.elapsed());
                             }
@@ -113,7 +124,10 @@ pub async fn post(client: &reqwest::Client, url: &str, body: Vec<u8>, headers: &
                             if v["type"] == "message_delta" {
                                 out.output_tokens = v["usage"]["output_tokens"].as_u64().unwrap_or(out.output_tokens);
                             }
-                            out.done |= v["type"] == "message_stop";
+                            if v["type"] == "response.completed" {
+                                out.output_tokens = v["response"]["usage"]["output_tokens"].as_u64().unwrap_or(0);
+                            }
+                            out.done |= v["type"] == "message_stop" || v["type"] == "response.completed";
                         }
                         out.events.push(data.to_string());
                     }

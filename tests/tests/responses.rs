@@ -12,6 +12,7 @@ mod common;
 use std::time::Duration;
 
 use attache_e2e::admin_http::http_get_blocking;
+use attache_e2e::redis::Redis;
 use attache_e2e::stats::{stat_line, stat_value};
 use attache_e2e::{client, EnvoyKind, Replica, SimOpts, Stack};
 use common::*;
@@ -295,4 +296,59 @@ async fn a_bounded_store_evicts_the_least_recently_used_and_says_so() {
     assert!(err["message"].as_str().unwrap().contains("evicted"), "{err}");
     let o = client::post(&http, &url, cont(ids.last().unwrap()), &[]).await;
     assert!(o.ok(), "{} {}", o.status, o.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_behind_it_a_restarted_host_continues_the_chains() {
+    let mut s = Stack::new("responses-redis").expect("stack");
+    let mut redis = Redis::start(&s).expect("redis-server (cargo xtask installs it from Debian)");
+    s.start_sim(SimOpts { engines: 2, time_scale: 0.02, ..SimOpts::default() }).expect("sim");
+    s.host_extra = Some(json!({"responses": {"redis": redis.addr().to_string()}}));
+    s.start_host().expect("host");
+    // No per-worker cache: every continuation is resolved by the host.
+    let mut cfg = Stack::default_scheduler_config();
+    cfg["responses"] = json!({"cache_bytes": 0});
+    s.start_envoy(EnvoyKind::Attache, &cfg, 2).expect("envoy");
+    s.wait_snapshot(2, Duration::from_secs(20)).expect("snapshot");
+    let http = fresh_client();
+    let url = s.url("/v1/responses");
+    let turn = |i: usize, t: usize, prev: Option<&str>| {
+        let mut b = json!({"model": MODEL, "input": format!("job {i} step {t}"), "max_output_tokens": 3});
+        if let Some(p) = prev {
+            b["previous_response_id"] = json!(p);
+        }
+        b.to_string().into_bytes()
+    };
+    let mut chains: Vec<(String, u64)> = Vec::new();
+    for i in 0..5 {
+        let mut prev: Option<String> = None;
+        let mut tokens = 0;
+        for t in 0..3 {
+            let o = client::post(&http, &url, turn(i, t, prev.as_deref()), &[]).await;
+            assert!(o.ok(), "chain {i} turn {t}: {} {}", o.status, o.body);
+            prev = o.json()["id"].as_str().map(str::to_owned);
+            tokens = o.json()["usage"]["input_tokens"].as_u64().unwrap();
+        }
+        chains.push((prev.unwrap(), tokens));
+    }
+    // The host restarts with nothing in memory; the chains go on, each turn's prompt longer than
+    // the last (the whole conversation, read back from Redis).
+    s.start_host().expect("host restarts");
+    s.wait_snapshot(2, Duration::from_secs(20)).expect("snapshot");
+    for (i, (prev, tokens)) in chains.iter().enumerate() {
+        let o = client::post(&http, &url, turn(i, 3, Some(prev)), &[]).await;
+        assert!(o.ok(), "chain {i} after the restart: {} {}", o.status, o.body);
+        let now = o.json()["usage"]["input_tokens"].as_u64().unwrap();
+        assert!(now > *tokens, "chain {i}: {now} prompt tokens after {tokens}: the conversation came back");
+    }
+    assert_eq!(host_metric(&s, "attache_responses_redis_loads_total"), 5.0);
+    assert_eq!(host_metric(&s, "attache_responses_redis_errors_total"), 0.0);
+    // Redis gone and the chain not in this host's memory: 503 with a reason, counted.
+    redis.kill();
+    s.start_host().expect("host restarts");
+    s.wait_snapshot(2, Duration::from_secs(20)).expect("snapshot");
+    let o = client::post(&http, &url, turn(0, 4, Some(&chains[1].0)), &[]).await;
+    assert_eq!(o.status, 503, "{}", o.body);
+    assert_eq!(o.header("x-attache-error"), Some("responses_store_unavailable"));
+    assert!(host_metric(&s, "attache_responses_resolutions_total{outcome=\"unavailable\"}") >= 1.0);
 }

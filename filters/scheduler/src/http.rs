@@ -232,8 +232,13 @@ impl SchedulerHttp {
             }
         };
         host::set_property(CAPTURED_PROPERTY, b"1");
+        let sessions = self.worker.try_borrow().is_ok_and(|w| w.config.sessions.enabled);
         if let Ok(mut st) = self.st.try_borrow_mut() {
             let tenant = st.tenant.clone().unwrap_or_default();
+            // A chain with no session header of its own is a session: its first item names it.
+            if sessions && st.session_key.is_none() {
+                st.session_key = gateway::conversation_key(&tenant, &conversation);
+            }
             st.capture =
                 Some(Capture { tenant, previous_id, turn, conversation, streamed: req.stream, body: Vec::new() });
         }

@@ -60,7 +60,7 @@ pub fn resolved(status: u32, size: usize) -> Resolution {
         v1::resolve_reply::Outcome::Found => Resolution::Found(r.items),
         v1::resolve_reply::Outcome::NotFound => Resolution::NotFound,
         v1::resolve_reply::Outcome::Evicted => Resolution::Evicted,
-        v1::resolve_reply::Outcome::Unspecified => Resolution::Failed,
+        v1::resolve_reply::Outcome::Unspecified | v1::resolve_reply::Outcome::Unavailable => Resolution::Failed,
     }
 }
 
@@ -152,6 +152,8 @@ mod tests {
         let f = Filter::configure("");
         let mut first = f.send(turn(json!("hello"), None, "acme"));
         assert_eq!(first.on_body, Some(Action::Continue));
+        let first_home = first.primary();
+        assert!(first_home.is_some());
         first.respond(200, &[("content-type", "application/json")]);
         first.respond_body(&answer("resp_1", "hi there"));
         first.finish();
@@ -176,7 +178,7 @@ mod tests {
         assert_eq!(input[2], json!({"role": "user", "content": "and then?"}));
         let len = second.request_header("content-length").unwrap();
         assert_eq!(len, second.upstream_body().len().to_string());
-        assert!(second.primary().is_some(), "routed");
+        assert_eq!(second.primary(), first_home, "the chain is a session: it stays on its engine");
         assert_eq!(
             (metric("attache.responses.resolved.local"), metric("attache.responses.rewrites")),
             (Some(1), Some(1))

@@ -36,6 +36,12 @@ fn param<'a>(query: &'a str, name: &str) -> Option<&'a str> {
     query.split('&').find_map(|kv| kv.split_once('=').filter(|(k, _)| *k == name).map(|(_, v)| v))
 }
 
+/// The response id a route names.
+pub fn id_of(path: &str) -> Option<&str> {
+    let rest = path.split('?').next()?.strip_prefix("/v1/responses/")?;
+    rest.split('/').next().filter(|id| !id.is_empty())
+}
+
 /// Answer `method path` for `tenant`.
 pub fn serve(store: &mut ResponseStore, tenant: &str, method: &str, path: &str, now: Instant) -> Answer {
     let (path, query) = path.split_once('?').unwrap_or((path, ""));
@@ -145,6 +151,15 @@ mod tests {
 
     fn body(a: &Answer) -> Value {
         serde_json::from_str(&a.1).unwrap()
+    }
+
+    #[test]
+    fn routes_name_their_response() {
+        assert_eq!(id_of("/v1/responses/resp_1"), Some("resp_1"));
+        assert_eq!(id_of("/v1/responses/resp_1/input_items?limit=2"), Some("resp_1"));
+        assert_eq!(id_of("/v1/responses/resp_1?x=1"), Some("resp_1"));
+        assert_eq!(id_of("/v1/responses/"), None);
+        assert_eq!(id_of("/v1/chat/completions"), None);
     }
 
     #[test]

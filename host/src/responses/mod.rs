@@ -4,9 +4,11 @@
 //!
 //! - [`store`]: the bounded in-memory store.
 //! - [`api`]: `GET`, `DELETE` and `input_items` in OpenAI's shapes.
+//! - [`redis`]: Redis behind it, written through and read back on a miss.
 //! - [`service`]: the gRPC service.
 
 pub mod api;
+pub mod redis;
 pub mod service;
 pub mod store;
 
@@ -35,11 +37,21 @@ pub struct ResponsesConfig {
     /// have ended on another replica a moment before); the filter's `responses.resolve_wait_ms`
     /// asks for at most this.
     pub max_resolve_wait_ms: u64,
+    /// Redis (`host:port`) behind the store: every response is written through, and a chain
+    /// this host does not hold (after a restart, or stored by another host replica) is read
+    /// back from it. Keys expire with `ttl_ms`. Absent: memory only.
+    pub redis: Option<String>,
 }
 
 impl Default for ResponsesConfig {
     fn default() -> Self {
-        Self { max_responses: 100_000, max_bytes: 256 << 20, ttl_ms: 24 * 3_600_000, max_resolve_wait_ms: 1_000 }
+        Self {
+            max_responses: 100_000,
+            max_bytes: 256 << 20,
+            ttl_ms: 24 * 3_600_000,
+            max_resolve_wait_ms: 1_000,
+            redis: None,
+        }
     }
 }
 
@@ -60,6 +72,9 @@ pub struct Counters {
     pub resolve_waits: AtomicU64,
     pub served: AtomicU64,
     pub deleted: AtomicU64,
+    pub resolved_unavailable: AtomicU64,
+    pub redis_loads: AtomicU64,
+    pub redis_errors: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -73,6 +88,7 @@ pub struct Responses {
     stored: Arc<Notify>,
     pub counters: Arc<Counters>,
     pub config: ResponsesConfig,
+    redis: Option<Arc<redis::RedisStore>>,
 }
 
 impl Responses {
@@ -81,8 +97,58 @@ impl Responses {
             store: Arc::new(Mutex::new(ResponseStore::new(config.limits()))),
             stored: Arc::default(),
             counters: Arc::default(),
+            redis: None,
             config,
         }
+    }
+
+    /// The store as configured (with its Redis, resolved now), expiring responses every second.
+    pub async fn start(config: ResponsesConfig) -> anyhow::Result<Self> {
+        use anyhow::Context as _;
+        let mut me = Self::new(config);
+        if let Some(r) = me.config.redis.clone() {
+            let addr = tokio::net::lookup_host(r.as_str())
+                .await
+                .with_context(|| format!("resolving responses.redis {r}"))?
+                .next()
+                .with_context(|| format!("responses.redis {r} resolves to no address"))?;
+            me = me.with_redis(addr);
+        }
+        me.spawn_expiry();
+        Ok(me)
+    }
+
+    /// The store with Redis at `addr` behind it.
+    pub fn with_redis(mut self, addr: std::net::SocketAddr) -> Self {
+        self.redis = Some(Arc::new(redis::RedisStore::new(addr, Duration::from_millis(self.config.ttl_ms))));
+        self
+    }
+
+    fn redis_failed(&self, e: &crate::async_worker::resp::RedisError) {
+        bump(&self.counters.redis_errors);
+        tracing::warn!(error = %e, "responses: redis");
+    }
+
+    /// Read `id`'s chain back from Redis into memory, if this host does not hold it. False: not
+    /// there either (or broken by an expired turn).
+    async fn load(&self, tenant: &str, id: &str) -> Result<bool, crate::async_worker::resp::RedisError> {
+        let Some(r) = &self.redis else { return Ok(false) };
+        if self.lock().contains(tenant, id) {
+            return Ok(true);
+        }
+        let redis::Chain::Found(turns) = r.chain(tenant, id).await? else { return Ok(false) };
+        bump(&self.counters.redis_loads);
+        let now = Instant::now();
+        let mut s = self.lock();
+        for t in &turns {
+            if !s.contains(tenant, &t.id) {
+                if let Err(e) = s.insert(tenant, &t.id, t.prev.as_deref(), &t.parts, now) {
+                    tracing::warn!(id = %t.id, reason = %e, "responses: a turn read back from redis was not kept");
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 
     fn lock(&self) -> MutexGuard<'_, ResponseStore> {
@@ -101,19 +167,53 @@ impl Responses {
         });
     }
 
-    pub fn store(&self, r: &store::NewResponse<'_>) -> Result<(), store::StoreError> {
-        let res = self.lock().store(r, Instant::now());
-        match &res {
-            Ok(()) => {
-                bump(&self.counters.stored);
-                self.stored.notify_waiters();
+    pub async fn store(&self, r: &store::NewResponse<'_>) -> Result<(), store::StoreError> {
+        if let Some(prev) = r.previous_id {
+            if let Err(e) = self.load(r.tenant, prev).await {
+                self.redis_failed(&e);
             }
+        }
+        let res = self.lock().store(r, Instant::now());
+        let parts = match res {
+            Ok(p) => p,
             Err(e) => {
                 bump(&self.counters.store_refused);
                 tracing::warn!(id = r.id, reason = %e, "responses: not stored");
+                return Err(e);
+            }
+        };
+        bump(&self.counters.stored);
+        self.stored.notify_waiters();
+        if let Some(redis) = &self.redis {
+            if let Err(e) = redis.put(r.tenant, r.id, r.previous_id, &parts).await {
+                self.redis_failed(&e);
             }
         }
-        res
+        Ok(())
+    }
+
+    /// Answer an API route (`api::serve`), reading the response back from Redis first if this
+    /// host does not hold it.
+    pub async fn serve(&self, tenant: &str, method: &str, path: &str) -> api::Answer {
+        let id = api::id_of(path);
+        if let Some(id) = id {
+            if let Err(e) = self.load(tenant, id).await {
+                self.redis_failed(&e);
+            }
+        }
+        let answer = api::serve(&mut self.lock(), tenant, method, path, Instant::now());
+        bump(&self.counters.served);
+        if method == "DELETE" {
+            if let (Some(redis), Some(id)) = (&self.redis, id) {
+                if let Err(e) = redis.delete(tenant, id).await {
+                    self.redis_failed(&e);
+                }
+            }
+            if answer.0 == 200 {
+                bump(&self.counters.deleted);
+            }
+        }
+        answer
     }
 
     /// Resolve `id`, waiting up to `wait` for it to be stored.
@@ -125,13 +225,24 @@ impl Responses {
             let notified = self.stored.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let r = self.lock().resolve(tenant, id, Instant::now());
+            let mut r = self.lock().resolve(tenant, id, Instant::now());
+            if !matches!(r, store::Resolved::Found(_)) && self.redis.is_some() {
+                match self.load(tenant, id).await {
+                    Ok(true) => r = self.lock().resolve(tenant, id, Instant::now()),
+                    Ok(false) => {}
+                    Err(e) => {
+                        self.redis_failed(&e);
+                        r = store::Resolved::Unavailable;
+                    }
+                }
+            }
             let done = !matches!(r, store::Resolved::NotFound) || tokio::time::Instant::now() >= deadline;
             if done {
                 let c = match r {
                     store::Resolved::Found(_) => &self.counters.resolved_found,
                     store::Resolved::NotFound => &self.counters.resolved_not_found,
                     store::Resolved::Evicted => &self.counters.resolved_evicted,
+                    store::Resolved::Unavailable => &self.counters.resolved_unavailable,
                 };
                 bump(c);
                 if waited {
@@ -174,6 +285,11 @@ impl Responses {
              attache_responses_resolutions_total{{outcome=\"found\"}} {}\n\
              attache_responses_resolutions_total{{outcome=\"not_found\"}} {}\n\
              attache_responses_resolutions_total{{outcome=\"evicted\"}} {}\n\
+             attache_responses_resolutions_total{{outcome=\"unavailable\"}} {}\n\
+             # HELP attache_responses_redis_loads_total Chains read back from Redis (not held by this host).\n\
+             # TYPE attache_responses_redis_loads_total counter\nattache_responses_redis_loads_total {}\n\
+             # HELP attache_responses_redis_errors_total Redis calls that failed (the store answers from memory).\n\
+             # TYPE attache_responses_redis_errors_total counter\nattache_responses_redis_errors_total {}\n\
              # HELP attache_responses_resolve_waits_total Resolutions that waited for the response to be stored.\n\
              # TYPE attache_responses_resolve_waits_total counter\nattache_responses_resolve_waits_total {}\n\
              # HELP attache_responses_api_requests_total GET, DELETE and input_items requests answered.\n\
@@ -186,6 +302,9 @@ impl Responses {
             g(&c.resolved_found),
             g(&c.resolved_not_found),
             g(&c.resolved_evicted),
+            g(&c.resolved_unavailable),
+            g(&c.redis_loads),
+            g(&c.redis_errors),
             g(&c.resolve_waits),
             g(&c.served),
         );

@@ -1,6 +1,6 @@
 //! `attache.v1.ResponsesService`: the scheduler filters' calls into the store.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use attache_proto::v1;
 use attache_proto::v1::responses_service_server::{ResponsesService, ResponsesServiceServer};
@@ -23,7 +23,7 @@ impl ResponsesService for Responses {
             input_items: &r.input_items,
             response: &r.response,
         };
-        let reply = match Responses::store(self, &new) {
+        let reply = match Responses::store(self, &new).await {
             Ok(()) => v1::StoreReply { stored: true, reason: String::new() },
             Err(e) => v1::StoreReply { stored: false, reason: e.to_string() },
         };
@@ -37,17 +37,14 @@ impl ResponsesService for Responses {
             Resolved::Found(items) => (v1::resolve_reply::Outcome::Found, items),
             Resolved::NotFound => (v1::resolve_reply::Outcome::NotFound, String::new()),
             Resolved::Evicted => (v1::resolve_reply::Outcome::Evicted, String::new()),
+            Resolved::Unavailable => (v1::resolve_reply::Outcome::Unavailable, String::new()),
         };
         Ok(Response::new(v1::ResolveReply { outcome: outcome.into(), items }))
     }
 
     async fn serve(&self, req: Request<v1::ServeRequest>) -> Result<Response<v1::ServeReply>, Status> {
         let r = req.into_inner();
-        let (status, body) = super::api::serve(&mut self.lock(), &r.tenant, &r.method, &r.path, Instant::now());
-        super::bump(&self.counters.served);
-        if r.method == "DELETE" && status == 200 {
-            super::bump(&self.counters.deleted);
-        }
+        let (status, body) = Responses::serve(self, &r.tenant, &r.method, &r.path).await;
         Ok(Response::new(v1::ServeReply { status: u32::from(status), body }))
     }
 }

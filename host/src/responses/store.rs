@@ -110,6 +110,33 @@ pub struct NewResponse<'a> {
     pub response: &'a str,
 }
 
+/// A response split as the store keeps it: its input and output items (each the inner text of
+/// a JSON array) and the response object without `output`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parts {
+    pub input: String,
+    pub input_count: usize,
+    pub output: String,
+    pub meta: String,
+}
+
+impl Parts {
+    pub fn parse(r: &NewResponse<'_>) -> Result<Self, StoreError> {
+        let input: serde_json::Value =
+            serde_json::from_str(r.input_items).map_err(|e| StoreError::BadInput(e.to_string()))?;
+        let input_count = input.as_array().map(Vec::len).ok_or_else(|| StoreError::BadInput("not an array".into()))?;
+        let input = array_inner(&input).ok_or_else(|| StoreError::BadInput("not an array".into()))?;
+        let mut response: serde_json::Value =
+            serde_json::from_str(r.response).map_err(|e| StoreError::BadResponse(e.to_string()))?;
+        let output = response
+            .as_object_mut()
+            .and_then(|o| o.remove("output"))
+            .and_then(|o| array_inner(&o))
+            .ok_or_else(|| StoreError::BadResponse("no output array".into()))?;
+        Ok(Self { input, input_count, output, meta: response.to_string() })
+    }
+}
+
 /// Why a response was not kept.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum StoreError {
@@ -130,6 +157,8 @@ pub enum Resolved {
     Found(String),
     NotFound,
     Evicted,
+    /// Not held here, and Redis behind the store could not be asked.
+    Unavailable,
 }
 
 /// Why records left the store.
@@ -195,45 +224,63 @@ impl ResponseStore {
     }
 
     /// Keep a response. Replaces an earlier record of the same id.
-    pub fn store(&mut self, r: &NewResponse<'_>, now: Instant) -> Result<(), StoreError> {
-        let input: serde_json::Value =
-            serde_json::from_str(r.input_items).map_err(|e| StoreError::BadInput(e.to_string()))?;
-        let input_count = input.as_array().map(Vec::len).ok_or_else(|| StoreError::BadInput("not an array".into()))?;
-        let input = array_inner(&input).ok_or_else(|| StoreError::BadInput("not an array".into()))?;
-        let mut response: serde_json::Value =
-            serde_json::from_str(r.response).map_err(|e| StoreError::BadResponse(e.to_string()))?;
-        let output = response
-            .as_object_mut()
-            .and_then(|o| o.remove("output"))
-            .and_then(|o| array_inner(&o))
-            .ok_or_else(|| StoreError::BadResponse("no output array".into()))?;
-        let meta = response.to_string();
-        let size = input.len() + output.len() + meta.len() + RECORD_OVERHEAD;
+    pub fn store(&mut self, r: &NewResponse<'_>, now: Instant) -> Result<Parts, StoreError> {
+        let parts = Parts::parse(r)?;
+        self.insert(r.tenant, r.id, r.previous_id, &parts, now)?;
+        Ok(parts)
+    }
+
+    /// Whether `id` is held for `tenant` (not refreshed in its LRU).
+    pub fn contains(&self, tenant: &str, id: &str) -> bool {
+        self.tenants.get(tenant).is_some_and(|t| t.records.contains(id))
+    }
+
+    /// Keep a response already split into its parts (a new one, or one read back from Redis).
+    pub fn insert(
+        &mut self,
+        tenant: &str,
+        id: &str,
+        previous_id: Option<&str>,
+        parts: &Parts,
+        now: Instant,
+    ) -> Result<(), StoreError> {
+        let size = parts.input.len() + parts.output.len() + parts.meta.len() + RECORD_OVERHEAD;
         if size > self.limits.max_bytes {
             return Err(StoreError::TooLarge(size));
         }
-        let prev = match r.previous_id.filter(|p| !p.is_empty()) {
+        let prev = match previous_id.filter(|p| !p.is_empty()) {
             None => None,
-            Some(p) => match self.record(r.tenant, p, now) {
+            Some(p) => match self.record(tenant, p, now) {
                 Some(rec) => Some(rec.node.clone()),
                 None => return Err(StoreError::PreviousGone(p.to_owned())),
             },
         };
         let total = self.usage.clone();
-        let tenant_usage = self.tenant(r.tenant).usage.clone();
-        let node = Node::new(input.into(), output.into(), prev, [tenant_usage.clone(), total.clone()]);
-        let bytes = meta.len() + RECORD_OVERHEAD;
+        let tenant_usage = self.tenant(tenant).usage.clone();
+        let node = Node::new(
+            parts.input.as_str().into(),
+            parts.output.as_str().into(),
+            prev,
+            [tenant_usage.clone(), total.clone()],
+        );
+        let bytes = parts.meta.len() + RECORD_OVERHEAD;
         tenant_usage.add(bytes);
         total.add(bytes);
-        let record = Record { node: Arc::new(node), meta: meta.into(), input_count, stored: now, bytes };
-        let tenant = self.tenant(r.tenant);
-        if let Some(old) = tenant.records.put(r.id.to_owned(), record) {
-            tenant.usage.sub(old.bytes);
+        let record = Record {
+            node: Arc::new(node),
+            meta: parts.meta.as_str().into(),
+            input_count: parts.input_count,
+            stored: now,
+            bytes,
+        };
+        let t = self.tenant(tenant);
+        if let Some(old) = t.records.put(id.to_owned(), record) {
+            t.usage.sub(old.bytes);
             self.usage.sub(old.bytes);
         } else {
             self.records += 1;
         }
-        self.evicted.pop(&id_key(r.tenant, r.id));
+        self.evicted.pop(&id_key(tenant, id));
         self.enforce();
         Ok(())
     }
@@ -425,7 +472,7 @@ mod tests {
             input_items: "[]",
             response: &response("x", "y"),
         };
-        assert_eq!(s.store(&r, now), Err(StoreError::PreviousGone("r3".into())));
+        assert_eq!(s.store(&r, now).map(|_| ()), Err(StoreError::PreviousGone("r3".into())));
     }
 
     #[test]
