@@ -46,13 +46,13 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/responses/{id}",
             get(|State(st): State<AppState>, Path(id): Path<String>| async move {
-                crate::responses::get(&st.responses, &id)
+                with_engine_headers(crate::responses::get(&st.responses, &id), &st)
             }),
         )
         .route(
             "/v1/responses/{id}/cancel",
             post(|State(st): State<AppState>, Path(id): Path<String>| async move {
-                crate::responses::cancel(&st.responses, &id)
+                with_engine_headers(crate::responses::cancel(&st.responses, &id), &st)
             }),
         )
         .route("/v1/models", get(models))

@@ -54,7 +54,10 @@ async fn sessions_and_responses_follow_their_engine_across_three_replicas() {
     let urls = Arc::new(urls);
 
     // 12 sessions and 12 Responses chains, 6 turns each, all at once; turn t of conversation i
-    // goes to replica (i + t) % 3, straight after the previous turn's answer.
+    // goes to replica (i + t) % 3. A Responses continuation goes straight after the previous
+    // answer (the read-through waits for its binding); a session turn 100 ms after it, an
+    // agent's tool call: a session binding reaches the other replicas within the fleet's
+    // binding lag (p99 about 70 ms here), and a turn sent sooner may not find it.
     let mut tasks = Vec::new();
     for i in 0..12usize {
         let session_urls = urls.clone();
@@ -75,6 +78,7 @@ async fn sessions_and_responses_follow_their_engine_across_three_replicas() {
                     None => home = o.engine_port,
                     Some(h) => wrong += usize::from(o.engine_port != Some(h)),
                 }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
             ("session", wrong, 0, shortest)
         }));

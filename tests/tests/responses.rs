@@ -331,6 +331,13 @@ async fn with_redis_behind_it_a_restarted_host_continues_the_chains() {
         }
         chains.push((prev.unwrap(), tokens));
     }
+    // Every capture has reached the host (each is sent as its answer ends, off the request
+    // path: one still in flight when the host dies is lost with it).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while host_metric(&s, "attache_responses_stores_total{outcome=\"stored\"}") < 15.0 {
+        assert!(std::time::Instant::now() < deadline, "the host did not store the 15 responses");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The host restarts with nothing in memory; the chains go on, each turn's prompt longer than
     // the last (the whole conversation, read back from Redis).
     s.start_host().expect("host restarts");
