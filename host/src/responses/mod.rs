@@ -226,7 +226,11 @@ impl Responses {
             tokio::pin!(notified);
             notified.as_mut().enable();
             let mut r = self.lock().resolve(tenant, id, Instant::now());
-            if !matches!(r, store::Resolved::Found(_)) && self.redis.is_some() {
+            // Redis is asked on the first pass and at the deadline only: a wake-up is a store on
+            // this host, which memory already shows, and asking on every one would cost a round
+            // trip per unrelated store for each waiting continuation.
+            let last = tokio::time::Instant::now() >= deadline;
+            if !matches!(r, store::Resolved::Found(_)) && self.redis.is_some() && (!waited || last) {
                 match self.load(tenant, id).await {
                     Ok(true) => r = self.lock().resolve(tenant, id, Instant::now()),
                     Ok(false) => {}
@@ -236,7 +240,7 @@ impl Responses {
                     }
                 }
             }
-            let done = !matches!(r, store::Resolved::NotFound) || tokio::time::Instant::now() >= deadline;
+            let done = !matches!(r, store::Resolved::NotFound) || last;
             if done {
                 let c = match r {
                     store::Resolved::Found(_) => &self.counters.resolved_found,
