@@ -158,6 +158,7 @@ async fn a_killed_worker_and_a_restarted_redis_lose_nothing() {
             }
             Status::DeadLettered => assert!(r.error.as_deref().is_some_and(|e| !e.is_empty()), "{id} has no reason"),
             Status::Expired => assert!(r.error.as_deref().unwrap_or("").contains("deadline"), "{r:?}"),
+            Status::Cancelled => panic!("{id}: nothing was cancelled: {r:?}"),
         }
     }
     println!("results by status: {by_status:?}");

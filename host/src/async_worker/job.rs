@@ -99,6 +99,8 @@ pub enum Status {
     Completed,
     Expired,
     DeadLettered,
+    /// Stopped on request (`Queue::cancel`): before it ran, or while it ran.
+    Cancelled,
 }
 
 /// The result record: `{id, status, status_code, body, error, attempts, finished}`.

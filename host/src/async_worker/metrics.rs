@@ -16,6 +16,8 @@ pub struct Metrics {
     pub completed: AtomicU64,
     pub expired: AtomicU64,
     pub dead_lettered: AtomicU64,
+    /// Running jobs this worker stopped because they were cancelled.
+    pub cancelled: AtomicU64,
     pub lapsed: AtomicU64,
     /// A result was already written when this worker finished the job (it ran twice).
     pub duplicates: AtomicU64,
@@ -87,7 +89,7 @@ impl Metrics {
     }
 
     fn render_counters(&self, out: &mut String) {
-        let counters: [(&str, &AtomicU64, &str); 11] = [
+        let counters: [(&str, &AtomicU64, &str); 12] = [
             ("attache_async_dispatched_total", &self.dispatched, "Jobs sent to the gateway (every attempt)."),
             (
                 "attache_async_completed_total",
@@ -99,6 +101,11 @@ impl Metrics {
                 "attache_async_dead_lettered_total",
                 &self.dead_lettered,
                 "Jobs moved to the dead-letter set, with a reason.",
+            ),
+            (
+                "attache_async_cancelled_total",
+                &self.cancelled,
+                "Running jobs this worker stopped because they were cancelled.",
             ),
             (
                 "attache_async_lapsed_total",

@@ -13,6 +13,7 @@
 //! | `results` | hash | id → result JSON, written once (`HSETNX`) |
 //! | `dead` | sorted set | dead-lettered ids by time (their reasons are in `results`) |
 //! | `stats` | hash | `lapsed`, `duplicates`, `malformed` counters |
+//! | `cancel` | hash | id → time (ms) a running job was asked to stop |
 //!
 //! Delivery is at least once: a lease that lapses (the worker died) puts the job back in
 //! `pending`. A result is written once per id, so a job run twice still has one result.
@@ -25,16 +26,16 @@ use std::time::Duration;
 use super::job::{JobResult, Status};
 use super::resp::{Client, RedisError, Value};
 
-const KEY_NAMES: [&str; 12] = [
+const KEY_NAMES: [&str; 13] = [
     "intake", "jobs", "pending", "inflight", "delayed", "deadline", "attempts", "results", "dead", "lease", "stats",
-    "sheds",
+    "sheds", "cancel",
 ];
 
 /// Lua helpers shared by every script. KEYS follow `KEY_NAMES`.
 const PRELUDE: &str = r#"
 local K = {intake=KEYS[1], jobs=KEYS[2], pending=KEYS[3], inflight=KEYS[4], delayed=KEYS[5],
   deadline=KEYS[6], attempts=KEYS[7], results=KEYS[8], dead=KEYS[9], lease=KEYS[10], stats=KEYS[11],
-  sheds=KEYS[12]}
+  sheds=KEYS[12], cancel=KEYS[13]}
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -42,9 +43,18 @@ end
 local function forget(id)
   redis.call('ZREM', K.pending, id); redis.call('ZREM', K.inflight, id); redis.call('ZREM', K.delayed, id)
   redis.call('HDEL', K.jobs, id); redis.call('HDEL', K.deadline, id); redis.call('HDEL', K.attempts, id)
-  redis.call('HDEL', K.lease, id); redis.call('HDEL', K.sheds, id)
+  redis.call('HDEL', K.lease, id); redis.call('HDEL', K.sheds, id); redis.call('HDEL', K.cancel, id)
 end
+local function ended(id, status, err, now_ms)
+  local attempts = tonumber(redis.call('HGET', K.attempts, id) or '0')
+  return cjson.encode({id=id, status=status, status_code=0, body=cjson.null, error=err,
+    attempts=attempts, finished=now_ms / 1000})
+end
+-- A job asked to stop while it ran ends cancelled, whatever its last dispatch did.
 local function finish(id, result, now_ms, dead)
+  if redis.call('HEXISTS', K.cancel, id) == 1 then
+    result = ended(id, 'cancelled', 'cancelled while running', now_ms); dead = false
+  end
   local wrote = redis.call('HSETNX', K.results, id, result)
   forget(id)
   if wrote == 1 then
@@ -54,11 +64,6 @@ local function finish(id, result, now_ms, dead)
   end
   return wrote
 end
-local function ended(id, status, err, now_ms)
-  local attempts = tonumber(redis.call('HGET', K.attempts, id) or '0')
-  return cjson.encode({id=id, status=status, status_code=0, body=cjson.null, error=err,
-    attempts=attempts, finished=now_ms / 1000})
-end
 local function maintain(now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', K.delayed, '-inf', now, 'LIMIT', 0, 256)) do
     redis.call('ZREM', K.delayed, id)
@@ -67,7 +72,9 @@ local function maintain(now)
   local lapsed = 0
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', K.inflight, '-inf', now, 'LIMIT', 0, 256)) do
     redis.call('ZREM', K.inflight, id); redis.call('HDEL', K.lease, id)
-    if redis.call('HEXISTS', K.results, id) == 0 then
+    if redis.call('HEXISTS', K.cancel, id) == 1 then
+      finish(id, '', now, false)
+    elseif redis.call('HEXISTS', K.results, id) == 0 then
       redis.call('ZADD', K.pending, redis.call('HGET', K.deadline, id) or 0, id)
     end
     redis.call('HINCRBY', K.stats, 'lapsed', 1); lapsed = lapsed + 1
@@ -158,6 +165,10 @@ const RETRY: &str = r#"
 local id, token, now = ARGV[1], ARGV[2], now_ms()
 local at = now + tonumber(ARGV[3])
 if redis.call('HGET', K.lease, id) ~= token then return 'stale' end
+if redis.call('HEXISTS', K.cancel, id) == 1 then
+  finish(id, '', now, false)
+  return 'cancelled'
+end
 redis.call('ZREM', K.inflight, id); redis.call('HDEL', K.lease, id)
 local attempts = tonumber(redis.call('HGET', K.attempts, id) or '0')
 if ARGV[4] == '1' then
@@ -182,6 +193,21 @@ const RENEW: &str = r#"
 if redis.call('HGET', K.lease, ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('ZADD', K.inflight, 'XX', now_ms() + tonumber(ARGV[3]), ARGV[1])
 return 1
+"#;
+
+/// ARGV: id, reason. Stops a job: one not running (waiting, backing off, still in intake, or
+/// never submitted) ends `cancelled` now, and intake drops its body as a duplicate if it comes;
+/// a running one is marked, and ends `cancelled` when its worker sees the mark or settles it.
+/// Returns 'cancelled', 'cancelling' or 'finished' (a result was there already).
+const CANCEL: &str = r#"
+local id, now = ARGV[1], now_ms()
+if redis.call('HEXISTS', K.results, id) == 1 then return 'finished' end
+if redis.call('ZSCORE', K.inflight, id) then
+  redis.call('HSET', K.cancel, id, now)
+  return 'cancelling'
+end
+finish(id, ended(id, 'cancelled', ARGV[2], now), now, false)
+return 'cancelled'
 "#;
 
 /// ARGV: id, token. Hands a held job back to pending (a graceful stop that could not finish it).
@@ -223,8 +249,21 @@ pub enum RetryVerdict {
     Delayed,
     DeadLettered,
     Expired,
+    /// The job was asked to stop: it ended cancelled.
+    Cancelled,
     /// The lease had lapsed and the job is someone else's now.
     Stale,
+}
+
+/// What [`Queue::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelVerdict {
+    /// It was not running: it ended cancelled now.
+    Cancelled,
+    /// It is running: its worker stops it, and it ends cancelled.
+    Cancelling,
+    /// It had ended already.
+    Finished,
 }
 
 /// How many jobs are where, for metrics and the autoscaler.
@@ -340,6 +379,7 @@ impl Queue {
             Some("delayed") => RetryVerdict::Delayed,
             Some("dead") => RetryVerdict::DeadLettered,
             Some("expired") => RetryVerdict::Expired,
+            Some("cancelled") => RetryVerdict::Cancelled,
             _ => RetryVerdict::Stale,
         })
     }
@@ -352,6 +392,45 @@ impl Queue {
     pub async fn release(&self, id: &str, token: &str) -> Result<bool, RedisError> {
         let v = self.eval(RELEASE, &[id.to_string(), token.to_string()]).await?;
         Ok(v.as_int() == Some(1))
+    }
+
+    /// Stop a job ([`CANCEL`]).
+    pub async fn cancel(&self, id: &str, reason: &str) -> Result<CancelVerdict, RedisError> {
+        let v = self.eval(CANCEL, &[id.to_string(), reason.to_string()]).await?;
+        Ok(match v.as_str() {
+            Some("cancelled") => CancelVerdict::Cancelled,
+            Some("cancelling") => CancelVerdict::Cancelling,
+            _ => CancelVerdict::Finished,
+        })
+    }
+
+    /// Whether a running job was asked to stop.
+    pub async fn cancel_requested(&self, id: &str) -> Result<bool, RedisError> {
+        let v = self.redis.cmd(&[b"HEXISTS".as_slice(), self.key("cancel").as_bytes(), id.as_bytes()]).await?;
+        Ok(v.as_int() == Some(1))
+    }
+
+    /// `cmd key ids...` on one of `KEY_NAMES`: one value per id, in one round trip.
+    async fn per_id(&self, cmd: &str, key: &str, ids: &[&str]) -> Result<Vec<Value>, RedisError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let key = self.key(key);
+        let mut args: Vec<&[u8]> = vec![cmd.as_bytes(), key.as_bytes()];
+        args.extend(ids.iter().map(|i| i.as_bytes()));
+        Ok(self.redis.cmd(&args).await?.into_array())
+    }
+
+    /// The results of `ids` (`None` where a job has none yet).
+    pub async fn results_of(&self, ids: &[&str]) -> Result<Vec<Option<JobResult>>, RedisError> {
+        let v = self.per_id("HMGET", "results", ids).await?;
+        Ok(v.iter().map(|r| r.as_str().and_then(|s| serde_json::from_str(s).ok())).collect())
+    }
+
+    /// Which of `ids` a worker holds now.
+    pub async fn running(&self, ids: &[&str]) -> Result<Vec<bool>, RedisError> {
+        let v = self.per_id("ZMSCORE", "inflight", ids).await?;
+        Ok(v.iter().map(|s| !matches!(s, Value::Nil)).collect())
     }
 
     pub async fn depths(&self) -> Result<Depths, RedisError> {

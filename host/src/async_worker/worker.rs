@@ -15,6 +15,9 @@ use super::metrics::Metrics;
 use super::queue::{Claimed, Queue, RetryVerdict};
 use super::WorkerConfig;
 
+/// How often a running job checks whether it was cancelled.
+const CANCEL_POLL: Duration = Duration::from_millis(250);
+
 pub(crate) fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
@@ -219,6 +222,16 @@ fn ended(id: &str, status: Status, code: u16, body: Value, error: Option<String>
     }
 }
 
+/// How a dispatch ended.
+enum Ran {
+    /// (status, body, transport error).
+    Answered((Option<u16>, Vec<u8>, Option<String>)),
+    /// The job was cancelled while it ran.
+    Cancelled,
+    /// A graceful stop's drain time ran out.
+    Abandoned,
+}
+
 /// One claimed job, from parse to result or retry.
 async fn run_job(ctx: &Ctx, claimed: Claimed, token: &str) {
     ctx.metrics.inflight.fetch_add(1, Ordering::Relaxed);
@@ -245,13 +258,24 @@ async fn run_claimed(ctx: &Ctx, claimed: Claimed, token: &str) {
     let timeout = ctx.cfg.request_timeout.min(Duration::from_millis(left.unsigned_abs()));
     let mut abandon = ctx.abandon.clone();
     let answer = tokio::select! {
-        a = dispatch(ctx, &job, timeout) => Some(a),
+        a = dispatch(ctx, &job, timeout) => Ran::Answered(a),
         () = renew_lease(ctx, &job.id, token) => {
             // The lease lapsed and the job went back to pending: whoever claims it runs it.
             Metrics::count(&ctx.metrics.leases_lost, 1);
             return info!("lease lost: dispatch cancelled");
         }
-        _ = abandon.wait_for(|a| *a) => None,
+        () = watch_cancel(ctx, &job.id) => Ran::Cancelled,
+        _ = abandon.wait_for(|a| *a) => Ran::Abandoned,
+    };
+    let answer = match answer {
+        Ran::Answered(a) => Some(a),
+        Ran::Cancelled => {
+            // Dropping the dispatch closed its connection: the gateway and the engine stop too.
+            info!("cancelled while running");
+            let why = Some("cancelled while running".to_string());
+            return finish(ctx, &ended(&job.id, Status::Cancelled, 0, Value::Null, why, attempts), job.created).await;
+        }
+        Ran::Abandoned => None,
     };
     match answer {
         Some((code, body, err)) => {
@@ -281,6 +305,21 @@ async fn renew_lease(ctx: &Ctx, id: &str, token: &str) {
             Err(e) => {
                 Metrics::count(&ctx.metrics.redis_errors, 1);
                 warn!(error = %e, "renewing a lease");
+            }
+        }
+    }
+}
+
+/// Returns once the job is asked to stop (`Queue::cancel`).
+async fn watch_cancel(ctx: &Ctx, id: &str) {
+    loop {
+        tokio::time::sleep(CANCEL_POLL).await;
+        match ctx.queue.cancel_requested(id).await {
+            Ok(true) => return,
+            Ok(false) => {}
+            Err(e) => {
+                Metrics::count(&ctx.metrics.redis_errors, 1);
+                debug!(error = %e, "checking for a cancel");
             }
         }
     }
@@ -363,6 +402,7 @@ async fn retry(ctx: &Ctx, job: &Job, token: &str, backoff_exp: u32, counted: boo
                 return warn!(%reason, "dead-lettered after the last attempt");
             }
             Ok(RetryVerdict::Expired) => return Metrics::count(&ctx.metrics.expired, 1),
+            Ok(RetryVerdict::Cancelled) => return debug!("cancelled: not retried"),
             Ok(RetryVerdict::Stale) => {
                 Metrics::count(&ctx.metrics.leases_lost, 1);
                 return debug!("lease lost: the job is another worker's");
@@ -393,6 +433,7 @@ async fn finish(ctx: &Ctx, r: &JobResult, created: Option<f64>) {
                         Status::Completed => &m.completed,
                         Status::Expired => &m.expired,
                         Status::DeadLettered => &m.dead_lettered,
+                        Status::Cancelled => &m.cancelled,
                     },
                     1,
                 );
