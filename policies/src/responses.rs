@@ -141,6 +141,23 @@ pub fn join_arrays(a: &str, b: &str) -> Option<String> {
     Some(out)
 }
 
+/// Why a `background: true` request cannot be queued in gateway mode, if it cannot: without
+/// `store` there is nothing to poll (vLLM's own refusal), and a streamed background response
+/// is not kept by the gateway (poll `GET` instead).
+pub fn background_refusal(req: &crate::request::InferenceRequest) -> Option<crate::error::ErrorResponse> {
+    let (reason, message) = if !req.store {
+        ("background_needs_store", "background can only be used when `store` is true (parameter=background)")
+    } else if req.stream {
+        (
+            "background_stream_unsupported",
+            "The gateway does not stream background responses: send `stream: false` and poll GET /v1/responses/{id}.",
+        )
+    } else {
+        return None;
+    };
+    Some(crate::error::ErrorResponse::new(400, reason, "invalid_request_error", Some("background"), message))
+}
+
 /// A key naming a conversation on every one of its turns: its tenant and its first input item.
 /// Gateway mode binds it as a session, so a chain stays on the engine holding its cache, as a
 /// session does. Reads only the first item of `conversation` (a JSON array).

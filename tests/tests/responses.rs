@@ -359,3 +359,195 @@ async fn with_redis_behind_it_a_restarted_host_continues_the_chains() {
     assert_eq!(o.header("x-attache-error"), Some("responses_store_unavailable"));
     assert!(host_metric(&s, "attache_responses_resolutions_total{outcome=\"unavailable\"}") >= 1.0);
 }
+
+/// Background responses: create them, poll them, cancel some. Modes by argv[2]:
+/// - `create N TOKENS`: create N background responses; prints their ids and first statuses;
+/// - `poll IDS`: poll each id until it ends; prints every status each was seen in, and its last;
+/// - `cancel ID`: cancel; prints the answer's status and a GET's after it.
+const BACKGROUND: &str = r#"
+import json, sys, time
+from concurrent.futures import ThreadPoolExecutor
+import openai
+from openai import OpenAI
+
+c = OpenAI(base_url=sys.argv[1], api_key="tenant-a", max_retries=0)
+other = OpenAI(base_url=sys.argv[1], api_key="tenant-b", max_retries=0)
+MODEL = "tinyllama"
+mode = sys.argv[2]
+if mode == "create":
+    n, tokens = int(sys.argv[3]), int(sys.argv[4])
+    def create(i):
+        r = c.responses.create(model=MODEL, input=f"background job {i}: summarise the report.",
+                               max_output_tokens=tokens, background=True)
+        return r.id, r.status, r.background
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        made = list(pool.map(create, range(n)))
+    print(json.dumps({"ids": [m[0] for m in made], "statuses": sorted({m[1] for m in made}),
+                      "background": all(m[2] for m in made)}))
+elif mode == "poll":
+    ids = sys.argv[3].split(",")
+    def poll(i):
+        seen, deadline = [], time.time() + 120
+        while time.time() < deadline:
+            r = c.responses.retrieve(i)
+            if not seen or seen[-1] != r.status:
+                seen.append(r.status)
+            if r.status not in ("queued", "in_progress"):
+                return {"id": i, "seen": seen, "text": r.output_text, "tokens": r.usage.output_tokens if r.usage else 0}
+            time.sleep(0.05)
+        return {"id": i, "seen": seen, "text": "", "tokens": 0}
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        print(json.dumps(list(pool.map(poll, ids))))
+elif mode == "cancel":
+    i = sys.argv[3]
+    r = c.responses.cancel(i)
+    try:
+        other.responses.cancel(i)
+        intruder = 200
+    except openai.APIStatusError as e:
+        intruder = e.status_code
+    print(json.dumps({"cancelled": r.status, "get": c.responses.retrieve(i).status, "other_tenant": intruder}))
+elif mode == "continue":
+    r = c.responses.create(model=MODEL, input="and the conclusion?", previous_response_id=sys.argv[3],
+                           max_output_tokens=2)
+    print(json.dumps({"status": r.status, "input_tokens": r.usage.input_tokens}))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_responses_run_on_the_async_worker_poll_cancel_and_survive_its_death() {
+    use attache_e2e::async_worker::AsyncWorker;
+    use attache_host::async_worker::job::Status;
+    use attache_host::async_worker::queue::Queue;
+
+    let mut s = Stack::new("responses-background").expect("stack");
+    let redis = Redis::start(&s).expect("redis-server (cargo xtask installs it from Debian)");
+    s.host_extra = Some(json!({"responses": {"redis": redis.addr().to_string(),
+        "background": {"enabled": true, "poll_ms": 50}}}));
+    // Background jobs travel as the sheddable band: objective `batch` at a negative priority.
+    s.host_flow = Some(json!({"objectives": {"interactive": 10, "batch": -1}}));
+    s.start_sim(SimOpts { engines: 2, time_scale: 1.0, ..SimOpts::default() }).expect("sim");
+    s.start_host().expect("host");
+    let mut cfg = Stack::default_scheduler_config();
+    cfg["flow"] = json!({"enabled": true});
+    s.start_envoy(EnvoyKind::Attache, &cfg, 2).expect("envoy");
+    s.wait_snapshot(2, Duration::from_secs(20)).expect("snapshot");
+    let url = s.url("/v1");
+    let q = Queue::new(redis.addr(), "attache:async", Duration::from_secs(5));
+    let worker_args = ["--lease-ms", "1500", "--gate-interval-ms", "50", "--concurrency", "8"];
+
+    // No worker yet: a background response stays queued, and is cancelled while queued.
+    let made = python(&s, BACKGROUND, &[url.clone(), "create".into(), "1".into(), "8".into()]);
+    assert_eq!((made["statuses"].clone(), made["background"].clone()), (json!(["queued"]), json!(true)), "{made}");
+    let queued_id = made["ids"][0].as_str().unwrap().to_owned();
+    let c = python(&s, BACKGROUND, &[url.clone(), "cancel".into(), queued_id.clone()]);
+    assert_eq!(c, json!({"cancelled": "cancelled", "get": "cancelled", "other_tenant": 404}));
+
+    // 100 background responses; the worker is killed mid-run and another takes over.
+    let made = python(&s, BACKGROUND, &[url.clone(), "create".into(), "100".into(), "24".into()]);
+    let ids: Vec<String> = made["ids"].as_array().unwrap().iter().map(|i| i.as_str().unwrap().to_owned()).collect();
+    assert_eq!(ids.len(), 100);
+    let poller = {
+        let (s_root, url, joined) = (s.paths.root.clone(), url.clone(), ids.join(","));
+        std::thread::spawn(move || {
+            let py = s_root.join(".venv/bin/python");
+            let out = std::process::Command::new(py).args(["-c", BACKGROUND, &url, "poll", &joined]).output().unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+            serde_json::from_str::<Value>(stdout.lines().last().unwrap_or_default()).unwrap()
+        })
+    };
+    assert_eq!(made["statuses"], json!(["queued"]));
+    // The poller's first reads see them queued: the worker starts after it.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut w = AsyncWorker::start(&s, &redis, &worker_args).expect("attache async");
+    let count = || async { q.depths().await.map(|d| d.results).unwrap_or(0) };
+    let end = std::time::Instant::now() + Duration::from_secs(60);
+    while count().await < 21 && std::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(w.metric("attache_async_inflight") >= 1.0, "the kill should land while jobs run");
+    w.proc.kill(); // SIGKILL: its leases lapse and their jobs go back to pending
+    let at_kill = count().await;
+    assert!(at_kill < 101, "the kill landed mid-run ({at_kill} results)");
+    let w = AsyncWorker::start(&s, &redis, &worker_args).expect("attache async");
+    let polled = tokio::task::spawn_blocking(move || poller.join().unwrap()).await.unwrap();
+    let polled = polled.as_array().unwrap();
+    assert_eq!(polled.len(), 100);
+    let mut seen_any = std::collections::BTreeSet::new();
+    for p in polled {
+        let seen: Vec<&str> = p["seen"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+        assert_eq!(seen.last(), Some(&"incomplete"), "{p}: ends once, with its whole output");
+        assert!(!p["text"].as_str().unwrap_or_default().is_empty(), "{p}");
+        assert_eq!(p["tokens"], 24, "{p}");
+        // Never back to queued once running, never running again once ended.
+        let mut sorted = seen.clone();
+        sorted.dedup();
+        assert_eq!(sorted, seen, "{p}");
+        seen_any.extend(seen);
+    }
+    assert!(seen_any.contains("queued") && seen_any.contains("in_progress"), "polling saw {seen_any:?}");
+    // Exactly once: one result per id issued (and the one cancelled), all completed.
+    let got = q.results().await.unwrap();
+    let mut by_id: std::collections::BTreeMap<String, Status> = std::collections::BTreeMap::new();
+    for r in got {
+        assert!(by_id.insert(r.id.clone(), r.status).is_none(), "{} has two results", r.id);
+    }
+    let mut want: std::collections::BTreeSet<String> = ids.iter().cloned().collect();
+    want.insert(queued_id.clone());
+    assert_eq!(by_id.keys().cloned().collect::<std::collections::BTreeSet<_>>(), want, "exactly the ids issued");
+    assert_eq!(by_id[&queued_id], Status::Cancelled);
+    assert_eq!(by_id.values().filter(|st| **st == Status::Completed).count(), 100);
+    let lapsed = q.redis().cmd(&["HGET", &q.key("stats"), "lapsed"]).await.unwrap().as_int().unwrap_or(0);
+    assert!(lapsed >= 1, "the killed worker's jobs went back to pending and ran again");
+    println!("killed the worker at {at_kill} results; {lapsed} leases lapsed; polling saw {seen_any:?}");
+    let bg = |e: &str| host_metric(&s, &format!("attache_responses_background_total{{event=\"{e}\"}}"));
+    assert_eq!((bg("submitted"), bg("completed"), bg("cancelled")), (101.0, 100.0, 1.0));
+
+    // A completed background response continues like any other: its output is in the prompt.
+    let first = &ids[0];
+    let cont = python(&s, BACKGROUND, &[url.clone(), "continue".into(), first.clone()]);
+    assert_eq!(cont["status"], "incomplete");
+    assert!(cont["input_tokens"].as_u64().unwrap() > 24 + 8, "{cont}");
+
+    // Cancel while running: a long job, cancelled once GET shows it in progress.
+    let made = python(&s, BACKGROUND, &[url.clone(), "create".into(), "1".into(), "4000".into()]);
+    let long = made["ids"][0].as_str().unwrap().to_owned();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = http_get_json(&s, &format!("/v1/responses/{long}"));
+        if st["status"] == "in_progress" || std::time::Instant::now() > end {
+            assert_eq!(st["status"], "in_progress", "{st}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = python(&s, BACKGROUND, &[url.clone(), "cancel".into(), long.clone()]);
+    assert_eq!((c["cancelled"].as_str(), c["get"].as_str()), (Some("cancelled"), Some("cancelled")), "{c}");
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while w.metric("attache_async_cancelled_total") < 1.0 && std::time::Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(w.metric("attache_async_cancelled_total"), 1.0, "the worker stopped the running job");
+    let r = q.results_of(&[long.as_str()]).await.unwrap();
+    assert_eq!(r[0].as_ref().map(|r| r.status), Some(Status::Cancelled));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(http_get_json(&s, &format!("/v1/responses/{long}"))["status"], "cancelled", "stays cancelled");
+    let running: f64 = s
+        .engine_addrs()
+        .iter()
+        .filter_map(|a| a.rsplit(':').next()?.parse::<u16>().ok())
+        .map(|port| {
+            http_get_blocking(port, "/metrics").map(|t| stat_line(&t, "vllm:num_requests_running")).unwrap_or(-1.0)
+        })
+        .sum();
+    assert_eq!(running, 0.0, "the engines stopped generating");
+    assert_eq!(bg("cancelled"), 2.0);
+}
+
+fn http_get_json(s: &Stack, path: &str) -> Value {
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-H", "authorization: Bearer tenant-a", &s.url(path)])
+        .output()
+        .expect("curl");
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}

@@ -140,8 +140,16 @@ impl SchedulerHttp {
         };
         stages::mark(Stage::Parse);
         if api == Api::Responses && self.keeps_responses() {
+            if req.background {
+                if let Some(err) = gateway::background_refusal(&req) {
+                    return self.reject(err);
+                }
+            }
             if let Some(prev) = req.previous_response_id.clone() {
                 return self.continuation(api, body, prev, now);
+            }
+            if req.background {
+                return self.submit(body, None);
             }
             if req.store {
                 self.capture(&req, body, None);
@@ -208,10 +216,64 @@ impl SchedulerHttp {
             w.metrics.responses("rewrites");
             w.metrics.responses_resolve_us(host::now_us().saturating_sub(started_us));
         }
+        if req.background {
+            return self.submit(&c.body, Some((prev, c.turn)));
+        }
         if req.store {
             self.capture(&req, &c.body, Some((prev, c.turn, c.conversation)));
         }
         self.route_parsed(req, c.body.len(), now)
+    }
+
+    /// A background request (its conversation resolved): the host queues it for the async
+    /// worker and answers the queued response, which this request returns.
+    fn submit(&mut self, body: &[u8], continued: Option<(&str, String)>) -> Action {
+        let (previous_id, turn) = match continued {
+            Some((p, t)) => (p.to_owned(), t),
+            None => {
+                let turn = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|mut v| {
+                    let input = v.get_mut("input")?.take();
+                    gateway::turn_items(&input).ok()
+                });
+                let Some(turn) = turn else {
+                    let detail = "not a string or a list of items".to_owned();
+                    return self.reject(ErrorResponse::from(&RequestError::InvalidField { field: "input", detail }));
+                };
+                (String::new(), turn)
+            }
+        };
+        let (cfg, tenant) = match (self.worker.try_borrow(), self.st.try_borrow()) {
+            (Ok(w), Ok(st)) => (w.config.responses.clone(), st.tenant.clone().unwrap_or_default()),
+            _ => return Action::Continue,
+        };
+        let msg = attache_proto::v1::SubmitRequest {
+            tenant,
+            previous_id,
+            input_items: turn,
+            request: String::from_utf8_lossy(body).into_owned(),
+        };
+        let call = responses::submit(&cfg, &msg);
+        if call.is_some() {
+            self.count_response("background");
+        }
+        self.await_served(call)
+    }
+
+    /// Pause for the host's answer to a store route or a background submission (`call`, its
+    /// token), which becomes the response; 503 if the call could not be made.
+    fn await_served(&mut self, call: Option<u32>) -> Action {
+        match call {
+            Some(token) => {
+                if let Ok(mut st) = self.st.try_borrow_mut() {
+                    st.serving = Some(token);
+                }
+                Action::Pause
+            }
+            None => {
+                self.count_response("serve_failed");
+                self.answer_store_unavailable()
+            }
+        }
     }
 
     /// Capture the response to `req` for the store: this turn's items (from `body`, or from
@@ -297,6 +359,17 @@ impl SchedulerHttp {
             "message": format!("previous_response_id '{prev}' not found: {why}."),
             "type": "invalid_request_error", "param": "previous_response_id", "code": 404}});
         host::send_json(404, "previous_response_not_found", &body.to_string(), &[]);
+        self.mark_answered();
+        Action::Pause
+    }
+
+    /// 400 for a `previous_response_id` naming a background response that has not ended.
+    fn answer_pending_previous(&mut self, prev: &str) -> Action {
+        let body = serde_json::json!({"error": {
+            "message": format!("previous_response_id '{prev}' is a background response still queued or in progress; \
+                                continue from it once GET shows it completed."),
+            "type": "invalid_request_error", "param": "previous_response_id", "code": 400}});
+        host::send_json(400, "previous_response_pending", &body.to_string(), &[]);
         self.mark_answered();
         Action::Pause
     }
@@ -496,6 +569,7 @@ impl Context for SchedulerHttp {
                 Resolution::Found(_) => "resolved.host",
                 Resolution::NotFound => "resolved.not_found",
                 Resolution::Evicted => "resolved.evicted",
+                Resolution::Pending => "resolved.pending",
                 Resolution::Failed => "resolved.failed",
             };
             w.metrics.responses(event);
@@ -506,6 +580,7 @@ impl Context for SchedulerHttp {
                 }
                 Resolution::NotFound => self.answer_unknown_previous(&r.previous_id, false),
                 Resolution::Evicted => self.answer_unknown_previous(&r.previous_id, true),
+                Resolution::Pending => self.answer_pending_previous(&r.previous_id),
                 Resolution::Failed => self.answer_store_unavailable(),
             };
             if action == Action::Continue {
@@ -568,18 +643,7 @@ impl HttpContext for SchedulerHttp {
         }
         // The Responses API's own routes, answered from the gateway's store.
         if let Some(route) = intake::store_route(&cfg, |n| headers.get(n)) {
-            return match responses::serve(&cfg.responses, &route) {
-                Some(token) => {
-                    if let Ok(mut st) = self.st.try_borrow_mut() {
-                        st.serving = Some(token);
-                    }
-                    Action::Pause
-                }
-                None => {
-                    self.count_response("serve_failed");
-                    self.answer_store_unavailable()
-                }
-            };
+            return self.await_served(responses::serve(&cfg.responses, &route));
         }
         let head = match intake::head(&cfg, |n| headers.get(n), end_of_stream) {
             Ok(h) => h,

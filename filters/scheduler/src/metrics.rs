@@ -120,11 +120,12 @@ struct FleetMetrics {
 const LOOKUP_OUTCOMES: [&str; 3] = ["found", "missed", "failed"];
 
 /// What the gateway's Responses state counts (`attache.responses.<event>`).
-pub const RESPONSES_EVENTS: [&str; 11] = [
+pub const RESPONSES_EVENTS: [&str; 13] = [
     "resolved.local",
     "resolved.host",
     "resolved.not_found",
     "resolved.evicted",
+    "resolved.pending",
     "resolved.failed",
     "rewrites",
     "captured",
@@ -132,6 +133,7 @@ pub const RESPONSES_EVENTS: [&str; 11] = [
     "store_failed",
     "served",
     "serve_failed",
+    "background",
 ];
 
 /// Tenants with their own queue-depth gauge per worker; the rest share `other`.

@@ -6,6 +6,8 @@
 //! - [`resolve`]: a continuation whose conversation this worker has not seen asks the host.
 //! - [`store`]: a captured response goes to the host from the worker's root context, so the
 //!   call outlives the request.
+//! - [`submit`]: a `background: true` request is handed to the host, which queues it for the
+//!   async worker and answers the queued response object.
 
 use std::time::Duration;
 
@@ -44,12 +46,21 @@ pub fn resolve(cfg: &ResponsesConfig, tenant: &str, id: &str) -> Option<u32> {
     hostcalls::dispatch_grpc_call(&cfg.cluster, SERVICE, "Resolve", vec![], Some(&msg), timeout).ok()
 }
 
+/// Hand a background request to the host; its answer comes back as [`served`]'s.
+pub fn submit(cfg: &ResponsesConfig, req: &v1::SubmitRequest) -> Option<u32> {
+    let msg = req.encode_to_vec();
+    let timeout = Duration::from_millis(2_000 + SLACK_MS);
+    hostcalls::dispatch_grpc_call(&cfg.cluster, SERVICE, "Submit", vec![], Some(&msg), timeout).ok()
+}
+
 /// What [`resolve`] found.
 pub enum Resolution {
     /// The conversation's items, a JSON array.
     Found(String),
     NotFound,
     Evicted,
+    /// A background response still queued or running.
+    Pending,
     /// The host could not be asked or did not answer.
     Failed,
 }
@@ -60,6 +71,7 @@ pub fn resolved(status: u32, size: usize) -> Resolution {
         v1::resolve_reply::Outcome::Found => Resolution::Found(r.items),
         v1::resolve_reply::Outcome::NotFound => Resolution::NotFound,
         v1::resolve_reply::Outcome::Evicted => Resolution::Evicted,
+        v1::resolve_reply::Outcome::Pending => Resolution::Pending,
         v1::resolve_reply::Outcome::Unspecified | v1::resolve_reply::Outcome::Unavailable => Resolution::Failed,
     }
 }
@@ -270,6 +282,65 @@ mod tests {
         ex.respond_body(r#"{"error":{}}"#);
         ex.finish();
         assert_eq!(calls("Store").len(), 1);
+    }
+
+    #[test]
+    fn a_background_request_is_queued_by_the_host_with_its_conversation_resolved() {
+        publish(&snapshot(3));
+        heard(now_ms());
+        let f = Filter::configure("");
+        let mut first = f.send(turn(json!("hello"), None, "acme"));
+        first.respond(200, &[]);
+        first.respond_body(&answer("resp_1", "hi there"));
+        first.finish();
+
+        let body =
+            json!({"model": MODEL, "input": "summarise it", "previous_response_id": "resp_1", "background": true});
+        let mut ex = f.send(Request::post("/v1/responses", &body.to_string()).header("x-attache-tenant", "acme"));
+        assert_eq!(ex.on_body, Some(Action::Pause), "answered by the host, not routed");
+        assert!(ex.primary().is_none());
+        let call = calls("Submit").pop().expect("submitted");
+        let asked = v1::SubmitRequest::decode(call.message.as_slice()).unwrap();
+        assert_eq!(asked.previous_id, "resp_1");
+        assert!(asked.tenant.starts_with("t-"));
+        assert_eq!(
+            serde_json::from_str::<Value>(&asked.input_items).unwrap(),
+            json!([{"role": "user", "content": "summarise it"}])
+        );
+        let run: Value = serde_json::from_str(&asked.request).unwrap();
+        assert!(run.get("previous_response_id").is_none());
+        assert_eq!(run["input"].as_array().map(Vec::len), Some(3), "the whole conversation: {run}");
+        let queued =
+            json!({"id": "resp_bg", "object": "response", "status": "queued", "background": true, "output": []});
+        reply_to(&mut ex, &call, 0, &v1::ServeReply { status: 200, body: queued.to_string() });
+        let r = ex.refused();
+        assert_eq!(r.status, 200);
+        assert_eq!(serde_json::from_slice::<Value>(&r.body).unwrap()["status"], "queued");
+        assert_eq!(metric("attache.responses.background"), Some(1));
+        assert!(calls("Store").len() == 1, "the queued answer is not captured as a response");
+
+        // Refused before anything is asked: no store, or streamed.
+        for (extra, reason) in [
+            (json!({"store": false}), "background_needs_store"),
+            (json!({"stream": true}), "background_stream_unsupported"),
+        ] {
+            let mut b = json!({"model": MODEL, "input": "x", "background": true});
+            b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let r = f.send(Request::post("/v1/responses", &b.to_string())).refused();
+            assert_eq!((r.status, r.header(attache_policies::intake::ERROR_HEADER)), (400, Some(reason)));
+        }
+        assert_eq!(calls("Submit").len(), 1);
+
+        // A continuation of a background response that has not ended: 400, said so.
+        let mut ex = f.send(turn(json!("next"), Some("resp_bg"), "acme"));
+        let call = calls("Resolve").pop().unwrap();
+        let pending = v1::ResolveReply { outcome: v1::resolve_reply::Outcome::Pending.into(), items: String::new() };
+        reply_to(&mut ex, &call, 0, &pending);
+        let r = ex.refused();
+        assert_eq!(
+            (r.status, r.header(attache_policies::intake::ERROR_HEADER)),
+            (400, Some("previous_response_pending"))
+        );
     }
 
     #[test]

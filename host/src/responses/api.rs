@@ -3,8 +3,8 @@
 //! - `DELETE /v1/responses/{id}`: `{"id", "object": "response.deleted", "deleted": true}`;
 //! - `GET /v1/responses/{id}/input_items`: a list page of the turn's input items (`limit`
 //!   1–100, default 20; `order` `desc` (default) or `asc`; `after` an item id);
-//! - `POST /v1/responses/{id}/cancel`: only background responses can be cancelled, and a
-//!   stored response is never one, so 400 when it is found.
+//! - `POST /v1/responses/{id}/cancel`: 400 for a response that is not a background one
+//!   (background responses are cancelled through their job first: `Responses::serve`).
 //!
 //! Unknown ids, and ids of another tenant, are 404 with the same message.
 
@@ -17,7 +17,7 @@ use super::store::ResponseStore;
 /// An answer: HTTP status and JSON body.
 pub type Answer = (u16, String);
 
-fn error(status: u16, kind: &str, param: Option<&str>, message: &str) -> Answer {
+pub fn error(status: u16, kind: &str, param: Option<&str>, message: &str) -> Answer {
     (status, json!({"error": {"message": message, "type": kind, "param": param, "code": status}}).to_string())
 }
 

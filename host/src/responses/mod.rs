@@ -5,9 +5,11 @@
 //! - [`store`]: the bounded in-memory store.
 //! - [`api`]: `GET`, `DELETE` and `input_items` in OpenAI's shapes.
 //! - [`redis`]: Redis behind it, written through and read back on a miss.
+//! - [`background`]: `background: true` on the async worker.
 //! - [`service`]: the gRPC service.
 
 pub mod api;
+pub mod background;
 pub mod redis;
 pub mod service;
 pub mod store;
@@ -41,6 +43,8 @@ pub struct ResponsesConfig {
     /// this host does not hold (after a restart, or stored by another host replica) is read
     /// back from it. Keys expire with `ttl_ms`. Absent: memory only.
     pub redis: Option<String>,
+    /// Background responses (`background: true`), run on the async worker through `redis`.
+    pub background: background::BackgroundConfig,
 }
 
 impl Default for ResponsesConfig {
@@ -51,6 +55,7 @@ impl Default for ResponsesConfig {
             ttl_ms: 24 * 3_600_000,
             max_resolve_wait_ms: 1_000,
             redis: None,
+            background: background::BackgroundConfig::default(),
         }
     }
 }
@@ -73,6 +78,7 @@ pub struct Counters {
     pub served: AtomicU64,
     pub deleted: AtomicU64,
     pub resolved_unavailable: AtomicU64,
+    pub resolved_pending: AtomicU64,
     pub redis_loads: AtomicU64,
     pub redis_errors: AtomicU64,
 }
@@ -89,6 +95,7 @@ pub struct Responses {
     pub counters: Arc<Counters>,
     pub config: ResponsesConfig,
     redis: Option<Arc<redis::RedisStore>>,
+    background: Option<Arc<background::Background>>,
 }
 
 impl Responses {
@@ -98,6 +105,7 @@ impl Responses {
             stored: Arc::default(),
             counters: Arc::default(),
             redis: None,
+            background: None,
             config,
         }
     }
@@ -113,9 +121,211 @@ impl Responses {
                 .next()
                 .with_context(|| format!("responses.redis {r} resolves to no address"))?;
             me = me.with_redis(addr);
+            if me.config.background.enabled {
+                me = me.with_background(addr);
+            }
+        } else if me.config.background.enabled {
+            anyhow::bail!("responses.background.enabled needs responses.redis: the async worker's queue is there");
         }
         me.spawn_expiry();
         Ok(me)
+    }
+
+    /// Background responses on the async queue in the Redis at `addr`, watched every `poll_ms`.
+    pub fn with_background(mut self, addr: std::net::SocketAddr) -> Self {
+        let bg = Arc::new(background::Background::new(addr, self.config.background.clone()));
+        self.background = Some(bg.clone());
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(bg.config.poll_ms.max(10)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                me.watch(&bg).await;
+            }
+        });
+        self
+    }
+
+    /// One pass over the background responses this host submitted: mark the running ones,
+    /// write the ended ones' results into them.
+    async fn watch(&self, bg: &background::Background) {
+        let watched = bg.watched(512);
+        if watched.is_empty() {
+            return;
+        }
+        let ids: Vec<&str> = watched.iter().map(|(i, _)| i.as_str()).collect();
+        match bg.states(&ids).await {
+            Ok(states) => {
+                for ((id, tenant), state) in watched.iter().zip(states) {
+                    self.apply(bg, tenant, id, state).await;
+                }
+            }
+            Err(e) => self.redis_failed(&e),
+        }
+    }
+
+    /// Bring a background response up to what its job's state says.
+    async fn apply(&self, bg: &background::Background, tenant: &str, id: &str, state: background::JobState) {
+        let now = Instant::now();
+        let Some(meta) = self.lock().meta(tenant, id, now) else {
+            bg.untrack(id); // deleted or evicted meanwhile
+            return;
+        };
+        let (meta, output) = match state {
+            background::JobState::Queued => return,
+            background::JobState::Running => {
+                if self.lock().state(tenant, id, now).is_some_and(|s| s.status == "in_progress") {
+                    return;
+                }
+                (background::running_object(&meta), String::new())
+            }
+            background::JobState::Ended(result) => background::ended_object(&meta, &result),
+        };
+        self.write_back(bg, tenant, id, &meta, &output).await;
+    }
+
+    /// Replace a background response's object and output, here and in Redis.
+    async fn write_back(&self, bg: &background::Background, tenant: &str, id: &str, meta: &str, output: &str) {
+        let parts = self.lock().update(tenant, id, meta, output, Instant::now());
+        let Some(parts) = parts else {
+            bg.untrack(id);
+            return;
+        };
+        let status = serde_json::from_str::<serde_json::Value>(meta)
+            .ok()
+            .and_then(|m| m["status"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        // Counted by whichever pass stops watching it, once (a poll and a GET may both see it end).
+        if !matches!(status.as_str(), "queued" | "in_progress") && bg.untrack(id) {
+            bg.count_end(&status);
+        }
+        self.stored.notify_waiters();
+        if let Some(redis) = &self.redis {
+            if let Err(e) = redis.update(tenant, id, &parts).await {
+                self.redis_failed(&e);
+            }
+        }
+    }
+
+    /// A background response this host may not be watching (another replica's, or from before
+    /// a restart): read its job's state now.
+    async fn refresh(&self, tenant: &str, id: &str) {
+        let Some(bg) = self.background.clone() else { return };
+        if !self.lock().state(tenant, id, Instant::now()).is_some_and(|s| s.pending()) {
+            return;
+        }
+        match bg.states(&[id]).await {
+            Ok(mut states) => {
+                if let Some(state) = states.pop() {
+                    self.apply(&bg, tenant, id, state).await;
+                }
+            }
+            Err(e) => self.redis_failed(&e),
+        }
+    }
+
+    /// A `background: true` request: keep it queued and hand it to the async worker. Answers
+    /// the queued response object, or why not.
+    pub async fn submit(
+        &self,
+        tenant: &str,
+        previous_id: Option<&str>,
+        input_items: &str,
+        request: &str,
+    ) -> api::Answer {
+        let Some(bg) = self.background.clone() else {
+            return api::error(
+                400,
+                "invalid_request_error",
+                Some("background"),
+                "Background responses are not enabled in this gateway (responses.background.enabled).",
+            );
+        };
+        let req: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(request) {
+            Ok(r) => r,
+            Err(e) => {
+                return api::error(
+                    400,
+                    "invalid_request_error",
+                    None,
+                    &format!("The request is not a JSON object: {e}"),
+                )
+            }
+        };
+        let id = match background::new_id() {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::error!(error = %e, "responses: no randomness for a background id");
+                return api::error(500, "server_error", None, "The gateway could not issue a response id.");
+            }
+        };
+        let created = background::unix_now() as u64;
+        let queued = background::queued_object(&id, &req, previous_id, created).to_string();
+        let new = store::NewResponse { tenant, id: &id, previous_id, input_items, response: &queued };
+        if let Err(e) = self.store(&new).await {
+            bg.counters.submit_failed.fetch_add(1, Ordering::Relaxed);
+            return match e {
+                store::StoreError::PreviousGone(p) => api::error(
+                    404,
+                    "invalid_request_error",
+                    Some("previous_response_id"),
+                    &format!("previous_response_id '{p}' not found: it expired or was evicted."),
+                ),
+                e => api::error(400, "invalid_request_error", None, &e.to_string()),
+            };
+        }
+        let job = background::job(&id, tenant, req, &bg.config).to_string();
+        if let Err(e) = bg.submit(job.as_bytes()).await {
+            self.redis_failed(&e);
+            bg.counters.submit_failed.fetch_add(1, Ordering::Relaxed);
+            self.lock().delete(tenant, &id);
+            if let Some(redis) = &self.redis {
+                let _ = redis.delete(tenant, &id).await;
+            }
+            return api::error(
+                503,
+                "service_unavailable",
+                None,
+                "The gateway's background queue cannot be reached; retry shortly.",
+            );
+        }
+        bg.track(&id, tenant);
+        bg.counters.submitted.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(%id, "responses: background response queued");
+        let body = self.lock().response(tenant, &id, Instant::now()).unwrap_or(queued);
+        (200, body)
+    }
+
+    /// Cancel a background response: `None` when `id` is not one (the store's own answer
+    /// applies).
+    async fn cancel(&self, tenant: &str, id: &str) -> Option<api::Answer> {
+        let bg = self.background.clone()?;
+        let state = self.lock().state(tenant, id, Instant::now())?;
+        if !state.background {
+            return None;
+        }
+        if state.pending() {
+            match bg.cancel(id).await {
+                Ok(crate::async_worker::queue::CancelVerdict::Finished) => self.refresh(tenant, id).await,
+                Ok(_) => {
+                    let meta = self.lock().meta(tenant, id, Instant::now())?;
+                    let output = String::new();
+                    self.write_back(&bg, tenant, id, &background::cancelled_object(&meta), &output).await;
+                }
+                Err(e) => {
+                    self.redis_failed(&e);
+                    return Some(api::error(
+                        503,
+                        "service_unavailable",
+                        None,
+                        "The gateway's background queue cannot be reached; retry shortly.",
+                    ));
+                }
+            }
+        }
+        let body = self.lock().response(tenant, id, Instant::now())?;
+        Some((200, body))
     }
 
     /// The store with Redis at `addr` behind it.
@@ -200,6 +410,26 @@ impl Responses {
             if let Err(e) = self.load(tenant, id).await {
                 self.redis_failed(&e);
             }
+            self.refresh(tenant, id).await;
+            if method == "POST" && path.split('?').next().is_some_and(|p| p.ends_with("/cancel")) {
+                if let Some(answer) = self.cancel(tenant, id).await {
+                    bump(&self.counters.served);
+                    return answer;
+                }
+            }
+            if method == "DELETE" {
+                // A background response deleted before it ends stops its job too.
+                if let Some(bg) = self.background.clone() {
+                    if self.lock().state(tenant, id, Instant::now()).is_some_and(|s| s.pending()) {
+                        if let Err(e) = bg.cancel(id).await {
+                            self.redis_failed(&e);
+                        }
+                        if bg.untrack(id) {
+                            bg.count_end("cancelled");
+                        }
+                    }
+                }
+            }
         }
         let answer = api::serve(&mut self.lock(), tenant, method, path, Instant::now());
         bump(&self.counters.served);
@@ -240,6 +470,12 @@ impl Responses {
                     }
                 }
             }
+            if matches!(r, store::Resolved::Found(_)) && self.background.is_some() {
+                self.refresh(tenant, id).await;
+                if self.lock().state(tenant, id, Instant::now()).is_some_and(|s| s.pending()) {
+                    r = store::Resolved::Pending;
+                }
+            }
             let done = !matches!(r, store::Resolved::NotFound) || last;
             if done {
                 let c = match r {
@@ -247,6 +483,7 @@ impl Responses {
                     store::Resolved::NotFound => &self.counters.resolved_not_found,
                     store::Resolved::Evicted => &self.counters.resolved_evicted,
                     store::Resolved::Unavailable => &self.counters.resolved_unavailable,
+                    store::Resolved::Pending => &self.counters.resolved_pending,
                 };
                 bump(c);
                 if waited {
@@ -290,6 +527,7 @@ impl Responses {
              attache_responses_resolutions_total{{outcome=\"not_found\"}} {}\n\
              attache_responses_resolutions_total{{outcome=\"evicted\"}} {}\n\
              attache_responses_resolutions_total{{outcome=\"unavailable\"}} {}\n\
+             attache_responses_resolutions_total{{outcome=\"pending\"}} {}\n\
              # HELP attache_responses_redis_loads_total Chains read back from Redis (not held by this host).\n\
              # TYPE attache_responses_redis_loads_total counter\nattache_responses_redis_loads_total {}\n\
              # HELP attache_responses_redis_errors_total Redis calls that failed (the store answers from memory).\n\
@@ -307,10 +545,32 @@ impl Responses {
             g(&c.resolved_not_found),
             g(&c.resolved_evicted),
             g(&c.resolved_unavailable),
+            g(&c.resolved_pending),
             g(&c.redis_loads),
             g(&c.redis_errors),
             g(&c.resolve_waits),
             g(&c.served),
         );
+        if let Some(bg) = &self.background {
+            let b = &bg.counters;
+            let _ = write!(
+                out,
+                "# HELP attache_responses_background_total Background responses, by event.\n\
+                 # TYPE attache_responses_background_total counter\n\
+                 attache_responses_background_total{{event=\"submitted\"}} {}\n\
+                 attache_responses_background_total{{event=\"submit_failed\"}} {}\n\
+                 attache_responses_background_total{{event=\"completed\"}} {}\n\
+                 attache_responses_background_total{{event=\"failed\"}} {}\n\
+                 attache_responses_background_total{{event=\"cancelled\"}} {}\n\
+                 # HELP attache_responses_background_watched Background responses this host submitted that have not ended.\n\
+                 # TYPE attache_responses_background_watched gauge\nattache_responses_background_watched {}\n",
+                g(&b.submitted),
+                g(&b.submit_failed),
+                g(&b.completed),
+                g(&b.failed),
+                g(&b.cancelled),
+                bg.watching(),
+            );
+        }
     }
 }

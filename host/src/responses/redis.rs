@@ -37,6 +37,13 @@ end
 return out
 ";
 
+/// Replace a kept turn's output and object (a background response that ran), if it is there.
+const UPDATE: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'output', ARGV[1], 'meta', ARGV[2])
+return 1
+";
+
 const PUT: &str = r"
 redis.call('HSET', KEYS[1], 'prev', ARGV[1], 'input', ARGV[2], 'output', ARGV[3], 'meta', ARGV[4], 'n', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
@@ -84,6 +91,11 @@ impl RedisStore {
         let args: [&str; 10] =
             ["EVAL", PUT, "1", &k, prev.unwrap_or_default(), &parts.input, &parts.output, &parts.meta, &n, &ttl];
         self.client.cmd(&args).await.map(|_| ())
+    }
+
+    pub async fn update(&self, tenant: &str, id: &str, parts: &Parts) -> Result<(), RedisError> {
+        let k = key(tenant, id);
+        self.client.cmd(&["EVAL", UPDATE, "1", &k, &parts.output, &parts.meta]).await.map(|_| ())
     }
 
     pub async fn delete(&self, tenant: &str, id: &str) -> Result<(), RedisError> {

@@ -38,6 +38,7 @@ impl ResponsesService for Responses {
             Resolved::NotFound => (v1::resolve_reply::Outcome::NotFound, String::new()),
             Resolved::Evicted => (v1::resolve_reply::Outcome::Evicted, String::new()),
             Resolved::Unavailable => (v1::resolve_reply::Outcome::Unavailable, String::new()),
+            Resolved::Pending => (v1::resolve_reply::Outcome::Pending, String::new()),
         };
         Ok(Response::new(v1::ResolveReply { outcome: outcome.into(), items }))
     }
@@ -45,6 +46,13 @@ impl ResponsesService for Responses {
     async fn serve(&self, req: Request<v1::ServeRequest>) -> Result<Response<v1::ServeReply>, Status> {
         let r = req.into_inner();
         let (status, body) = Responses::serve(self, &r.tenant, &r.method, &r.path).await;
+        Ok(Response::new(v1::ServeReply { status: u32::from(status), body }))
+    }
+
+    async fn submit(&self, req: Request<v1::SubmitRequest>) -> Result<Response<v1::ServeReply>, Status> {
+        let r = req.into_inner();
+        let previous = Some(r.previous_id.as_str()).filter(|p| !p.is_empty());
+        let (status, body) = Responses::submit(self, &r.tenant, previous, &r.input_items, &r.request).await;
         Ok(Response::new(v1::ServeReply { status: u32::from(status), body }))
     }
 }

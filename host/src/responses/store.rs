@@ -159,6 +159,23 @@ pub enum Resolved {
     Evicted,
     /// Not held here, and Redis behind the store could not be asked.
     Unavailable,
+    /// A background response still queued or running: no output to continue from yet.
+    Pending,
+}
+
+/// A kept response's lifecycle, from its object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct State {
+    /// `completed`, `incomplete`, `queued`, `in_progress`, `failed` or `cancelled`.
+    pub status: String,
+    pub background: bool,
+}
+
+impl State {
+    /// A background response that has not ended: queued or running.
+    pub fn pending(&self) -> bool {
+        self.background && matches!(self.status.as_str(), "queued" | "in_progress")
+    }
 }
 
 /// Why records left the store.
@@ -323,6 +340,52 @@ impl ResponseStore {
         Some(format!("{meta}{sep}\"output\":[{}]}}", rec.node.output))
     }
 
+    /// The response object's `status` and whether it is a background response, read from
+    /// its stored object.
+    pub fn state(&mut self, tenant: &str, id: &str, now: Instant) -> Option<State> {
+        #[derive(serde::Deserialize)]
+        struct Head {
+            status: Option<String>,
+            #[serde(default)]
+            background: Option<bool>,
+        }
+        let rec = self.record(tenant, id, now)?;
+        let head: Head = serde_json::from_str(&rec.meta).ok()?;
+        Some(State { status: head.status.unwrap_or_default(), background: head.background.unwrap_or(false) })
+    }
+
+    /// The response object without `output` (a JSON object), as stored.
+    pub fn meta(&mut self, tenant: &str, id: &str, now: Instant) -> Option<String> {
+        Some(self.record(tenant, id, now)?.meta.to_string())
+    }
+
+    /// Replace a kept response's object and output (a background response that ran), keeping
+    /// its turn's input and the chain it continues. Returns its parts as now kept, or `None`
+    /// when it is no longer held.
+    pub fn update(&mut self, tenant: &str, id: &str, meta: &str, output: &str, now: Instant) -> Option<Parts> {
+        let (node, input_count, old_bytes) = {
+            let rec = self.record(tenant, id, now)?;
+            (rec.node.clone(), rec.input_count, rec.bytes)
+        };
+        let usage = node.usage.clone();
+        let new_node = Node::new(node.input.clone(), output.into(), node.prev.clone(), usage);
+        let bytes = meta.len() + RECORD_OVERHEAD;
+        let parts =
+            Parts { input: node.input.to_string(), input_count, output: output.to_owned(), meta: meta.to_owned() };
+        drop(node);
+        let t = self.tenants.get_mut(tenant)?;
+        let rec = t.records.get_mut(id)?;
+        rec.node = Arc::new(new_node);
+        rec.meta = meta.into();
+        rec.bytes = bytes;
+        t.usage.add(bytes);
+        t.usage.sub(old_bytes);
+        self.usage.add(bytes);
+        self.usage.sub(old_bytes);
+        self.enforce();
+        Some(parts)
+    }
+
     /// This turn's input items (a JSON array) and their count.
     pub fn input_items(&mut self, tenant: &str, id: &str, now: Instant) -> Option<(String, usize)> {
         let rec = self.record(tenant, id, now)?;
@@ -473,6 +536,31 @@ mod tests {
             response: &response("x", "y"),
         };
         assert_eq!(s.store(&r, now).map(|_| ()), Err(StoreError::PreviousGone("r3".into())));
+    }
+
+    #[test]
+    fn a_background_response_is_updated_in_place_and_keeps_its_chain() {
+        let now = Instant::now();
+        let mut s = ResponseStore::new(limits(1 << 20));
+        turn(&mut s, "a", "r1", None, "one", now);
+        let queued = r#"{"id":"bg","object":"response","status":"queued","background":true,"output":[]}"#;
+        let input = r#"[{"role":"user","content":"two"}]"#;
+        let r = NewResponse { tenant: "a", id: "bg", previous_id: Some("r1"), input_items: input, response: queued };
+        s.store(&r, now).unwrap();
+        let st = s.state("a", "bg", now).unwrap();
+        assert!(st.pending() && st.status == "queued", "{st:?}");
+        assert!(!s.state("a", "r1", now).unwrap().pending());
+        let (before, meta_before) = (s.bytes(), s.meta("a", "bg", now).unwrap().len());
+        let done = r#"{"id":"bg","object":"response","status":"completed","background":true}"#;
+        let output =
+            r#"{"type":"message","role":"assistant","content":[{"type":"output_text","text":"answer to two"}]}"#;
+        let parts = s.update("a", "bg", done, output, now).unwrap();
+        assert_eq!((parts.input_count, parts.output.as_str()), (1, output));
+        assert_eq!(s.state("a", "bg", now).unwrap().status, "completed");
+        let Resolved::Found(items) = s.resolve("a", "bg", now) else { panic!("bg resolves") };
+        assert_eq!(texts(&items), ["one", "answer to one", "two", "answer to two"]);
+        assert_eq!(s.bytes(), before - meta_before + done.len() + output.len(), "the old turn's bytes are freed");
+        assert_eq!(s.update("b", "bg", done, "", now), None, "another tenant's id");
     }
 
     #[test]
