@@ -64,6 +64,25 @@ pub fn store_route<'h>(cfg: &FilterConfig, get: impl Fn(&str) -> Option<Cow<'h, 
     ours.then(|| StoreRoute { method: method.into_owned(), path: path.into_owned(), tenant: tenant(cfg, &get) })
 }
 
+/// The response id a Responses API route names, in engine mode (the engine that produced it
+/// holds it): `GET`, `DELETE /v1/responses/{id}` and below it, `POST .../cancel`. Such a
+/// request goes to the endpoint bound to the id ([`session::response_key`]).
+pub fn engine_route<'h>(cfg: &FilterConfig, get: impl Fn(&str) -> Option<Cow<'h, str>>) -> Option<String> {
+    if cfg.responses.mode != crate::responses::Mode::Engine {
+        return None;
+    }
+    let method = get(":method")?;
+    let path = get(":path")?;
+    let rest = path.split('?').next().unwrap_or_default().strip_prefix("/v1/responses/")?;
+    let (id, sub) = rest.split_once('/').map_or((rest, None), |(i, s)| (i, Some(s)));
+    let ours = match method.as_ref() {
+        "GET" | "DELETE" => true,
+        "POST" => sub == Some("cancel"),
+        _ => false,
+    };
+    (ours && !id.is_empty()).then(|| id.to_owned())
+}
+
 impl Head {
     /// The value of a flow-control header the request carried.
     pub fn flow_header(&self, name: &str) -> Option<&str> {
@@ -255,6 +274,23 @@ mod tests {
         assert_eq!(h, vec![("content-type", "application/json"), (ERROR_HEADER, "shed"), ("retry-after", "1")]);
         let mut cfg = FilterConfig::default();
         assert!(!learns_response(&cfg, Api::Responses), "the gateway keeps Responses state by default");
+        {
+            let mut engine = cfg.clone();
+            engine.responses.mode = crate::responses::Mode::Engine;
+            let route = |c: &FilterConfig, m: &'static str, p: &'static str| {
+                engine_route(c, |n| match n {
+                    ":method" => Some(Cow::Borrowed(m)),
+                    ":path" => Some(Cow::Borrowed(p)),
+                    _ => None,
+                })
+            };
+            assert_eq!(route(&engine, "GET", "/v1/responses/resp_1?stream=false").as_deref(), Some("resp_1"));
+            assert_eq!(route(&engine, "POST", "/v1/responses/resp_1/cancel").as_deref(), Some("resp_1"));
+            assert_eq!(route(&engine, "GET", "/v1/responses/resp_1/input_items").as_deref(), Some("resp_1"));
+            assert_eq!(route(&engine, "POST", "/v1/responses/resp_1"), None);
+            assert_eq!(route(&engine, "GET", "/v1/responses/"), None);
+            assert_eq!(route(&cfg, "GET", "/v1/responses/resp_1"), None, "gateway mode answers these itself");
+        }
         cfg.responses.mode = crate::responses::Mode::Engine;
         assert!(learns_response(&cfg, Api::Responses) && !learns_response(&cfg, Api::Completions));
         cfg.sessions.enabled = false;

@@ -551,3 +551,66 @@ fn http_get_json(s: &Stack, path: &str) -> Value {
         .expect("curl");
     serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
 }
+
+/// Engine mode: responses created (half streamed) and a background one, then each retrieved and
+/// cancelled through the gateway. Every engine but the one that stored a response answers 404.
+const ENGINE_ROUTES: &str = r#"
+import json, sys, time
+import openai
+from openai import OpenAI
+
+c = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
+MODEL = "tinyllama"
+out = {"created": 0, "retrieved": 0, "failures": [], "cancel_sync": [], "background": None}
+ids = []
+for i in range(12):
+    args = dict(model=MODEL, input=f"engine-held response {i}", max_output_tokens=4)
+    if i % 2:
+        r = None
+        for ev in c.responses.create(stream=True, **args):
+            if ev.type == "response.completed":
+                r = ev.response
+    else:
+        r = c.responses.create(**args)
+    ids.append(r.id)
+    out["created"] += 1
+for i in ids:
+    try:
+        got = c.responses.retrieve(i)
+        assert got.id == i
+        out["retrieved"] += 1
+    except openai.APIStatusError as e:
+        out["failures"].append(f"GET {i}: {e.status_code}")
+    try:
+        c.responses.cancel(i)
+        out["cancel_sync"].append(200)
+    except openai.APIStatusError as e:
+        out["cancel_sync"].append(e.status_code)
+bg = c.responses.create(model=MODEL, input="a long background job", max_output_tokens=2000, background=True)
+got = c.responses.retrieve(bg.id)
+cancelled = c.responses.cancel(bg.id)
+out["background"] = [bg.status, got.status, cancelled.status]
+print(json.dumps(out))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_engine_mode_get_and_cancel_reach_the_engine_that_holds_the_response() {
+    let mut s = Stack::new("responses-engine-routes").expect("stack");
+    s.start_sim(SimOpts { engines: 3, time_scale: 0.2, responses_store: true, ..SimOpts::default() }).expect("sim");
+    s.start_host().expect("host");
+    let mut cfg = Stack::default_scheduler_config();
+    cfg["responses"] = json!({"mode": "engine"});
+    s.start_envoy(EnvoyKind::Attache, &cfg, 2).expect("envoy");
+    s.wait_snapshot(3, Duration::from_secs(20)).expect("snapshot");
+    let got = python(&s, ENGINE_ROUTES, &[s.url("/v1")]);
+    println!("engine mode: {got}");
+    assert_eq!((got["created"].as_u64(), got["retrieved"].as_u64()), (Some(12), Some(12)), "{got}");
+    // vLLM refuses to cancel a response that is not a background one: 400, from the engine that
+    // holds it (another would say 404).
+    assert_eq!(got["cancel_sync"], json!(vec![400; 12]), "{got}");
+    assert_eq!(got["background"], json!(["queued", "queued", "cancelled"]), "{got}");
+    let stats = http_get_blocking(s.envoy_admin_port, "/stats").unwrap_or_default();
+    // Two routes for each of the 12, and the background response's GET and cancel.
+    assert_eq!(stat_value(&stats, "wasmcustom.attache.responses.engine.routed"), 12 * 2 + 2);
+    assert_eq!(stat_value(&stats, "wasmcustom.attache.responses.engine.unbound"), 0);
+}

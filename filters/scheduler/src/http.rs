@@ -641,6 +641,15 @@ impl HttpContext for SchedulerHttp {
                 }
             }
         }
+        // Engine mode: a response's own routes go to the engine that produced it.
+        if let Some(id) = intake::engine_route(&cfg, |n| headers.get(n)) {
+            let now = host::now_ms();
+            let key = session::response_key(&id);
+            let bound = session::lookup(&mut SharedSticky, cfg.sessions.slots, key, now);
+            let routed = bound.is_some_and(|endpoint| host::set_request_header(plan::DESTINATION_HEADER, &endpoint));
+            self.count_response(if routed { "engine.routed" } else { "engine.unbound" });
+            return Action::Continue;
+        }
         // The Responses API's own routes, answered from the gateway's store.
         if let Some(route) = intake::store_route(&cfg, |n| headers.get(n)) {
             return self.await_served(responses::serve(&cfg.responses, &route));

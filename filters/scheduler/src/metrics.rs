@@ -120,7 +120,7 @@ struct FleetMetrics {
 const LOOKUP_OUTCOMES: [&str; 3] = ["found", "missed", "failed"];
 
 /// What the gateway's Responses state counts (`attache.responses.<event>`).
-pub const RESPONSES_EVENTS: [&str; 13] = [
+pub const RESPONSES_EVENTS: [&str; 15] = [
     "resolved.local",
     "resolved.host",
     "resolved.not_found",
@@ -134,6 +134,8 @@ pub const RESPONSES_EVENTS: [&str; 13] = [
     "served",
     "serve_failed",
     "background",
+    "engine.routed",
+    "engine.unbound",
 ];
 
 /// Tenants with their own queue-depth gauge per worker; the rest share `other`.
