@@ -71,10 +71,10 @@ pub enum RewriteError {
 /// API key, else the anonymous tenant (""). Never the key itself.
 pub fn tenant_of(tenant_header: Option<&str>, api_key: Option<&str>) -> String {
     let digest = |kind: &str, v: &str| format!("{kind}-{:016x}", xxhash_rust::xxh64::xxh64(v.as_bytes(), 0x7e5_9075));
-    match (tenant_header.map(str::trim).filter(|s| !s.is_empty()), api_key.map(str::trim).filter(|s| !s.is_empty())) {
-        (Some(t), _) => digest("t", t),
-        (None, Some(k)) => digest("key", k),
-        (None, None) => String::new(),
+    match crate::flow::principal(tenant_header, api_key) {
+        crate::flow::Principal::Tenant(t) => digest("t", t),
+        crate::flow::Principal::ApiKey(k) => digest("key", k),
+        crate::flow::Principal::Anonymous => String::new(),
     }
 }
 
@@ -84,6 +84,22 @@ pub fn turn_items(input: &Value) -> Result<String, RewriteError> {
         Value::String(s) => Ok(serde_json::json!([{"role": "user", "content": s}]).to_string()),
         Value::Array(_) => Ok(input.to_string()),
         _ => Err(RewriteError::Input),
+    }
+}
+
+/// A request body's turn items ([`turn_items`]), reading `input` as it is written: no DOM of
+/// the body is built, and an item list is kept byte for byte.
+pub fn body_turn_items(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Input<'a> {
+        #[serde(borrow)]
+        input: &'a RawValue,
+    }
+    let raw = serde_json::from_slice::<Input<'_>>(body).ok()?.input.get().trim();
+    match raw.as_bytes().first()? {
+        b'[' => Some(raw.to_owned()),
+        b'"' => turn_items(&serde_json::from_str(raw).ok()?).ok(),
+        _ => None,
     }
 }
 
@@ -160,31 +176,43 @@ pub fn background_refusal(req: &crate::request::InferenceRequest) -> Option<crat
 
 /// A key naming a conversation on every one of its turns: its tenant and its first input item.
 /// Gateway mode binds it as a session, so a chain stays on the engine holding its cache, as a
-/// session does. Reads only the first item of `conversation` (a JSON array).
+/// session does. Reads only the first item of `conversation` (a JSON array), in its compact
+/// form, so the key is the same whether the item comes as the client wrote it or as the store
+/// keeps it.
 pub fn conversation_key(tenant: &str, conversation: &str) -> Option<u64> {
     use serde::Deserialize;
     let rest = conversation.trim_start().strip_prefix('[')?;
     let mut de = serde_json::Deserializer::from_str(rest);
-    let first = <&RawValue>::deserialize(&mut de).ok()?;
-    let mut key = String::with_capacity(tenant.len() + 1 + first.get().len());
+    let first = Value::deserialize(&mut de).ok()?.to_string();
+    let mut key = String::with_capacity(tenant.len() + 1 + first.len());
     key.push_str(tenant);
     key.push('\0');
-    key.push_str(first.get());
+    key.push_str(&first);
     Some(xxhash_rust::xxh64::xxh64(key.as_bytes(), 0xc0_4e55))
 }
 
-/// The response object in a Responses answer, as JSON: the body itself, or (streamed) the
-/// `response` of its `response.completed` event. `None`: no completed response in it.
-pub fn captured_response(body: &[u8], streamed: bool) -> Option<String> {
-    // A finished response, whole or cut short by its token limit, is stored; a failed,
-    // cancelled or still queued one is not.
-    let finished = |v: &Value| {
-        v.get("output").is_some_and(Value::is_array)
-            && ["completed", "incomplete"].contains(&v["status"].as_str().unwrap_or_default())
+/// A finished response taken from its answer: the object, its id and its output items.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Captured {
+    /// The response object, JSON.
+    pub response: String,
+    pub id: String,
+    /// Its output items, a JSON array.
+    pub output: String,
+}
+
+/// The response object to store from an answer (the body, or a stream's `response.completed`
+/// event), parsed once: `None` unless it finished (completed, or cut short by its token limit:
+/// a failed, cancelled or still queued one is not stored) with an id and an output array.
+pub fn captured_response(body: &[u8], streamed: bool) -> Option<Captured> {
+    let take = |v: Value| {
+        let finished = ["completed", "incomplete"].contains(&v["status"].as_str().unwrap_or_default());
+        let output = v.get("output").filter(|o| o.is_array() && finished)?.to_string();
+        let id = v["id"].as_str()?.to_owned();
+        Some(Captured { response: v.to_string(), id, output })
     };
     if !streamed {
-        let v: Value = serde_json::from_slice(body).ok()?;
-        return finished(&v).then(|| v.to_string());
+        return take(serde_json::from_slice(body).ok()?);
     }
     let text = std::str::from_utf8(body).ok()?;
     text.split('\n').rev().filter_map(|line| line.strip_prefix("data:")).map(str::trim).find_map(|data| {
@@ -192,17 +220,8 @@ pub fn captured_response(body: &[u8], streamed: bool) -> Option<String> {
             return None;
         }
         let mut v: Value = serde_json::from_str(data).ok()?;
-        let response = v["response"].take();
-        (v["type"] == "response.completed" && finished(&response)).then(|| response.to_string())
+        (v["type"] == "response.completed").then(|| take(v["response"].take())).flatten()
     })
-}
-
-/// The response object's id and its output items (a JSON array).
-pub fn response_parts(response: &str) -> Option<(String, String)> {
-    let v: Value = serde_json::from_str(response).ok()?;
-    let id = v["id"].as_str()?.to_owned();
-    let output = v.get("output").filter(|o| o.is_array())?.to_string();
-    Some((id, output))
 }
 
 /// The conversations a worker saw last, by response id: a continuation through the same
@@ -292,12 +311,24 @@ mod tests {
     }
 
     #[test]
+    fn a_bodys_turn_items_are_read_without_a_dom() {
+        let items = body_turn_items(br#"{"model":"m","input":[{"role":"user","content":"a"}],"x":1}"#).unwrap();
+        assert_eq!(items, r#"[{"role":"user","content":"a"}]"#);
+        let one = body_turn_items(br#"{"input":"hi \"there\"","model":"m"}"#).unwrap();
+        assert_eq!(serde_json::from_str::<Value>(&one).unwrap(), json!([{"role": "user", "content": "hi \"there\""}]));
+        assert_eq!(body_turn_items(br#"{"input":3}"#), None);
+        assert_eq!(body_turn_items(br#"{"model":"m"}"#), None);
+        assert_eq!(body_turn_items(b"not json"), None);
+    }
+
+    #[test]
     fn the_completed_response_is_captured_from_a_body_or_a_stream() {
         let resp = json!({"id": "resp_1", "object": "response", "status": "completed",
                           "output": [{"type": "message", "id": "msg_1", "role": "assistant",
                                       "content": [{"type": "output_text", "text": "hi"}]}]});
         let got = captured_response(resp.to_string().as_bytes(), false).unwrap();
-        assert_eq!(response_parts(&got).map(|(id, _)| id), Some("resp_1".into()));
+        assert_eq!(got.id, "resp_1");
+        assert_eq!(serde_json::from_str::<Value>(&got.output).unwrap(), resp["output"]);
         let failed = json!({"id": "resp_2", "status": "failed", "output": []});
         assert_eq!(captured_response(failed.to_string().as_bytes(), false), None);
         let cut_short = json!({"id": "resp_3", "status": "incomplete", "output": []});
@@ -309,7 +340,7 @@ mod tests {
             "event: response.created\ndata: {created}\n\nevent: response.output_text.delta\ndata: {delta}\n\nevent: response.completed\ndata: {done}\n\n"
         );
         let got = captured_response(sse.as_bytes(), true).unwrap();
-        assert_eq!(serde_json::from_str::<Value>(&got).unwrap(), resp);
+        assert_eq!(serde_json::from_str::<Value>(&got.response).unwrap(), resp);
         assert_eq!(
             captured_response(format!("data: {created}\n\n").as_bytes(), true),
             None,
@@ -326,6 +357,8 @@ mod tests {
         let key = conversation_key("t", &first);
         assert!(key.is_some());
         assert_eq!(key, conversation_key("t", &later));
+        let spaced = r#"[ {"role": "user",  "content": "one"} ]"#;
+        assert_eq!(conversation_key("t", &first), conversation_key("t", spaced), "the item, not its spacing");
         assert_ne!(key, conversation_key("u", &first), "per tenant");
         assert_ne!(key, conversation_key("t", &json!([{"role": "user", "content": "other"}]).to_string()));
         assert_eq!(conversation_key("t", "[]"), None);

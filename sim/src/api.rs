@@ -77,16 +77,6 @@ pub(crate) fn now_s() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-/// A unique id: time, process and a counter, hashed.
-fn rand_hex() -> String {
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut b = n.to_le_bytes().to_vec();
-    b.extend_from_slice(&seq.to_le_bytes());
-    format!("{:016x}", xxhash_rust::xxh64::xxh64(&b, u64::from(std::process::id())))
-}
-
 fn with_engine_headers(r: Response, st: &AppState) -> Response {
     identify(r, &st.port.to_string(), &st.name, &st.address)
 }
@@ -254,7 +244,7 @@ async fn remote_prefill(prefiller: &str, api: Api, body: &[u8]) -> Result<usize,
     let resp = http
         .post(&url)
         .header("content-type", "application/json")
-        .header("x-request-id", format!("prefill-{}", rand_hex()))
+        .header("x-request-id", format!("prefill-{}", crate::responses::hex16()))
         .body(v.to_string())
         .send()
         .await
@@ -475,7 +465,7 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
         let bs = cfg.block_size.max(1);
         json!({"do_remote_prefill": true, "do_remote_decode": false,
                "remote_block_ids": [(0..prompt.len().div_ceil(bs)).collect::<Vec<usize>>()],
-               "remote_engine_id": st.name, "remote_request_id": format!("cmpl-{}", rand_hex()),
+               "remote_engine_id": st.name, "remote_request_id": format!("cmpl-{}", crate::responses::hex16()),
                "remote_host": "127.0.0.1", "remote_port": st.port, "remote_num_tokens": prompt.len(),
                "tp_size": 1, "dcp_size": 1, "pp_size": 1})
     });
@@ -498,7 +488,7 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
     let streamed = req.stream && !remote_decode;
     let mut r = match (api, streamed) {
         (Api::Messages, _) => {
-            let id = format!("chatcmpl-{}", rand_hex());
+            let id = format!("chatcmpl-{}", crate::responses::hex16());
             let tool = serde_json::from_slice::<crate::messages::Extra>(body).unwrap_or_default().forced_tool();
             if streamed {
                 crate::messages::stream(id, model, prompt_tokens, rx, tool)
@@ -506,9 +496,18 @@ async fn handle(st: &AppState, api: Api, headers: &HeaderMap, body: &[u8]) -> Re
                 crate::messages::full(id, model, rx, tool, transfer).await
             }
         }
-        (Api::Generate, true) => crate::generate::stream(format!("generate-tokens-{}", rand_hex()), rx, include_usage),
+        (Api::Generate, true) => {
+            crate::generate::stream(format!("generate-tokens-{}", crate::responses::hex16()), rx, include_usage)
+        }
         (Api::Generate, false) => {
-            crate::generate::full(format!("generate-tokens-{}", rand_hex()), model, now_s(), rx, transfer).await
+            crate::generate::full(
+                format!("generate-tokens-{}", crate::responses::hex16()),
+                model,
+                now_s(),
+                rx,
+                transfer,
+            )
+            .await
         }
         (Api::Responses, _) => match turn {
             Some(t) => crate::responses::respond(&st.responses, t, streamed, rx).await,
@@ -569,14 +568,14 @@ pub(crate) async fn non_stream(
         | Api::Detokenize
         | Api::Render
         | Api::Responses => json!({
-            "id": format!("cmpl-{}", rand_hex()), "object": "text_completion", "created": created, "model": model,
+            "id": format!("cmpl-{}", crate::responses::hex16()), "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null,
                          "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null, "routed_experts": null}],
             "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage_json(&u),
             "kv_transfer_params": kv_transfer.clone(), "ec_transfer_params": null, "metrics": null,
         }),
         Api::ChatCompletions => json!({
-            "id": format!("chatcmpl-{}", rand_hex()), "object": "chat.completion", "created": created, "model": model,
+            "id": format!("chatcmpl-{}", crate::responses::hex16()), "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
                          "audio": null, "function_call": null, "reasoning": null},
                          "logprobs": null, "finish_reason": u.finish_reason, "stop_reason": null, "token_ids": null, "routed_experts": null}],
@@ -601,7 +600,11 @@ pub(crate) fn stream(
     let (out_tx, out_rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
     let created = now_s();
     let chat = api == Api::ChatCompletions;
-    let id = if chat { format!("chatcmpl-{}", rand_hex()) } else { format!("cmpl-{}", rand_hex()) };
+    let id = if chat {
+        format!("chatcmpl-{}", crate::responses::hex16())
+    } else {
+        format!("cmpl-{}", crate::responses::hex16())
+    };
     tokio::spawn(async move {
         let object = if chat { "chat.completion.chunk" } else { "text_completion" };
         if chat {

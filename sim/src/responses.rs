@@ -342,7 +342,8 @@ pub fn cancel(store: &ResponseStore, id: &str) -> Response {
     json_response(&v)
 }
 
-/// 16 lowercase hex characters, as vLLM's `random_uuid()`.
+/// 16 lowercase hex characters, as vLLM's `random_uuid()`, unique to this process (the clock
+/// and a sequence, hashed): the ids the simulator gives its answers.
 pub fn hex16() -> String {
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);

@@ -231,11 +231,7 @@ impl SchedulerHttp {
         let (previous_id, turn) = match continued {
             Some((p, t)) => (p.to_owned(), t),
             None => {
-                let turn = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|mut v| {
-                    let input = v.get_mut("input")?.take();
-                    gateway::turn_items(&input).ok()
-                });
-                let Some(turn) = turn else {
+                let Some(turn) = gateway::body_turn_items(body) else {
                     let detail = "not a string or a list of items".to_owned();
                     return self.reject(ErrorResponse::from(&RequestError::InvalidField { field: "input", detail }));
                 };
@@ -285,11 +281,7 @@ impl SchedulerHttp {
         let (previous_id, turn, conversation) = match continued {
             Some((p, t, c)) => (p.to_owned(), t, c),
             None => {
-                let input = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|mut v| {
-                    let input = v.get_mut("input")?.take();
-                    gateway::turn_items(&input).ok()
-                });
-                let Some(turn) = input else { return };
+                let Some(turn) = gateway::body_turn_items(body) else { return };
                 (String::new(), turn.clone(), turn)
             }
         };
@@ -379,9 +371,7 @@ impl SchedulerHttp {
     fn finish_capture(&mut self) {
         let Some(c) = self.st.try_borrow_mut().ok().and_then(|mut st| st.capture.take()) else { return };
         let Ok(mut w) = self.worker.try_borrow_mut() else { return };
-        let parts = gateway::captured_response(&c.body, c.streamed)
-            .and_then(|resp| gateway::response_parts(&resp).map(|(id, output)| (resp, id, output)));
-        let Some((response, id, output)) = parts else {
+        let Some(gateway::Captured { response, id, output }) = gateway::captured_response(&c.body, c.streamed) else {
             w.metrics.responses("capture_dropped");
             return;
         };

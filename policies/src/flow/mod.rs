@@ -158,14 +158,30 @@ pub fn classify<'a>(
         },
         None => body_priority.map(|p| p.clamp(i64::from(i32::MIN), i64::from(i32::MAX)) as i32).unwrap_or(0),
     };
-    let tenant = match header(&cfg.tenant_header).map(str::trim).filter(|s| !s.is_empty()) {
-        Some(t) => t.chars().take(128).collect(),
-        None => match header(&cfg.api_key_header).map(str::trim).filter(|s| !s.is_empty()) {
-            Some(key) => format!("key-{:016x}", xxhash_rust::xxh64::xxh64(key.as_bytes(), 0xa77a_c4e5)),
-            None => DEFAULT_TENANT.into(),
-        },
+    let tenant = match principal(header(&cfg.tenant_header), header(&cfg.api_key_header)) {
+        Principal::Tenant(t) => t.chars().take(128).collect(),
+        Principal::ApiKey(key) => format!("key-{:016x}", xxhash_rust::xxh64::xxh64(key.as_bytes(), 0xa77a_c4e5)),
+        Principal::Anonymous => DEFAULT_TENANT.into(),
     };
     Ok(RequestClass { priority, tenant, continuing: false })
+}
+
+/// Whom a request is for: the tenant header's value, else the API key (both trimmed, empty
+/// as absent). Flow control's fairness and the Responses store's ownership both read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Principal<'a> {
+    Tenant(&'a str),
+    ApiKey(&'a str),
+    Anonymous,
+}
+
+pub fn principal<'a>(tenant_header: Option<&'a str>, api_key: Option<&'a str>) -> Principal<'a> {
+    let given = |v: Option<&'a str>| v.map(str::trim).filter(|s| !s.is_empty());
+    match (given(tenant_header), given(api_key)) {
+        (Some(t), _) => Principal::Tenant(t),
+        (None, Some(k)) => Principal::ApiKey(k),
+        (None, None) => Principal::Anonymous,
+    }
 }
 
 impl FlowConfig {
