@@ -73,6 +73,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for (k, (p, spent)) in pools.iter().zip(decide.iter_mut()).enumerate() {
                 let (t, a) = (Instant::now(), allocs());
                 let input = SchedulingInput {
+                    sheddable: false,
+                    now_ms: 0,
                     model: &r.model,
                     block_hashes: &h,
                     anchors: &anchors,

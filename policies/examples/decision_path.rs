@@ -205,6 +205,7 @@ impl Worker {
         probes::begin();
         let req = parse(Api::ChatCompletions, body)?;
         let request = PlanRequest {
+            sheddable: false,
             id,
             req: &req,
             body_len: body.len(),

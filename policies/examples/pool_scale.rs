@@ -45,6 +45,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let h = prefix::block_hashes(&pcfg, "m", None, &attache_policies::request::Prompt::Text(prompt));
                 let t = Instant::now();
                 let input = SchedulingInput {
+                    sheddable: false,
+                    now_ms: 0,
                     model: "m",
                     block_hashes: &h,
                     anchors: &[],

@@ -156,6 +156,9 @@ pub struct SchedulerConfig {
     /// Large pools: score a shortlist (the candidates holding the request's prefix, session or
     /// adapter, and the least loaded) instead of every candidate (crate::preselect).
     pub preselect: crate::preselect::PreselectConfig,
+    /// Sheddable requests (negative flow-control priority) go to the endpoints serving no
+    /// interactive traffic ([`crate::spare`]).
+    pub spare: crate::spare::SpareConfig,
 }
 
 impl Default for SchedulerConfig {
@@ -170,6 +173,7 @@ impl Default for SchedulerConfig {
             pd: crate::pd::PdConfig::default(),
             host_stale_ms: 3_000,
             preselect: crate::preselect::PreselectConfig::default(),
+            spare: crate::spare::SpareConfig::default(),
         }
     }
 }

@@ -43,6 +43,7 @@ pub mod scorers;
 pub mod scoring;
 pub mod scratch;
 pub mod session;
+pub mod spare;
 pub mod template_json;
 pub mod token_prefix;
 pub mod tokenizer;

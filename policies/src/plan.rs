@@ -74,6 +74,9 @@ pub struct PlanRequest<'a> {
     pub subset: Option<&'a Subset>,
     /// The caller's clock in milliseconds, read once per request: active sessions age by it.
     pub now_ms: u64,
+    /// Its flow-control band is sheddable (a negative priority): it goes to spare capacity
+    /// ([`crate::spare`]).
+    pub sheddable: bool,
 }
 
 /// A filter-state property: key and value.
@@ -156,6 +159,8 @@ pub struct Plan {
     pub metrics: MetricsDelta,
     /// When it was planned ([`PlanRequest::now_ms`]).
     pub now_ms: u64,
+    /// [`PlanRequest::sheddable`].
+    pub sheddable: bool,
 }
 
 impl Plan {
@@ -208,6 +213,8 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         load_only,
         subset: request.subset,
         session_key: request.session_key,
+        sheddable: request.sheddable,
+        now_ms: request.now_ms,
     };
     let decision = config.scheduler.schedule(&input, view.pool, view.state).map_err(|e| ErrorResponse::from(&e))?;
     let prompt_tokens = input.prompt_tokens;
@@ -248,6 +255,7 @@ pub fn plan(request: &PlanRequest<'_>, view: &StateView<'_>, config: &PlanConfig
         dispatch,
         metrics,
         now_ms: request.now_ms,
+        sheddable: request.sheddable,
     })
 }
 
@@ -410,6 +418,9 @@ fn learn_with(
 ) -> Vec<(u64, String)> {
     state.commit(&plan.decision, &plan.index.hashes, &plan.index.anchors);
     state.sessions.expire(plan.now_ms);
+    if let Some(primary) = plan.decision.endpoints.first().filter(|_| !plan.sheddable) {
+        state.interactive.record(primary, plan.now_ms);
+    }
     if let Some(b) = plan.session.as_ref().filter(|_| session) {
         state.sessions.touch(b.key, &b.endpoint, b.tokens, plan.now_ms);
     }
@@ -572,6 +583,7 @@ pub(crate) mod tests {
     /// A plan request for `r` with nothing else set.
     pub(crate) fn req<'a>(r: &'a InferenceRequest) -> PlanRequest<'a> {
         PlanRequest {
+            sheddable: false,
             id: 1,
             req: r,
             body_len: 0,
@@ -582,6 +594,30 @@ pub(crate) mod tests {
             subset: None,
             now_ms: 0,
         }
+    }
+
+    #[test]
+    fn sheddable_requests_go_where_interactive_ones_do_not() {
+        let mut w = World::new(pool(3));
+        let chat = request(r#"{"model":"m","prompt":"the support assistant's long shared system prompt"}"#);
+        let home = w.route(&PlanRequest { now_ms: 1_000, ..req(&chat) }).decision.endpoints[0].clone();
+        for i in 0..12u32 {
+            let batch = request(&format!(r#"{{"model":"m","prompt":"summarise document {i}"}}"#));
+            let p = w.route(&PlanRequest { id: i, sheddable: true, now_ms: 1_100 + u64::from(i), ..req(&batch) });
+            assert_ne!(p.decision.endpoints[0], home, "batch job {i} avoids the interactive endpoint");
+            assert!(p.sheddable);
+        }
+        // Sheddable requests do not make an endpoint an interactive one; past the window every
+        // endpoint is open to them again.
+        let late = (0..30u32)
+            .map(|i| {
+                let batch = request(&format!(r#"{{"model":"m","prompt":"another document {i}"}}"#));
+                w.route(&PlanRequest { id: i, sheddable: true, now_ms: 10_000, ..req(&batch) }).decision.endpoints[0]
+                    .clone()
+            })
+            .filter(|e| *e == home)
+            .count();
+        assert!(late > 0, "the old interactive endpoint takes batch work once interactive traffic left it");
     }
 
     #[test]

@@ -163,6 +163,8 @@ mod tests {
 
     fn input<'a>(inflight: &'a HashMap<String, u32>) -> SchedulingInput<'a> {
         SchedulingInput {
+            sheddable: false,
+            now_ms: 0,
             model: "m",
             block_hashes: &[],
             anchors: &[],

@@ -88,6 +88,8 @@ pub struct SchedulerState {
     pub sessions: ActiveSessions,
     /// The expected prefix hit against the engines' own counters.
     pub calibration: HitCalibration,
+    /// Where interactive requests went lately ([`crate::spare`]).
+    pub interactive: crate::spare::InteractiveHomes,
 }
 
 impl SchedulerState {
@@ -97,6 +99,7 @@ impl SchedulerState {
             no_hit_lru: LastCold::default(),
             sessions: ActiveSessions::default(),
             calibration: HitCalibration::default(),
+            interactive: crate::spare::InteractiveHomes::default(),
         }
     }
 
@@ -213,6 +216,9 @@ impl Scheduler {
         };
         if let Some(subset) = input.subset {
             subset.restrict(&pool.endpoints, &mut candidates)?;
+        }
+        if input.sheddable {
+            state.interactive.keep_spare(&self.config.spare, &pool.endpoints, &mut candidates, input.now_ms);
         }
         probe::mark("schedule.shortlist");
         let (all, cold) = self.run(&self.decode, pool, input, &matches, state).score(&candidates);
@@ -407,6 +413,8 @@ mod tests {
         }
         fn input(&self) -> SchedulingInput<'_> {
             SchedulingInput {
+                sheddable: false,
+                now_ms: 0,
                 model: &self.model,
                 block_hashes: &self.hashes,
                 anchors: &[],

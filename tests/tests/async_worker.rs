@@ -292,3 +292,45 @@ async fn a_saturated_pool_holds_the_work_back_and_a_stop_is_graceful() {
     assert_eq!(q.depths().await.unwrap().pending, 1, "the job waits");
     blind.proc.kill();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn batch_work_goes_to_the_engines_interactive_traffic_leaves() {
+    // Flow control with objectives {interactive: 10, batch: -1}; no worker: the requests are
+    // sent straight through the gateway with each objective, each on a new connection, so both
+    // Envoy workers (each learns from its own decisions) see both bands.
+    let s = stack("async-spare-placement", json!({}), 0.2);
+    let http = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+    let url = format!("http://127.0.0.1:{}/v1/chat/completions", s.envoy_port);
+    let send = |body: Value, objective: &'static str| {
+        let (http, url) = (http.clone(), url.clone());
+        async move {
+            let r = http
+                .post(&url)
+                .header("x-llm-d-inference-objective", objective)
+                .json(&body)
+                .send()
+                .await
+                .expect("an answer");
+            assert!(r.status().is_success(), "{}", r.status());
+            r.headers()["x-inference-port"].to_str().unwrap().to_owned()
+        }
+    };
+    let system = "You are the support assistant. ".repeat(100);
+    let mut interactive = BTreeMap::<String, u32>::new();
+    for i in 0..16 {
+        let body = json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
+            {"role": "user", "content": format!("question {i}")}]});
+        *interactive.entry(send(body, "interactive").await).or_default() += 1;
+    }
+    assert_eq!(interactive.len(), 1, "the shared system prompt keeps the chat on one engine: {interactive:?}");
+    let home = interactive.keys().next().unwrap().clone();
+    let mut batch = BTreeMap::<String, u32>::new();
+    for i in 0..16 {
+        let body = json!({"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": format!("Summarise document {i}: {}", "report ".repeat(20 + i))}]});
+        *batch.entry(send(body, "batch").await).or_default() += 1;
+    }
+    println!("interactive {interactive:?}, batch {batch:?}");
+    assert!(!batch.contains_key(&home), "batch jobs stay off the interactive engine {home}: {batch:?}");
+    assert_eq!(batch.values().sum::<u32>(), 16);
+}

@@ -85,6 +85,7 @@ fn plan_for(
         rollout_session: st.session.as_deref(),
         subset: None,
         now_ms,
+        sheddable: st.priority.is_some_and(|p| p < 0),
     };
     let view = StateView {
         pool: &w.cache.pool,

@@ -509,6 +509,7 @@ impl SchedulerHttp {
         let (priority, tenant) = (class.priority, class.tenant.clone());
         if let Ok(mut st) = self.st.try_borrow_mut() {
             st.parked = Some(Parked { req, body_len, class: class.clone() });
+            st.priority = Some(priority);
         }
         let config = Rc::clone(&w.config);
         if let Err(shed) =

@@ -60,6 +60,8 @@ pub struct RequestState {
     /// response being captured for the store.
     pub tenant: Option<String>,
     pub serving: Option<u32>,
+    /// Its flow-control band, once classified (`None`: flow control is off).
+    pub priority: Option<i32>,
     pub resolving: Option<Resolving>,
     pub capture: Option<crate::responses::Capture>,
     /// This filter's rollout arm scheduled the request: the primary's expected prefix hit, to

@@ -215,7 +215,8 @@ impl Picker {
     }
 
     /// Flow control: refuse what cannot wait, and wait until the request may go (at once when
-    /// the pool has room). `Ok(false)`: flow control is off.
+    /// the pool has room). `Ok(Some(priority))`: admitted in that band; `Ok(None)`: flow control
+    /// is off.
     pub async fn admit(
         &self,
         id: u32,
@@ -223,12 +224,12 @@ impl Picker {
         req: &InferenceRequest,
         body_len: usize,
         continuing: bool,
-    ) -> Result<bool, Answer> {
+    ) -> Result<Option<i32>, Answer> {
         let cfg = &self.config.flow;
         if !intake::flow_controlled(&self.config, req.api) {
-            return Ok(false);
+            return Ok(None);
         }
-        let rx = {
+        let (rx, priority) = {
             let mut guard = lock(&self.state);
             let st = &mut *guard;
             self.refresh(st);
@@ -242,10 +243,10 @@ impl Picker {
                 return Err(self.shed(Refusal::not_queued(shed, class.priority)));
             }
             self.pump(st);
-            rx
+            (rx, class.priority)
         };
         match rx.await {
-            Ok(Ok(())) => Ok(true),
+            Ok(Ok(())) => Ok(Some(priority)),
             Ok(Err(refusal)) => Err(self.shed(refusal)),
             Err(_) => Err(Answer::from(ErrorResponse::new(
                 503,

@@ -253,9 +253,10 @@ impl Stream {
         self.picker.metrics.api(api);
         let sticky = self.picker.sticky(&self.head, &req);
         let continuing = sticky.is_some() || req.previous_response_id.is_some();
-        if let Err(a) = self.picker.admit(self.id, &self.head, &req, self.body.len(), continuing).await {
-            return self.answer(&a);
-        }
+        let priority = match self.picker.admit(self.id, &self.head, &req, self.body.len(), continuing).await {
+            Ok(p) => p,
+            Err(a) => return self.answer(&a),
+        };
         let started = Instant::now();
         let request = PlanRequest {
             id: self.id,
@@ -267,6 +268,7 @@ impl Stream {
             rollout_session: self.head.rollout_session.as_deref(),
             subset: self.subset.as_ref(),
             now_ms: super::picker::now_ms(),
+            sheddable: priority.is_some_and(|p| p < 0),
         };
         let plan = match self.picker.plan(&request) {
             Ok(p) => p,

@@ -46,6 +46,10 @@ pub struct SchedulingInput<'a> {
     pub subset: Option<&'a crate::filters::subset::Subset>,
     /// The request's session key (`None`: no session header).
     pub session_key: Option<u64>,
+    /// The request is of a sheddable band ([`crate::spare`]).
+    pub sheddable: bool,
+    /// The caller's clock, in milliseconds.
+    pub now_ms: u64,
 }
 
 /// One scored candidate, by its position in the pool: what the picker orders. The candidates
